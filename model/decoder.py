@@ -1,0 +1,258 @@
+"""One configurable decoder: dense (Llama / Qwen3) or MoE (Qwen3-MoE / DeepSeekMoE) FFN.
+
+Parameter names follow the Hugging Face Llama/Qwen3 layout (`model.layers.{i}.self_attn.q_proj.weight`,
+`...mlp.gate_proj.weight`, `model.norm.weight`, `lm_head.weight`) so that checkpoints map by name.
+One departure: routed experts are stored stacked, `mlp.experts.{gate,up,down}_proj` of shape
+[num_experts, out, in]; an HF checkpoint's per-expert `mlp.experts.{j}.gate_proj.weight` maps onto row j.
+
+The same forward serves training (dense causal attention over a right-padded batch) and the engine
+(a paged KV cache, see `model.kv_cache`). MoE layers return the expert ids they chose for every token
+and accept recorded ids back (routing replay): with replay, the gate weights still come from the
+current router's scores gathered at the replayed ids, so the router keeps its gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig, MoEFFNConfig
+from model.kv_cache import PagedBatch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * self.weight.float()).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [B, T] -> cos, sin [B, T, 1, head_dim] (rotate-half convention, as HF Llama)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA attention with optional qk-norm. K/V are written to the paged cache after RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        d = cfg.hidden_size
+        self.q_proj = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = self.num_heads != self.num_kv_heads
+        if batch is None or batch.is_prefill:
+            # Training and prefill: causal attention over the (right-padded) tokens themselves.
+            if batch is not None:
+                batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
+            )
+        else:
+            # Decode: write this step's K/V, then attend over the sequence's cached context.
+            batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
+            k_ctx, v_ctx = batch.cache.gather(self.layer_idx, batch.context_slots)  # [B, S, KVH, D]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+                attn_mask=batch.context_mask, enable_gqa=gqa,
+            )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, f: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Token-to-expert scores; `e_score_correction_bias` is DeepSeek's aux-loss-free balancing bias.
+    The bias only shifts which experts are selected, never the gate weights."""
+
+    def __init__(self, d: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, d))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight).float().softmax(dim=-1)
+
+
+class ExpertBank(nn.Module):
+    """Routed experts' SwiGLU weights, stacked along the expert dimension."""
+
+    def __init__(self, num_experts: int, d: int, f: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, f, d))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, f, d))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, d, f))
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, d]; expert_ids, weights [N, k] -> Σ_j weights[:, j] · expert_{ids[:, j]}(x)."""
+        N, k = expert_ids.shape
+        flat_ids = expert_ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token_of = order // k
+        counts = torch.bincount(flat_ids, minlength=self.gate_proj.shape[0]).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = token_of[start : start + n]
+            xe = x.index_select(0, idx)
+            h = F.silu(xe @ self.gate_proj[e].t()) * (xe @ self.up_proj[e].t())
+            ye = (h @ self.down_proj[e].t()) * weights.reshape(-1)[order[start : start + n]].unsqueeze(-1).to(x.dtype)
+            out.index_add_(0, idx, ye)
+            start += n
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, d: int, cfg: MoEFFNConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = Router(d, cfg.num_experts)
+        self.experts = ExpertBank(cfg.num_experts, d, cfg.moe_intermediate_size)
+        self.shared_experts = (
+            SwiGLU(d, cfg.moe_intermediate_size * cfg.num_shared_experts) if cfg.num_shared_experts else None
+        )
+
+    def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, d], replay_ids [N, k] or None -> (y [N, d], chosen expert ids [N, k])."""
+        scores = self.gate(x)  # [N, E] float32
+        if replay_ids is None:
+            ids = torch.topk(scores + self.gate.e_score_correction_bias, self.top_k, dim=-1).indices
+        else:
+            ids = replay_ids.long()
+        weights = scores.gather(-1, ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        y = self.experts(x, ids, weights)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y, ids
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe
+        self.mlp = MoE(cfg.hidden_size, cfg.ffn) if cfg.is_moe else SwiGLU(cfg.hidden_size, cfg.ffn.intermediate_size)
+
+    def forward(self, h, cos, sin, batch, replay_ids):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
+        x = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            return h + self.mlp(x), None
+        B, T, d = x.shape
+        y, ids = self.mlp(x.reshape(B * T, d), None if replay_ids is None else replay_ids.reshape(B * T, -1))
+        return h + y.view(B, T, d), ids.view(B, T, -1)
+
+
+class DecoderBody(nn.Module):
+    """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class DecoderOutput:
+    hidden: torch.Tensor
+    """Final normed hidden states [B, T, hidden]."""
+    routing: torch.Tensor | None
+    """MoE: expert ids chosen (or replayed) [B, T, num_layers, top_k] int64; None for dense."""
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std)
+
+    def forward_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        batch: PagedBatch | None = None,
+        routing_replay: torch.Tensor | None = None,
+    ) -> DecoderOutput:
+        """input_ids, positions [B, T]; routing_replay [B, T, num_layers, top_k] or None."""
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        h = self.model.embed_tokens(input_ids)
+        routing = []
+        for i, layer in enumerate(self.model.layers):
+            h, ids = layer(h, cos, sin, batch, None if routing_replay is None else routing_replay[:, :, i])
+            if ids is not None:
+                routing.append(ids)
+        return DecoderOutput(self.model.norm(h), torch.stack(routing, dim=2) if routing else None)
+
+    def forward(self, input_ids, positions=None, *, batch=None, routing_replay=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (logits [B, T, vocab] float32, routing or None)."""
+        out = self.forward_hidden(input_ids, positions, batch=batch, routing_replay=routing_replay)
+        return self.lm_head(out.hidden).float(), out.routing
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

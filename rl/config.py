@@ -1,0 +1,179 @@
+"""The `Recipe` root and the configs of the rl-side components (pure pydantic: no torch, no ray).
+
+A recipe is a YAML file that loads into `Recipe` (see `rl.recipe_io`); `--set a.b=c` overrides apply
+before validation. Variants are discriminated unions on `type`; cross-component rules are the
+`validate_*` methods on the root.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from model.config import ModelConfig, StrictConfig
+from model.tokenizer import CharTokenizer
+from rewards.config import ArithmeticConfig
+from rollout.config import EngineConfig
+
+
+class RunConfig(StrictConfig):
+    """Identity, seeding and placement of a run."""
+
+    name: str = "run"
+    """Run name; the default run directory is runs/<name>."""
+    seed: int = 0
+    """Seed of model init, data order and sampling."""
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Device of the policy (engine and trainer share it)."""
+    num_threads: int = Field(2, gt=0)
+    """torch intra-op threads on CPU."""
+    init_checkpoint: Path | None = None
+    """Start from this checkpoint directory (config.json + model.safetensors) instead of random init."""
+
+    @field_validator("init_checkpoint")
+    @classmethod
+    def _exists(cls, p: Path | None) -> Path | None:
+        if p is not None and not (p / "model.safetensors").is_file():
+            raise ValueError(f"checkpoint directory {str(p)!r} does not exist or has no model.safetensors")
+        return p
+
+
+class OptimConfig(StrictConfig):
+    """AdamW with linear warm-up and gradient-norm clipping."""
+
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from 0 to lr."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this value."""
+
+
+class SFTStage(StrictConfig):
+    """Supervised warm start on worked solutions (which may contain the demonstrator's slips)."""
+
+    type: Literal["sft"] = "sft"
+    """Discriminator: a supervised fine-tuning stage."""
+    max_steps: int = Field(1000, gt=0)
+    """Optimizer steps at most."""
+    max_minutes: float | None = Field(None, gt=0)
+    """Wall-clock budget; the stage ends at whichever of max_steps / max_minutes comes first."""
+    batch_size: int = Field(64, gt=0)
+    """Demonstrations per optimizer step."""
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    """Optimizer of this stage."""
+    log_every: int = Field(20, gt=0)
+    """Log metrics every this many steps."""
+
+
+class GRPOStage(StrictConfig):
+    """Group-relative policy optimisation on verifier rewards (issue #2: synchronous batches)."""
+
+    type: Literal["grpo"] = "grpo"
+    """Discriminator: a GRPO stage."""
+    max_steps: int = Field(200, gt=0)
+    """Optimizer steps at most (one per batch of prompts_per_step groups)."""
+    max_minutes: float | None = Field(None, gt=0)
+    """Wall-clock budget; the stage ends at whichever of max_steps / max_minutes comes first."""
+    prompts_per_step: int = Field(32, gt=0)
+    """Groups (prompts) per train batch."""
+    group_size: int = Field(8, ge=2)
+    """Samples per prompt; advantages are relative within the group."""
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """Lower clip of the importance ratio: ratio >= 1 - clip_low."""
+    clip_high: float = Field(0.28, ge=0)
+    """Upper clip of the importance ratio: ratio <= 1 + clip_high (decoupled, as DAPO)."""
+    std_normalize: bool = False
+    """Divide group-centred advantages by the group's reward std (GRPO) or not (Dr. GRPO)."""
+    micro_batch_size: int = Field(64, gt=0)
+    """Samples per forward/backward; gradients accumulate over a step."""
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
+    """Optimizer of this stage."""
+    log_every: int = Field(1, gt=0)
+    """Log metrics every this many steps."""
+    eval_every: int = Field(0, ge=0)
+    """Held-out evaluation every this many steps (0: only at the end of the stage)."""
+
+
+Stage = Annotated[Union[SFTStage, GRPOStage], Field(discriminator="type")]
+DatasetConfig = Annotated[Union[ArithmeticConfig], Field(discriminator="type")]
+
+
+class EvalConfig(StrictConfig):
+    """Held-out evaluation: greedy decoding on each dataset's held-out split."""
+
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature at evaluation (0: greedy)."""
+    max_problems: int | None = Field(None, gt=0)
+    """Evaluate at most this many held-out problems per dataset (default: all)."""
+
+
+class StoreConfig(StrictConfig):
+    """Trajectory store."""
+
+    url: str | None = None
+    """SQLAlchemy URL; default sqlite:///<run_dir>/trajectories.db (WAL mode)."""
+
+
+class LoggingConfig(StrictConfig):
+    """Metrics sinks: always a JSONL file in the run directory; wandb when installed and enabled."""
+
+    wandb: bool = True
+    """Log to wandb (offline mode unless wandb_mode says otherwise); skipped when wandb is absent."""
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+    """wandb mode; offline needs no network and writes under <run_dir>/wandb."""
+    project: str = "asyncrl"
+    """wandb project name."""
+    progress_bar: bool = True
+    """Console progress bar per stage."""
+
+
+class Recipe(StrictConfig):
+    """Root of a training recipe."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    """Run identity, seed and device."""
+    tokenizer: Literal["char"] = "char"
+    """Tokenizer: the character-level tokenizer of the synthetic tasks."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Policy architecture."""
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    """Procedural task datasets (each `type:` a task family)."""
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    """Rollout engine."""
+    stages: list[Stage] = Field(min_length=1)
+    """Training stages, run in order (e.g. sft then grpo)."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation after each stage."""
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    """Trajectory store."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Metrics logging."""
+
+    @model_validator(mode="after")
+    def validate_vocab(self) -> "Recipe":
+        vocab = CharTokenizer().vocab_size
+        if self.model.vocab_size != vocab:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} but the {self.tokenizer} tokenizer has {vocab} ids")
+        return self
+
+    @model_validator(mode="after")
+    def validate_lengths(self) -> "Recipe":
+        if self.engine.max_seq_len > self.model.max_position_embeddings:
+            raise ValueError(
+                f"engine.max_seq_len={self.engine.max_seq_len} exceeds model.max_position_embeddings={self.model.max_position_embeddings}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def validate_dataset_names(self) -> "Recipe":
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"dataset names must be unique, got {names}")
+        return self

@@ -1,0 +1,51 @@
+"""Metrics sinks: a JSONL file in the run directory always; wandb (offline by default) when installed.
+
+wandb is optional: when it is not importable the run goes on with the JSONL file alone and says so
+once. Metric names are namespaced (`rl/clip_frac`, `rollout/tokens_per_s`, `eval/accuracy`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import time
+from pathlib import Path
+
+from rl.config import LoggingConfig
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, *, run_name: str, config: dict):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._wandb = None
+        self.notes: list[str] = []
+        if cfg.wandb and cfg.wandb_mode != "disabled":
+            if importlib.util.find_spec("wandb") is None:
+                self.notes.append("wandb is not installed: metrics go to metrics.jsonl only")
+            else:
+                os.environ.setdefault("WANDB_SILENT", "true")
+                import wandb
+
+                self._wandb = wandb.init(
+                    project=cfg.project, name=run_name, dir=str(run_dir), mode=cfg.wandb_mode,
+                    config=config, reinit="finish_previous",
+                )
+
+    @property
+    def wandb_dir(self) -> str | None:
+        return None if self._wandb is None else self._wandb.dir
+
+    def log(self, metrics: dict[str, float], *, step: int) -> None:
+        record = {"step": step, "time": time.time(), **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

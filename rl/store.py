@@ -1,0 +1,358 @@
+"""Trajectory store: every prompt, sample and train step of a run, in SQL (SQLAlchemy 2.x).
+
+The tables are a storage mapping kept apart from the domain records in `rl.types` (which stay frozen
+dataclasses); `TrajectoryStore` converts between the two. One writer, the controller; readers
+(`rl traj ...`) may open the same file while it runs (SQLite in WAL mode).
+
+Tables:
+- `runs`        one row per run: name, creation time, the recipe as JSON.
+- `prompts`     one row per dispatched prompt: dataset, text, answer, group size, policy version and
+                time at dispatch.
+- `samples`     one row per trajectory: ids, status, reward, texts, the token arrays, version range,
+                timings and `train_step` (the optimizer step that consumed it; NULL until trained).
+- `segments`    one row per maximal run of equal policy versions over a sample's response tokens,
+                [start, end) in response-token indices; derived from `policy_versions_T` at insert,
+                so "which samples span versions 3..5" is a SQL query rather than a blob scan.
+- `train_steps` one row per (run, step) with the step's metrics as JSON.
+
+Token arrays (token ids, behaviour logprobs, per-token policy versions, MoE routing traces) are
+blobs of raw little-endian numpy bytes: a sample has hundreds to thousands of values per array that
+are always read whole, never filtered on, so a row per token would multiply the table by the
+sequence length for nothing, and the bytes decode with one `np.frombuffer`. Logprobs are stored as
+float32 (the precision the engine produces); routing traces as int16 with their shape as "T,L,K".
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import Float, ForeignKey, LargeBinary, String, Text, create_engine, event, func, insert, select, update
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+
+from rl.types import Prompt, Sample
+
+TOKEN_DTYPE = "<i4"
+LOGPROB_DTYPE = "<f4"
+VERSION_DTYPE = "<i4"
+ROUTING_DTYPE = "<i2"
+PREVIEW_CHARS = 120
+"""How much of the response `query` returns (the rest stays in the database)."""
+_TIMING_KEYS = ("dispatched_at", "finished_at", "generate_s")
+_ID = String(255)
+
+
+def encode_array(values: Sequence | np.ndarray, dtype: str) -> bytes:
+    """Raw little-endian bytes of `values` as `dtype` (e.g. "<i4"); the shape is not kept."""
+    return np.ascontiguousarray(values, dtype=np.dtype(dtype)).tobytes()
+
+
+def decode_array(blob: bytes, dtype: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """Inverse of `encode_array`: a writable native-endian array, reshaped when `shape` is given."""
+    arr = np.frombuffer(blob, dtype=np.dtype(dtype)).astype(np.dtype(dtype).newbyteorder("="))
+    return arr if shape is None else arr.reshape(shape)
+
+
+def segments_from_versions(policy_versions_T: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of equal versions as (start, end, policy_version), end exclusive.
+
+    [3, 3, 4, 4, 4, 6] -> [(0, 2, 3), (2, 5, 4), (5, 6, 6)].
+    """
+    segments: list[tuple[int, int, int]] = []
+    start = 0
+    for t in range(1, len(policy_versions_T) + 1):
+        if t == len(policy_versions_T) or policy_versions_T[t] != policy_versions_T[start]:
+            segments.append((start, t, int(policy_versions_T[start])))
+            start = t
+    return segments
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class RunTable(Base):
+    __tablename__ = "runs"
+    run_id: Mapped[str] = mapped_column(_ID, primary_key=True)
+    name: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[float] = mapped_column(Float)
+    recipe_json: Mapped[str] = mapped_column(Text)
+
+
+class PromptTable(Base):
+    __tablename__ = "prompts"
+    prompt_id: Mapped[str] = mapped_column(_ID, primary_key=True)
+    run_id: Mapped[str] = mapped_column(_ID, index=True)
+    dataset: Mapped[str] = mapped_column(_ID)
+    text: Mapped[str] = mapped_column(Text)
+    tokens: Mapped[bytes] = mapped_column(LargeBinary)
+    answer: Mapped[str] = mapped_column(Text)
+    group_size: Mapped[int]
+    policy_version: Mapped[int]
+    dispatched_at: Mapped[float] = mapped_column(Float)
+
+
+class SampleTable(Base):
+    __tablename__ = "samples"
+    sample_id: Mapped[str] = mapped_column(_ID, primary_key=True)
+    run_id: Mapped[str] = mapped_column(_ID, index=True)
+    prompt_id: Mapped[str] = mapped_column(_ID, index=True)
+    dataset: Mapped[str] = mapped_column(_ID, index=True)
+    group_id: Mapped[str] = mapped_column(_ID)
+    status: Mapped[str] = mapped_column(String(32))
+    reward: Mapped[float] = mapped_column(Float, index=True)
+    correct: Mapped[bool]
+    finish_reason: Mapped[str] = mapped_column(String(32))
+    prompt_text: Mapped[str] = mapped_column(Text)
+    response_text: Mapped[str] = mapped_column(Text)
+    prompt_tokens: Mapped[bytes] = mapped_column(LargeBinary)
+    response_tokens: Mapped[bytes] = mapped_column(LargeBinary)
+    behavior_logprobs: Mapped[bytes] = mapped_column(LargeBinary)
+    policy_versions: Mapped[bytes] = mapped_column(LargeBinary)
+    routing_trace: Mapped[bytes | None] = mapped_column(LargeBinary)
+    routing_shape: Mapped[str | None] = mapped_column(String(64))
+    num_response_tokens: Mapped[int]
+    # NULL only for an empty response (e.g. a sample that failed before its first token).
+    min_version: Mapped[int | None]
+    max_version: Mapped[int | None]
+    dispatched_at: Mapped[float | None] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float)
+    generate_s: Mapped[float | None] = mapped_column(Float)
+    train_step: Mapped[int | None] = mapped_column(index=True)
+
+
+class SegmentTable(Base):
+    __tablename__ = "segments"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    sample_id: Mapped[str] = mapped_column(_ID, ForeignKey("samples.sample_id"), index=True)
+    start: Mapped[int]
+    end: Mapped[int]
+    policy_version: Mapped[int]
+
+
+class TrainStepTable(Base):
+    __tablename__ = "train_steps"
+    run_id: Mapped[str] = mapped_column(_ID, primary_key=True)
+    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    created_at: Mapped[float] = mapped_column(Float)
+    metrics_json: Mapped[str] = mapped_column(Text)
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One line of `TrajectoryStore.query`: the columns worth listing, without the token blobs."""
+
+    sample_id: str
+    prompt_id: str
+    dataset: str
+    reward: float
+    correct: bool
+    num_response_tokens: int
+    min_version: int | None
+    max_version: int | None
+    train_step: int | None
+    status: str
+    response_preview: str
+    """The first `PREVIEW_CHARS` characters of the response."""
+
+
+def _set_sqlite_pragmas(dbapi_connection, connection_record) -> None:
+    # WAL lets `rl traj` read while the controller writes; NORMAL is durable across process crashes
+    # (only an OS crash may lose the last commits), which is the right trade for a run log.
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.close()
+
+
+class TrajectoryStore:
+    """Writes and reads one run's trajectories. Not shared across threads (one writer)."""
+
+    def __init__(self, url: str, run_id: str):
+        self.url = url
+        self.run_id = run_id
+        self._engine = create_engine(url)
+        if make_url(url).get_backend_name() == "sqlite":
+            event.listen(self._engine, "connect", _set_sqlite_pragmas)
+        Base.metadata.create_all(self._engine)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+
+    @classmethod
+    def for_run_dir(
+        cls, run_dir: str | Path, url: str | None = None, run_id: str | None = None
+    ) -> TrajectoryStore:
+        """The store of a run directory: `sqlite:///RUN_DIR/trajectories.db` unless `url` is given;
+        `run_id` defaults to the directory's name."""
+        run_dir = Path(run_dir).resolve()
+        if url is None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            url = f"sqlite:///{run_dir / 'trajectories.db'}"
+        return cls(url, run_id if run_id is not None else run_dir.name)
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def add_run(self, name: str, recipe_json: str) -> None:
+        """Record this run; a second call (e.g. on resume) keeps the first row."""
+        with self._sessions.begin() as s:
+            if s.get(RunTable, self.run_id) is None:
+                s.add(RunTable(run_id=self.run_id, name=name, created_at=time.time(), recipe_json=recipe_json))
+
+    def add_prompts(self, prompts: Sequence[Prompt]) -> None:
+        """Record dispatched prompts; `dispatched_at` is the time of this call."""
+        if not prompts:
+            return
+        now = time.time()
+        rows = [
+            dict(prompt_id=p.prompt_id, run_id=self.run_id, dataset=p.dataset, text=p.text,
+                 tokens=encode_array(p.tokens, TOKEN_DTYPE), answer=p.answer, group_size=int(p.group_size),
+                 policy_version=int(p.policy_version), dispatched_at=now)
+            for p in prompts
+        ]
+        with self._sessions.begin() as s:
+            s.execute(insert(PromptTable), rows)
+
+    def add_samples(self, samples: Sequence[Sample]) -> None:
+        """Record samples and their version segments in one transaction.
+
+        Timings other than 'dispatched_at', 'finished_at' and 'generate_s' are not stored.
+        """
+        if not samples:
+            return
+        sample_rows, segment_rows = [], []
+        for x in samples:
+            n = len(x.response_tokens)
+            if len(x.policy_versions_T) != n or len(x.behavior_logprobs_T) != n:
+                raise ValueError(f"sample {x.sample_id}: per-token arrays do not match the response length")
+            trace = x.routing_trace
+            sample_rows.append(dict(
+                sample_id=x.sample_id, run_id=self.run_id, prompt_id=x.prompt_id, dataset=x.dataset,
+                group_id=x.group_id, status=x.status, reward=float(x.reward), correct=bool(x.correct),
+                finish_reason=x.finish_reason, prompt_text=x.prompt_text, response_text=x.response_text,
+                prompt_tokens=encode_array(x.prompt_tokens, TOKEN_DTYPE),
+                response_tokens=encode_array(x.response_tokens, TOKEN_DTYPE),
+                behavior_logprobs=encode_array(x.behavior_logprobs_T, LOGPROB_DTYPE),
+                policy_versions=encode_array(x.policy_versions_T, VERSION_DTYPE),
+                routing_trace=None if trace is None else encode_array(trace, ROUTING_DTYPE),
+                routing_shape=None if trace is None else ",".join(str(d) for d in trace.shape),
+                num_response_tokens=x.num_response_tokens,
+                min_version=int(min(x.policy_versions_T)) if x.policy_versions_T else None,
+                max_version=int(max(x.policy_versions_T)) if x.policy_versions_T else None,
+                **{k: None if x.timings.get(k) is None else float(x.timings[k]) for k in _TIMING_KEYS},
+            ))
+            segment_rows += [
+                dict(sample_id=x.sample_id, start=a, end=b, policy_version=v)
+                for a, b, v in segments_from_versions(x.policy_versions_T)
+            ]
+        with self._sessions.begin() as s:
+            s.execute(insert(SampleTable), sample_rows)
+            if segment_rows:
+                s.execute(insert(SegmentTable), segment_rows)
+
+    def mark_trained(self, sample_ids: Sequence[str], step: int) -> None:
+        """Stamp `step` on the samples the trainer consumed; raises if any id is unknown."""
+        ids = list(dict.fromkeys(sample_ids))
+        matched = 0
+        with self._sessions.begin() as s:
+            for i in range(0, len(ids), 500):  # stay under the backends' bound-parameter limits
+                chunk = ids[i : i + 500]
+                matched += s.execute(
+                    update(SampleTable).where(SampleTable.sample_id.in_(chunk)).values(train_step=int(step))
+                ).rowcount
+            if matched != len(ids):
+                raise ValueError(f"mark_trained: {len(ids) - matched} of {len(ids)} sample ids are not in the store")
+
+    def add_train_step(self, step: int, metrics: dict) -> None:
+        """Record one optimizer step's metrics (a repeated step, after resume, overwrites)."""
+        metrics_json = json.dumps(metrics, sort_keys=True, default=float)  # default: numpy scalars
+        with self._sessions.begin() as s:
+            row = TrainStepTable(run_id=self.run_id, step=int(step), created_at=time.time(), metrics_json=metrics_json)
+            s.merge(row)
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def get_sample(self, sample_id: str) -> Sample | None:
+        """The full record back, or None. Logprobs come back float32-rounded."""
+        with self._sessions() as s:
+            r = s.get(SampleTable, sample_id)
+        if r is None:
+            return None
+        trace = None
+        if r.routing_trace is not None:
+            shape = tuple(int(d) for d in r.routing_shape.split(","))
+            trace = decode_array(r.routing_trace, ROUTING_DTYPE, shape)
+        timings = {k: getattr(r, k) for k in _TIMING_KEYS if getattr(r, k) is not None}
+        return Sample(
+            sample_id=r.sample_id, prompt_id=r.prompt_id, dataset=r.dataset, group_id=r.group_id,
+            prompt_tokens=tuple(decode_array(r.prompt_tokens, TOKEN_DTYPE).tolist()),
+            response_tokens=tuple(decode_array(r.response_tokens, TOKEN_DTYPE).tolist()),
+            prompt_text=r.prompt_text, response_text=r.response_text,
+            behavior_logprobs_T=tuple(decode_array(r.behavior_logprobs, LOGPROB_DTYPE).tolist()),
+            policy_versions_T=tuple(decode_array(r.policy_versions, VERSION_DTYPE).tolist()),
+            reward=r.reward, correct=r.correct, finish_reason=r.finish_reason, status=r.status,
+            timings=timings, routing_trace=trace,
+        )
+
+    def sample_train_step(self, sample_id: str) -> int | None:
+        """The step that consumed the sample; None if untrained (or unknown)."""
+        with self._sessions() as s:
+            return s.scalar(select(SampleTable.train_step).where(SampleTable.sample_id == sample_id))
+
+    def segments(self, sample_id: str) -> list[tuple[int, int, int]]:
+        """(start, end, policy_version) over the response tokens, in order."""
+        q = (select(SegmentTable.start, SegmentTable.end, SegmentTable.policy_version)
+             .where(SegmentTable.sample_id == sample_id).order_by(SegmentTable.start))
+        with self._sessions() as s:
+            return [tuple(row) for row in s.execute(q)]
+
+    def train_step_metrics(self, step: int) -> dict | None:
+        with self._sessions() as s:
+            row = s.get(TrainStepTable, (self.run_id, step))
+        return None if row is None else json.loads(row.metrics_json)
+
+    def query(
+        self,
+        *,
+        dataset: str | None = None,
+        min_reward: float | None = None,
+        max_reward: float | None = None,
+        train_step: int | None = None,
+        status: str | None = None,
+        limit: int = 50,
+    ) -> list[SampleRow]:
+        """This run's samples matching every given filter (reward bounds inclusive), oldest first."""
+        t = SampleTable
+        q = select(
+            t.sample_id, t.prompt_id, t.dataset, t.reward, t.correct, t.num_response_tokens,
+            t.min_version, t.max_version, t.train_step, t.status,
+            func.substr(t.response_text, 1, PREVIEW_CHARS),
+        ).where(t.run_id == self.run_id)
+        if dataset is not None:
+            q = q.where(t.dataset == dataset)
+        if min_reward is not None:
+            q = q.where(t.reward >= min_reward)
+        if max_reward is not None:
+            q = q.where(t.reward <= max_reward)
+        if train_step is not None:
+            q = q.where(t.train_step == train_step)
+        if status is not None:
+            q = q.where(t.status == status)
+        q = q.order_by(t.finished_at, t.sample_id).limit(limit)
+        with self._sessions() as s:
+            return [SampleRow(*row) for row in s.execute(q)]
+
+    def count_samples(self) -> int:
+        with self._sessions() as s:
+            return s.scalar(select(func.count()).select_from(SampleTable).where(SampleTable.run_id == self.run_id))
+
+    def run_ids(self) -> list[str]:
+        """Every run id that has samples in this database (one, for a run directory's own file)."""
+        with self._sessions() as s:
+            return list(s.scalars(select(SampleTable.run_id).distinct().order_by(SampleTable.run_id)))
+
+    def close(self) -> None:
+        self._engine.dispose()

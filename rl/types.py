@@ -1,0 +1,60 @@
+"""Records that flow through the driver (immutable; the store maps them to tables separately).
+
+Shape suffixes on ragged lists: `_T` per response token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One dispatched prompt; its group is `group_size` samples that share it (GRPO)."""
+
+    prompt_id: str
+    dataset: str
+    text: str
+    """Prompt text exactly as tokenised (chat formatting already applied)."""
+    tokens: tuple[int, ...]
+    answer: str
+    """Reference answer, for the verifier."""
+    group_size: int
+    policy_version: int
+    """Policy version at dispatch."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One finished trajectory with its provenance and reward."""
+
+    sample_id: str
+    prompt_id: str
+    dataset: str
+    group_id: str
+    """Advantages are computed within a group (here: the prompt)."""
+    prompt_tokens: tuple[int, ...]
+    response_tokens: tuple[int, ...]
+    prompt_text: str
+    response_text: str
+    behavior_logprobs_T: tuple[float, ...]
+    """Log-probability of each response token under the policy that sampled it."""
+    policy_versions_T: tuple[int, ...]
+    """Policy version that generated each response token."""
+    reward: float
+    correct: bool
+    finish_reason: str
+    """'eos' or 'length'."""
+    status: str = "finished"
+    """running | interrupted | finished | discarded | failed."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Wall-clock seconds: 'dispatched_at', 'finished_at' (epoch), 'generate_s'."""
+    routing_trace: np.ndarray | None = None
+    """MoE only: int16 [prompt_len + response_len - 1, num_layers, top_k], the experts chosen for
+    every token fed to the model (the last sampled token is never fed), concatenated over segments."""
+
+    @property
+    def num_response_tokens(self) -> int:
+        return len(self.response_tokens)

@@ -1,0 +1,33 @@
+"""Engine configuration (pure pydantic; no torch)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from model.config import StrictConfig
+
+
+class SamplingConfig(StrictConfig):
+    """How the engine turns logits into tokens."""
+
+    temperature: float = Field(1.0, ge=0.0)
+    """Softmax temperature; 0 means greedy. Behaviour logprobs are recorded under this temperature."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass; 1 keeps the whole vocabulary."""
+
+
+class EngineConfig(StrictConfig):
+    """Continuous-batching generation engine over a paged KV cache."""
+
+    max_batch_size: int = Field(256, gt=0)
+    """Most sequences decoded together in one step; others wait and join as sequences finish."""
+    block_size: int = Field(16, gt=0)
+    """Tokens per KV-cache block."""
+    num_blocks: int | None = Field(None, gt=0)
+    """KV-cache blocks in the pool; default: enough for max_batch_size sequences of max_seq_len."""
+    max_seq_len: int = Field(256, gt=0)
+    """Longest prompt + response the engine holds; also caps max_new_tokens per request."""
+    max_new_tokens: int = Field(128, gt=0)
+    """Default response length limit; a sequence stops with finish_reason 'length' there."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    """Default sampling settings of rollouts."""

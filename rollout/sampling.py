@@ -1,0 +1,61 @@
+"""Token sampling with a counter-based RNG: the uniform draw for token i of a sample is a hash of
+(sample seed, i). A sample's random stream therefore does not depend on which other samples share
+its batch, on when it joined, or on interruptions: batched, one-at-a-time and interrupted-then-resumed
+generation draw the same numbers, and a `RolloutState` needs no RNG blob.
+
+All ops are vectorised over the batch with no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Integer hash on values in [0, 2^32) held in int64; multipliers < 2^31 so nothing overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x297A2D39) & _M32
+    return x ^ (x >> 15)
+
+
+def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """seeds, counters int64 [B] -> uniforms in (0, 1), float64 [B]."""
+    h = _mix32(seeds & _M32)
+    h = _mix32(h ^ ((seeds >> 32) & _M32))
+    h = _mix32(h ^ (counters & _M32))
+    return ((h >> 8).double() + 0.5) / float(1 << 24)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32; temperature, top_p float [B]; seeds, counters int64 [B].
+
+    Returns (tokens [B] int64, logprobs [B] float32). The logprob is log softmax(logits / T) at the
+    chosen token (T = 1 for greedy rows): the behaviour policy before top-p truncation, which is what
+    the trainer recomputes. Greedy rows (T == 0) take the argmax.
+    """
+    greedy = temperature <= 0
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
+    logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
+    probs_sorted, order = torch.sort(logp.exp(), dim=-1, descending=True)
+    cum = probs_sorted.cumsum(-1)
+    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+    keep = (cum - probs_sorted) < top_p[:, None]
+    probs_sorted = probs_sorted * keep
+    cum = probs_sorted.double().cumsum(-1)
+    u = counter_uniform(seeds, counters) * cum[:, -1]
+    pick = torch.searchsorted(cum, u[:, None]).clamp_max(logits.shape[-1] - 1)
+    sampled = order.gather(-1, pick).squeeze(-1)
+    tokens = torch.where(greedy, logits.argmax(-1), sampled)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from model.config import DenseFFNConfig, ModelConfig, MoEFFNConfig
+
+
+@pytest.fixture(autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+def debug_config(moe: bool = True, **kw) -> ModelConfig:
+    """The tiny 'debug' model flavour: 2 layers, width 64. init_std is large so logits are peaked
+    enough for sampling to differ between prompts and to stop on EOS sometimes."""
+    ffn = MoEFFNConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if moe else DenseFFNConfig(intermediate_size=128)
+    base = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, init_std=0.15, ffn=ffn)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.fixture
+def moe_model():
+    from model.decoder import Decoder
+
+    torch.manual_seed(0)
+    return Decoder(debug_config(moe=True)).eval()
+
+
+@pytest.fixture
+def dense_model():
+    from model.decoder import Decoder
+
+    torch.manual_seed(0)
+    return Decoder(debug_config(moe=False)).eval()

@@ -1,0 +1,162 @@
+"""Rollout engine: continuous batching, interrupt/resume without prefill, sampling."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rollout.config import EngineConfig
+from rollout.engine import Engine
+from rollout.sampling import counter_uniform, sample_tokens
+from rollout.types import GenerationRequest, RolloutState
+
+EOS = 2
+
+
+def _requests(n, max_new=24, temperature=1.0, top_p=1.0):
+    return [GenerationRequest(f"s{i}", tuple([1] + [10 + (7 * i + j) % 60 for j in range(3 + i % 5)]), max_new,
+                              seed=1000 + i, temperature=temperature, top_p=top_p) for i in range(n)]
+
+
+def _engine(model, **kw):
+    cfg = dict(max_batch_size=4, block_size=4, max_seq_len=64)
+    cfg.update(kw)
+    return Engine(model, EngineConfig(**cfg), eos_id=EOS)
+
+
+def _key(g):
+    return (g.response_tokens, g.finish_reason)
+
+
+def test_continuous_batching_equals_one_at_a_time(moe_model):
+    reqs = _requests(10)
+    batched = _engine(moe_model, max_batch_size=4).generate(reqs)  # 10 requests through 4 slots
+    single = [_engine(moe_model, max_batch_size=1).generate([r])[0] for r in reqs]
+    assert [_key(g) for g in batched] == [_key(g) for g in single]
+    for a, b in zip(batched, single):
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert np.array_equal(a.routing_trace, b.routing_trace)
+    lengths = {len(g.response_tokens) for g in batched}
+    assert len(lengths) > 1  # sequences finish at different times, so others joined mid-flight
+
+
+def test_stops_on_eos_or_length(moe_model):
+    gens = _engine(moe_model, max_batch_size=8).generate(_requests(16, max_new=24))
+    reasons = {g.finish_reason for g in gens}
+    assert reasons == {"eos", "length"}  # the fixture model produces both
+    for g in gens:
+        if g.finish_reason == "eos":
+            assert g.response_tokens[-1] == EOS and EOS not in g.response_tokens[:-1]
+        else:
+            assert len(g.response_tokens) == 24 and EOS not in g.response_tokens
+        P, R = len(g.prompt_tokens), len(g.response_tokens)
+        assert g.routing_trace.shape == (P + R - 1, 2, 2)
+        assert len(g.logprobs) == len(g.policy_versions) == R
+
+
+@pytest.mark.parametrize("interrupt_after", [1, 3, 7])
+def test_interrupt_resume_equals_uninterrupted(moe_model, interrupt_after):
+    reqs = _requests(6, max_new=20)
+    reference = {g.sample_id: g for g in _engine(moe_model).generate(reqs)}
+
+    eng = _engine(moe_model)
+    eng.add(reqs)
+    done = []
+    for _ in range(interrupt_after):
+        done += eng.step()
+    prefills_before = eng.stats.prefill_calls
+    states = eng.interrupt()
+    assert eng.num_active == 0 and eng.cache.num_free_blocks == eng.cache.num_blocks  # all blocks freed
+    # States survive a msgpack round trip (the spill-to-disk path).
+    states = [RolloutState.from_bytes(s.to_bytes()) for s in states]
+    admitted = [s for s in states if s.k is not None]
+    assert admitted and all(s.k.shape[1] == len(s.tokens) - 1 for s in admitted)
+    eng.resume(states)
+    while eng.has_work():
+        done += eng.step()
+    got = {g.sample_id: g for g in done}
+    assert got.keys() == reference.keys()
+    for sid, g in got.items():
+        assert _key(g) == _key(reference[sid])
+        assert np.array_equal(g.routing_trace, reference[sid].routing_trace)
+    # Only never-admitted requests were prefilled after the interrupt; resumed ones were not.
+    never_admitted = len(states) - len(admitted)
+    assert eng.stats.prefill_calls - prefills_before <= (1 if never_admitted else 0)
+    assert eng.stats.resumed_tokens == sum(s.k.shape[1] for s in admitted)
+
+
+def test_resume_makes_no_prefill_call(moe_model):
+    eng = _engine(moe_model, max_batch_size=8)
+    eng.add(_requests(4, max_new=30))
+    eng.step()
+    eng.step()
+    states = eng.interrupt()
+    calls = eng.stats.prefill_calls
+    eng.resume(states)
+    eng.step()
+    assert eng.stats.prefill_calls == calls
+    assert eng.num_active == len([s for s in states if s.num_response_tokens < 30])
+
+
+def test_versions_stamped_per_token(moe_model):
+    eng = _engine(moe_model, max_batch_size=8)
+    eng.add(_requests(2, max_new=30))
+    for _ in range(3):
+        eng.step()
+    states = eng.interrupt()
+    eng.policy_version = 5
+    eng.resume(states)
+    gens = []
+    while eng.has_work():
+        gens += eng.step()
+    for g in gens:
+        v = list(g.policy_versions)
+        assert v[:3] == [0, 0, 0] and set(v[3:]) <= {5} and v == sorted(v)
+
+
+def test_greedy_is_argmax_and_top_p_restricts_support():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 10) * 2
+    n = logits.shape[0]
+    seeds, ctr = torch.arange(n), torch.zeros(n, dtype=torch.long)
+    greedy, _ = sample_tokens(logits, torch.zeros(n), torch.ones(n), seeds, ctr)
+    assert torch.equal(greedy, logits.argmax(-1))
+    # top_p tiny -> always the most likely token even at temperature 1
+    tok, lp = sample_tokens(logits, torch.ones(n), torch.full((n,), 1e-6), seeds, ctr)
+    assert torch.equal(tok, logits.argmax(-1))
+    # logprob is under the temperature-scaled softmax, before top-p truncation
+    assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1))
+
+
+def test_sampling_matches_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(20000, 1)
+    n = logits.shape[0]
+    tok, _ = sample_tokens(logits, torch.ones(n), torch.ones(n), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    freq = torch.bincount(tok, minlength=4).float() / n
+    assert torch.allclose(freq, logits[0].softmax(-1), atol=0.015)
+    # top_p=0.8 keeps the smallest prefix reaching 0.8 mass: tokens {0, 1} (0.64 + 0.24)
+    tok, _ = sample_tokens(logits, torch.ones(n), torch.full((n,), 0.8), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    freq = torch.bincount(tok, minlength=4).float() / n
+    p = logits[0].softmax(-1)[:2]
+    assert freq[2:].sum() == 0 and torch.allclose(freq[:2], p / p.sum(), atol=0.015)
+
+
+def test_counter_uniform_is_uniform_and_seed_dependent():
+    u = counter_uniform(torch.full((50000,), 7), torch.arange(50000))
+    assert 0 < u.min() and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.003
+    v = counter_uniform(torch.full((50000,), 8), torch.arange(50000))
+    assert (u != v).float().mean() > 0.99
+
+
+def test_rollout_state_round_trip_preserves_everything(moe_model):
+    eng = _engine(moe_model)
+    eng.add(_requests(1, max_new=10))
+    eng.step(); eng.step()
+    (s,) = eng.interrupt()
+    r = RolloutState.from_bytes(s.to_bytes())
+    assert r.request == s.request and r.tokens == s.tokens and r.policy_versions == s.policy_versions
+    assert r.logprobs == pytest.approx(s.logprobs)
+    assert torch.equal(r.k, s.k) and torch.equal(r.v, s.v) and np.array_equal(r.routing, s.routing)
+    assert r.nbytes == s.nbytes > 0
