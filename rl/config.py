@@ -172,6 +172,19 @@ class Recipe(StrictConfig):
         return self
 
     @model_validator(mode="after")
+    def validate_init_checkpoint(self) -> "Recipe":
+        ckpt = self.run.init_checkpoint
+        if ckpt is not None:
+            config_file = ckpt / "config.json"
+            if not config_file.is_file():
+                raise ValueError(f"run.init_checkpoint {str(ckpt)!r} has no config.json")
+            theirs = ModelConfig.model_validate_json(config_file.read_text())
+            if theirs != self.model:
+                diff = [k for k in ModelConfig.model_fields if getattr(theirs, k) != getattr(self.model, k)]
+                raise ValueError(f"run.init_checkpoint {str(ckpt)!r} was saved with a different model (differs in: {', '.join(diff)})")
+        return self
+
+    @model_validator(mode="after")
     def validate_dataset_names(self) -> "Recipe":
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):

@@ -204,10 +204,7 @@ STAGE_RUNNERS = {"sft": run_sft, "grpo": run_grpo}
 def build_policy(recipe: Recipe) -> Decoder:
     torch.manual_seed(recipe.run.seed)
     if recipe.run.init_checkpoint is not None:
-        model = load_checkpoint(recipe.run.init_checkpoint, device=recipe.run.device)
-        if model.config != recipe.model:
-            raise ValueError(f"run.init_checkpoint {recipe.run.init_checkpoint} has a different model config than the recipe's `model`")
-        return model
+        return load_checkpoint(recipe.run.init_checkpoint, device=recipe.run.device)  # shape checked by Recipe
     return Decoder(recipe.model).to(recipe.run.device)
 
 
