@@ -55,6 +55,9 @@ class Problem:
     """str(a + b), what the verifier compares against."""
     solution: str
     """Clean worked solution: the response text a perfect policy writes."""
+    forced_length: int | None = None
+    """System benchmarks only (rewards/longtail.py): responses end at a forced length (see
+    `response_budget`) instead of at EOS."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,10 @@ class ArithmeticTask:
                 )
             self._heldout = problems
         return list(self._heldout)
+
+    def response_budget(self, problem: Problem, j: int) -> int | None:
+        """Forced response length of sample j, for forced-length tasks; None: stop at EOS."""
+        return None
 
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         """SFT target: the worked solution with a slip in each cascading column at cfg.slip_rate."""

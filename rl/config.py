@@ -15,6 +15,8 @@ from pydantic import Field, field_validator, model_validator
 from model.config import ModelConfig, StrictConfig
 from model.tokenizer import CharTokenizer
 from rewards.config import ArithmeticConfig
+from rewards.longtail import LongTailConfig
+from rl.dispatch import DispatchConfig
 from rollout.config import EngineConfig
 
 
@@ -73,7 +75,7 @@ class SFTStage(StrictConfig):
 
 
 class GRPOStage(StrictConfig):
-    """Group-relative policy optimisation on verifier rewards (issue #2: synchronous batches)."""
+    """Group-relative policy optimisation on verifier rewards, on the asynchronous runtime."""
 
     type: Literal["grpo"] = "grpo"
     """Discriminator: a GRPO stage."""
@@ -99,10 +101,31 @@ class GRPOStage(StrictConfig):
     """Log metrics every this many steps."""
     eval_every: int = Field(0, ge=0)
     """Held-out evaluation every this many steps (0: only at the end of the stage)."""
+    dispatch: DispatchConfig = Field(default_factory=DispatchConfig)
+    """Dispatch policy, in-flight bound, per-dataset caps, off-policy bounds, warm-up discard."""
+    steps_per_call: int = Field(1, gt=0)
+    """Engine steps per controller round trip; interrupts land within this many steps."""
 
 
 Stage = Annotated[Union[SFTStage, GRPOStage], Field(discriminator="type")]
-DatasetConfig = Annotated[Union[ArithmeticConfig], Field(discriminator="type")]
+DatasetConfig = Annotated[Union[ArithmeticConfig, LongTailConfig], Field(discriminator="type")]
+
+
+class RuntimeConfig(StrictConfig):
+    """Placement: Ray actors (one PolicyWorker per device, CPU reward workers) or in-process."""
+
+    ray: bool = True
+    """Run workers as Ray actors; false runs one PolicyWorker in the driver process (debugging)."""
+    ray_address: str | None = None
+    """Join this Ray cluster ('auto' or host:port); default: start Ray locally."""
+    num_cpus: int | None = Field(None, gt=0)
+    """CPUs of a locally started Ray (default: all)."""
+    num_workers: int = Field(1, gt=0)
+    """PolicyWorkers, one per device; more than one trains data-parallel (gloo on CPU, NCCL on GPU)."""
+    cpus_per_worker: float = Field(1.0, ge=0)
+    """Ray CPU resource of each PolicyWorker."""
+    num_reward_workers: int = Field(1, gt=0)
+    """CPU actors that verify finished samples."""
 
 
 class EvalConfig(StrictConfig):
@@ -147,6 +170,8 @@ class Recipe(StrictConfig):
     """Procedural task datasets (each `type:` a task family)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """Rollout engine."""
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    """Where workers run (Ray or in-process) and how many."""
     stages: list[Stage] = Field(min_length=1)
     """Training stages, run in order (e.g. sft then grpo)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -189,4 +214,24 @@ class Recipe(StrictConfig):
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must be unique, got {names}")
+        for i, stage in enumerate(self.stages):
+            if isinstance(stage, GRPOStage):
+                unknown = sorted((set(stage.dispatch.dataset_max_inflight) | set(stage.dispatch.mixture)) - set(names))
+                if unknown:
+                    raise ValueError(f"stages.{i}.dispatch names unknown datasets {unknown}; datasets are {names}")
+        return self
+
+    @model_validator(mode="after")
+    def validate_inflight(self) -> "Recipe":
+        for i, stage in enumerate(self.stages):
+            if isinstance(stage, GRPOStage):
+                if stage.prompts_per_step < self.runtime.num_workers:
+                    raise ValueError(f"stages.{i}.prompts_per_step={stage.prompts_per_step} is below runtime.num_workers="
+                                     f"{self.runtime.num_workers}: every worker trains on whole groups")
+                if stage.dispatch.max_inflight < stage.group_size:
+                    raise ValueError(f"stages.{i}.dispatch.max_inflight={stage.dispatch.max_inflight} is below group_size={stage.group_size}")
+                if self.engine.max_batch_size * self.runtime.num_workers < stage.dispatch.max_inflight:
+                    raise ValueError(
+                        f"stages.{i}.dispatch.max_inflight={stage.dispatch.max_inflight} exceeds what the engines decode at once "
+                        f"(engine.max_batch_size={self.engine.max_batch_size} x runtime.num_workers={self.runtime.num_workers})")
         return self

@@ -135,6 +135,7 @@ class Dispatcher:
         group_size: int | Callable[[str], int],
         prompts_per_step: int,
         seed: int = 0,
+        id_prefix: str = "p",
     ):
         self.cfg = cfg
         self.datasets = list(datasets)
@@ -144,6 +145,7 @@ class Dispatcher:
         self._group_size = group_size if callable(group_size) else (lambda _d, g=group_size: g)
         self.prompts_per_step = prompts_per_step
         self._rng = random.Random(seed)
+        self._id_prefix = id_prefix
         self._counter = 0
         self.version = 0
         self.train_steps = 0
@@ -212,7 +214,7 @@ class Dispatcher:
         return cap is None or self.inflight[d] + self._group_size(d) <= cap
 
     def _release(self, dataset: str) -> Ticket:
-        t = Ticket(f"p{self._counter:07d}", dataset, self._group_size(dataset), self.version)
+        t = Ticket(f"{self._id_prefix}{self._counter:07d}", dataset, self._group_size(dataset), self.version)
         self._counter += 1
         self.inflight[dataset] += t.group_size
         self._groups[t.prompt_id] = _Group(t)

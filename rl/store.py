@@ -254,17 +254,22 @@ class TrajectoryStore:
                 s.execute(insert(SegmentTable), segment_rows)
 
     def mark_trained(self, sample_ids: Sequence[str], step: int) -> None:
-        """Stamp `step` on the samples the trainer consumed; raises if any id is unknown."""
+        """Stamp `step` on the samples the trainer consumed. Raises, marking nothing, if any id is
+        unknown or already trained: a sample is trained at most once."""
         ids = list(dict.fromkeys(sample_ids))
+        if len(ids) != len(sample_ids):
+            raise ValueError("mark_trained: the same sample id appears twice in one train step")
         matched = 0
         with self._sessions.begin() as s:
             for i in range(0, len(ids), 500):  # stay under the backends' bound-parameter limits
                 chunk = ids[i : i + 500]
                 matched += s.execute(
-                    update(SampleTable).where(SampleTable.sample_id.in_(chunk)).values(train_step=int(step))
+                    update(SampleTable)
+                    .where(SampleTable.sample_id.in_(chunk), SampleTable.train_step.is_(None))
+                    .values(train_step=int(step))
                 ).rowcount
             if matched != len(ids):
-                raise ValueError(f"mark_trained: {len(ids) - matched} of {len(ids)} sample ids are not in the store")
+                raise ValueError(f"mark_trained: {len(ids) - matched} of {len(ids)} sample ids are unknown or already trained")
 
     def add_train_step(self, step: int, metrics: dict) -> None:
         """Record one optimizer step's metrics (a repeated step, after resume, overwrites)."""

@@ -1,7 +1,10 @@
 """Trainer v0: SFT steps on demonstrations and GRPO steps on sampled trajectories.
 
 The trainer owns the optimizer and updates the policy's weights in place; the engine holds the same
-module (colocated), so after `step()` the next rollout token already uses the new weights.
+module (colocated), so after a step the next rollout token already uses the new weights. With a
+torch.distributed process group (several PolicyWorkers) each rank computes its shard's loss
+normalised by the *global* token count and gradients are summed across ranks before clipping, so
+every rank applies the same update as one big batch would.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from model.decoder import Decoder
 from rl.config import GRPOStage, OptimConfig
@@ -62,33 +66,57 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> tuple[torch.opt
     return opt, sched
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 class Trainer:
     def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu"):
         self.model, self.optim_cfg, self.device = model, optim, device
         self.opt, self.sched = build_optimizer(model, optim)
 
     def _apply(self) -> float:
-        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if _distributed():  # one flat all-reduce instead of one per parameter
+            for p in params:  # a rank whose shard never reached some parameter still joins the sum
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+        gnorm = torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return float(gnorm)
 
-    def sft_step(self, prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]]) -> dict[str, float]:
+    def sft_step(self, prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]],
+                 num_tokens: float | None = None) -> dict[str, float]:
+        """num_tokens: response tokens of the whole (global) batch; default this shard's."""
         self.model.train()
         b = pack(prompts_B, responses_B, device=self.device)
         logits, _ = self.model(b.input_ids)
-        loss, metrics = sft_loss(logits, b.targets, b.mask)
+        loss, metrics = sft_loss(logits, b.targets, b.mask, num_tokens)
         loss.backward()
         metrics["train/grad_norm"] = self._apply()
         metrics["train/lr"] = self.sched.get_last_lr()[0]
         return metrics
 
-    def grpo_step(self, samples: Sequence[Sample], cfg: GRPOStage, *, temperature: float) -> dict[str, float]:
-        """One optimizer step on a batch of complete groups (gradient accumulated over micro-batches)."""
+    def grpo_step(self, samples: Sequence[Sample], cfg: GRPOStage, *, temperature: float,
+                  advantages_B: Sequence[float] | None = None, num_tokens: float | None = None) -> dict[str, float]:
+        """One optimizer step on complete groups (gradient accumulated over micro-batches).
+
+        Data-parallel callers pass the advantages (computed on whole groups) and the global token count.
+        """
         self.model.train()
-        adv_B = group_advantages([s.reward for s in samples], [s.group_id for s in samples], std_normalize=cfg.std_normalize)
-        num_tokens = float(sum(s.num_response_tokens for s in samples))
+        if advantages_B is None:
+            advantages_B = group_advantages([s.reward for s in samples], [s.group_id for s in samples],
+                                            std_normalize=cfg.std_normalize)
+        local_tokens = float(sum(s.num_response_tokens for s in samples))
+        num_tokens = local_tokens if num_tokens is None else num_tokens
         totals: dict[str, float] = {}
         for lo in range(0, len(samples), cfg.micro_batch_size):
             mb = samples[lo : lo + cfg.micro_batch_size]
@@ -98,17 +126,17 @@ class Trainer:
             x = PolicyLossInputs(
                 logprobs=token_logprobs(logits, b.targets, temperature),
                 behavior_logprobs=b.behavior_logprobs,
-                advantages=torch.tensor(adv_B[lo : lo + len(mb)], dtype=torch.float32, device=self.device),
+                advantages=torch.tensor(advantages_B[lo : lo + len(mb)], dtype=torch.float32, device=self.device),
                 mask=b.mask,
                 num_tokens=num_tokens,
             )
             loss, metrics = grpo_loss(x, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
             loss.backward()
-            w = float(b.mask.sum()) / num_tokens  # token-weighted average of per-micro-batch metrics
+            w = float(b.mask.sum()) / max(local_tokens, 1.0)  # token-weighted mean over micro-batches
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + w * v
             totals["rl/loss"] = totals.get("rl/loss", 0.0) + float(loss.detach())
         totals["train/grad_norm"] = self._apply()
         totals["train/lr"] = self.sched.get_last_lr()[0]
-        totals["rl/adv_abs_mean"] = sum(abs(a) for a in adv_B) / len(adv_B)
+        totals["rl/adv_abs_mean"] = sum(abs(a) for a in advantages_B) / max(len(advantages_B), 1)
         return totals

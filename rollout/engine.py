@@ -55,6 +55,8 @@ class EngineStats:
     generated_tokens: int = 0
     resumed_tokens: int = 0
     """Tokens whose KV came back from a RolloutState instead of being recomputed."""
+    reprefill_tokens: int = 0
+    """Generated tokens that had to be prefilled again (a state that lost its KV); 0 by design."""
 
 
 class Engine:
@@ -91,6 +93,12 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._active or self._waiting)
 
+    def oldest_versions(self) -> list[int]:
+        """Version of the oldest generated token of every unfinished sequence that has one."""
+        return [s.versions[0] for s in self._active if s.versions] + [
+            s.policy_versions[0] for s in self._waiting if s.policy_versions
+        ]
+
     @torch.no_grad()
     def step(self) -> list[Generation]:
         """Advance every active sequence by one token; admit waiting ones. Returns finished ones."""
@@ -114,7 +122,7 @@ class Engine:
         finished = []
         for s in seqs:
             s.generate_s += dt
-            if s.tokens[-1] == self.eos_id or s.num_response >= self._max_new(s.request):
+            if (s.tokens[-1] == self.eos_id and not s.request.ignore_eos) or s.num_response >= self._max_new(s.request):
                 finished.append(self._finish(s))
         return finished
 
@@ -186,6 +194,7 @@ class Engine:
         logits, routing = self.model(ids, batch=batch)
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += sum(lens)
+        self.stats.reprefill_tokens += sum(s.num_response for s in seqs)
         last = torch.tensor(lens, device=self.device) - 1
         if routing is not None:
             for i, s in enumerate(seqs):
@@ -236,7 +245,7 @@ class Engine:
             response_tokens=tuple(s.tokens[P:]),
             logprobs=tuple(s.logprobs),
             policy_versions=tuple(s.versions),
-            finish_reason="eos" if s.tokens[-1] == self.eos_id else "length",
+            finish_reason="eos" if s.tokens[-1] == self.eos_id and not s.request.ignore_eos else "length",
             routing_trace=routing,
             generate_s=s.generate_s,
         )

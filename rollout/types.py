@@ -18,6 +18,8 @@ class GenerationRequest:
     """Sampler seed of this sample; with the token index it fixes every random draw (counter-based)."""
     temperature: float = 1.0
     top_p: float = 1.0
+    ignore_eos: bool = False
+    """Keep generating past EOS until max_new_tokens (forced-length benchmarks)."""
 
 
 @dataclass(frozen=True)

@@ -151,6 +151,16 @@ def test_mark_trained_rejects_unknown_ids_atomically(store):
     assert store.sample_train_step("a") is None
 
 
+def test_a_sample_is_trained_at_most_once(store):
+    store.add_samples([make_sample("a"), make_sample("b")])
+    store.mark_trained(["a"], step=1)
+    with pytest.raises(ValueError, match="already trained"):
+        store.mark_trained(["b", "a"], step=2)
+    assert store.sample_train_step("a") == 1 and store.sample_train_step("b") is None  # nothing marked
+    with pytest.raises(ValueError, match="appears twice"):
+        store.mark_trained(["b", "b"], step=2)
+
+
 def test_add_samples_is_one_transaction(store):
     with pytest.raises(IntegrityError):
         store.add_samples([make_sample("a"), make_sample("a")])

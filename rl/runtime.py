@@ -1,0 +1,122 @@
+"""Where the components run: Ray actors (default) or in-process objects (tests, debugging).
+
+`Runtime` starts Ray locally (`ray.init`) or joins the cluster at `runtime.ray_address`, creates one
+`PolicyWorker` actor per device and a pool of CPU `RewardWorker` actors, and exposes both through
+`Group`, which calls a method on one or all members and returns futures. The controller code is the
+same for both modes; only `Group` knows whether a call crosses a process boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+from rewards.arithmetic import Problem, Verdict
+from rl.config import Recipe
+from rl.worker import PolicyWorker
+
+
+class RewardWorker:
+    """Verifies finished samples on CPU (one task object per dataset)."""
+
+    def __init__(self, recipe: Recipe):
+        self.tasks = {d.name: d.build() for d in recipe.datasets}
+
+    def verify(self, items: Sequence[tuple[Problem, str]]) -> list[Verdict]:
+        return [self.tasks[p.dataset].verify(p, text) for p, text in items]
+
+
+class _Done:
+    """An already-computed result, standing in for a Ray ObjectRef in in-process mode."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+class Group:
+    """A list of workers, local objects or Ray actor handles, called uniformly."""
+
+    def __init__(self, members: list, remote: bool):
+        self.members, self.remote = members, remote
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def submit(self, i: int, method: str, *args, **kwargs):
+        m = self.members[i]
+        if self.remote:
+            return getattr(m, method).remote(*args, **kwargs)
+        return _Done(getattr(m, method)(*args, **kwargs))
+
+    def submit_all(self, method: str, *args, **kwargs) -> list:
+        return [self.submit(i, method, *args, **kwargs) for i in range(len(self.members))]
+
+    def get(self, futures):
+        """Block for one future or a list of them."""
+        if isinstance(futures, list):
+            if self.remote:
+                import ray
+
+                return ray.get(futures)
+            return [f.value for f in futures]
+        return self.get([futures])[0]
+
+    def ready(self, futures: list) -> bool:
+        """True when every future has completed (never blocks)."""
+        if not self.remote or not futures:
+            return True
+        import ray
+
+        done, _ = ray.wait(futures, num_returns=len(futures), timeout=0)
+        return len(done) == len(futures)
+
+    def call_all(self, method: str, *args, **kwargs) -> list:
+        return self.get(self.submit_all(method, *args, **kwargs))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Runtime:
+    def __init__(self, recipe: Recipe):
+        cfg = recipe.runtime
+        self.remote = cfg.ray
+        n = cfg.num_workers
+        if not self.remote:
+            if n != 1:
+                raise ValueError("runtime.num_workers > 1 needs runtime.ray: true")
+            self.policy = Group([PolicyWorker(recipe)], remote=False)
+            self.rewards = Group([RewardWorker(recipe)], remote=False)
+            return
+        import ray
+
+        if not ray.is_initialized():
+            if cfg.ray_address:
+                ray.init(address=cfg.ray_address, log_to_driver=True)
+            else:
+                ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
+        self._owns_ray = True
+        dist_init = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else None
+        threads = max(1, recipe.run.num_threads // n)
+        actor = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=1 if recipe.run.device == "cuda" else 0)(PolicyWorker)
+        self.policy = Group([actor.remote(recipe, rank=r, world_size=n, dist_init=dist_init, num_threads=threads)
+                             for r in range(n)], remote=True)
+        reward_actor = ray.remote(num_cpus=0)(RewardWorker)
+        self.rewards = Group([reward_actor.remote(recipe) for _ in range(cfg.num_reward_workers)], remote=True)
+        self.policy.call_all("info")  # surface construction errors now
+
+    def shutdown(self) -> None:
+        if self.remote:
+            import ray
+
+            for m in self.policy.members + self.rewards.members:
+                ray.kill(m)
+            if getattr(self, "_owns_ray", False) and ray.is_initialized():
+                ray.shutdown()

@@ -1,0 +1,136 @@
+"""PolicyWorker: the engine and the trainer of one device, sharing one policy module (seed §5.2.1).
+
+Phases alternate on the same device: ROLLOUT (`add`, `step`) → `interrupt` (every in-flight sample
+stops at the token boundary; its `RolloutState` moves to host memory) → TRAIN (`grpo_step` /
+`sft_step`; the weights change in place, version + 1) → `resume` (the states go back into the KV
+pool; no prefill) → ROLLOUT. The class is plain Python; `rl.runtime` wraps it in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.decoder import Decoder
+from model.tokenizer import CharTokenizer
+from rl.config import GRPOStage, Recipe, SFTStage
+from rl.trainer import Trainer
+from rl.types import Sample
+from rollout.engine import Engine
+from rollout.types import Generation, GenerationRequest, RolloutState
+
+
+@dataclass
+class StepResult:
+    finished: list[Generation]
+    active: int
+    """Sequences generating after this call."""
+    waiting: int
+    """Requests queued for admission after this call."""
+    steps: int
+    """Engine steps run."""
+    generated: int = 0
+    """Tokens generated in this call."""
+    finish_step: list[int] = field(default_factory=list)
+    """For each finished sequence, the index (within this call) of the engine step that finished it."""
+    oldest_versions: list[int] = field(default_factory=list)
+    """Version of the oldest generated token of every active sequence that has one."""
+
+
+def build_policy(recipe: Recipe) -> Decoder:
+    torch.manual_seed(recipe.run.seed)
+    if recipe.run.init_checkpoint is not None:
+        return load_checkpoint(recipe.run.init_checkpoint, device=recipe.run.device)  # shape checked by Recipe
+    return Decoder(recipe.model).to(recipe.run.device)
+
+
+class PolicyWorker:
+    def __init__(self, recipe: Recipe, *, rank: int = 0, world_size: int = 1, dist_init: str | None = None,
+                 num_threads: int | None = None):
+        self.recipe, self.rank, self.world_size = recipe, rank, world_size
+        torch.set_num_threads(num_threads or recipe.run.num_threads)
+        if world_size > 1:
+            dist.init_process_group("gloo", init_method=dist_init, rank=rank, world_size=world_size)
+        self.model = build_policy(recipe)  # same seed on every rank: identical initial weights
+        self.engine = Engine(self.model, recipe.engine, eos_id=CharTokenizer.eos_id, device=recipe.run.device)
+        self.trainer: Trainer | None = None
+        self._held: list[RolloutState] = []  # in-flight states parked in host memory during TRAIN
+
+    # -- ROLLOUT -------------------------------------------------------------------------------------
+    def add(self, requests: Sequence[GenerationRequest]) -> None:
+        self.engine.add(list(requests))
+
+    def step(self, num_steps: int = 1) -> StepResult:
+        self.model.eval()
+        finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
+        for i in range(num_steps):
+            if not self.engine.has_work():
+                break
+            done = self.engine.step()
+            finished += done
+            finish_step += [i] * len(done)
+            steps += 1
+        return StepResult(finished, self.engine.num_active, self.engine.num_waiting, steps,
+                          self.engine.stats.generated_tokens - before, finish_step, self.engine.oldest_versions())
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
+        """Run requests to completion on an otherwise idle engine (evaluation)."""
+        self.model.eval()
+        return self.engine.generate(list(requests))
+
+    # -- phase switches ------------------------------------------------------------------------------
+    def interrupt(self) -> dict[str, float]:
+        """Stop at the token boundary; park every in-flight state in host memory."""
+        t0 = time.perf_counter()
+        states = self.engine.interrupt()
+        self._held.extend(states)
+        return {"states": len(states), "bytes": sum(s.nbytes for s in states), "seconds": time.perf_counter() - t0}
+
+    def resume(self) -> dict[str, float]:
+        """Hand the parked states back to the engine; their KV is restored at the next step."""
+        states, self._held = self._held, []
+        self.engine.resume(states)
+        return {"states": len(states), "bytes": sum(s.nbytes for s in states)}
+
+    def held_states(self) -> list[RolloutState]:
+        return list(self._held)
+
+    def discard_held(self) -> int:
+        """Drop parked states (end of a stage); returns how many."""
+        n, self._held = len(self._held), []
+        return n
+
+    def set_version(self, version: int) -> None:
+        self.engine.policy_version = version
+
+    # -- TRAIN ---------------------------------------------------------------------------------------
+    def begin_stage(self, stage: SFTStage | GRPOStage) -> None:
+        self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device)
+
+    def sft_step(self, prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]], num_tokens: float) -> dict:
+        return self.trainer.sft_step(prompts_B, responses_B, num_tokens)
+
+    def grpo_step(self, samples: Sequence[Sample], advantages_B: Sequence[float], num_tokens: float,
+                  stage: GRPOStage, temperature: float) -> dict:
+        return self.trainer.grpo_step(samples, stage, temperature=temperature, advantages_B=advantages_B,
+                                      num_tokens=num_tokens)
+
+    # -- misc ----------------------------------------------------------------------------------------
+    def save(self, path: str, extra: dict | None = None) -> str:
+        return str(save_checkpoint(self.model, path, extra))
+
+    def info(self) -> dict:
+        return {"num_parameters": self.model.num_parameters(), "pid": os.getpid(), "rank": self.rank,
+                "kv_blocks": self.engine.cache.num_blocks, "prefill_calls": self.engine.stats.prefill_calls,
+                "prefill_tokens": self.engine.stats.prefill_tokens, "resumed_tokens": self.engine.stats.resumed_tokens,
+                "reprefill_tokens": self.engine.stats.reprefill_tokens,
+                "free_blocks": self.engine.cache.num_free_blocks}
+
+    def weights_checksum(self) -> float:
+        return float(sum(p.detach().double().sum() for p in self.model.parameters()))

@@ -1,0 +1,133 @@
+"""Dispatch rules on scripted completion orders (pure logic, no Ray)."""
+
+import pytest
+
+from rl.dispatch import DispatchConfig, Dispatcher, FinishedMeta
+
+
+def make(policy="sample", datasets=("a",), G=4, per_step=2, **kw):
+    return Dispatcher(DispatchConfig(policy=policy, **kw), datasets=list(datasets), group_size=G, prompts_per_step=per_step)
+
+
+def finish(d, ticket, j, tokens=10, min_version=None):
+    d.on_finished(FinishedMeta(f"{ticket.prompt_id}-{j}", ticket.prompt_id, tokens,
+                               ticket.version if min_version is None else min_version))
+
+
+def test_sample_policy_releases_a_prompt_per_group_size_of_completions_from_any_group():
+    d = make("sample", max_inflight=8)
+    a, b = d.dispatch()
+    assert d.total_inflight == 8 and d.dispatch() == []
+    for j in range(3):
+        finish(d, a, j)  # 3 completions, all from group a: less than a group size
+    assert d.dispatch() == []
+    finish(d, b, 0)  # the 4th completion comes from another group: release now
+    (c,) = d.dispatch()
+    assert c.group_size == 4 and d.total_inflight == 8
+
+
+def test_prompt_policy_waits_for_a_whole_group():
+    d = make("prompt", max_inflight=8)
+    a, b = d.dispatch()
+    for j in range(3):
+        finish(d, a, j)
+        finish(d, b, j)
+    assert d.dispatch() == []  # 6 completions but no whole group: stalls on the long tail
+    finish(d, a, 3)
+    assert len(d.dispatch()) == 1
+
+
+def test_batch_policy_prefills_and_refills_a_batch_per_train_step():
+    d = make("batch", max_inflight=64, batch_prefill=2, per_step=2)
+    first = d.dispatch()
+    assert len(first) == 4
+    for t in first[:2]:
+        for j in range(4):
+            finish(d, t, j)
+    assert d.dispatch() == []
+    assert d.take_batch([], lambda pid: (40, 0)) is not None
+    d.on_train_step()
+    assert len(d.dispatch()) == 2
+
+
+def test_sync_policy_never_overlaps():
+    d = make("sync", max_inflight=64, per_step=2)
+    batch = d.dispatch()
+    assert len(batch) == 2 and d.dispatch() == []
+    for j in range(4):
+        finish(d, batch[0], j)
+    for j in range(3):
+        finish(d, batch[1], j)
+    assert d.dispatch() == [] and d.take_batch([], lambda pid: (40, 0)) is None
+    finish(d, batch[1], 3)
+    assert d.dispatch() == []  # still holds an untrained batch
+    assert sorted(d.take_batch([], lambda pid: (40, 0))) == sorted(t.prompt_id for t in batch)
+    d.on_train_step()
+    assert len(d.dispatch()) == 2
+
+
+def test_per_dataset_cap_sends_draws_elsewhere():
+    d = make("sample", datasets=("a", "b"), max_inflight=16, dataset_max_inflight={"a": 4})
+    tickets = d.dispatch()
+    assert len(tickets) == 4
+    assert sum(t.dataset == "a" for t in tickets) == 1 and d.inflight["a"] == 4
+    assert d.stats.cap_skips >= 1
+    a_ticket = next(t for t in tickets if t.dataset == "a")
+    for j in range(4):
+        finish(d, a_ticket, j)
+    assert d.inflight["a"] == 0
+    # the freed room may go to a again, never above its cap
+    for t in d.dispatch():
+        assert t.dataset in ("a", "b")
+    assert d.inflight["a"] <= 4
+
+
+def test_mixture_weight_zero_excludes_a_dataset():
+    d = make("sample", datasets=("a", "b"), max_inflight=40, mixture={"a": 0.0})
+    assert {t.dataset for t in d.dispatch()} == {"b"}
+
+
+def test_unknown_dataset_in_dispatch_config_is_refused():
+    with pytest.raises(ValueError, match="unknown datasets"):
+        make("sample", datasets=("a",), dataset_max_inflight={"zz": 4})
+
+
+def test_max_version_lag_waits_for_inflight_and_drops_stale_groups():
+    d = make("sample", max_inflight=16, per_step=1, max_version_lag=1)
+    t1, t2, t3, t4 = d.dispatch()
+    for j in range(4):
+        finish(d, t1, j)
+    d.version = 1  # one train step happened elsewhere
+    # an in-flight sample whose oldest token is version 0 would reach lag 2 after this step: wait
+    assert d.take_batch([0, 1], lambda pid: (40, 0)) is None and d.stats.lag_waits == 1
+    assert d.take_batch([1, 1], lambda pid: (40, 0)) == [t1.prompt_id]
+    d.on_train_step()
+    d.on_train_step()  # version 3
+    for j in range(4):
+        finish(d, t2, j, min_version=0)  # lag 3 > 1: dropped, never trained
+    assert d.take_batch([], lambda pid: (40, 0)) is None and d.stats.dropped_stale_groups == 1
+
+
+def test_stale_token_fraction_bound_skips_stale_groups():
+    d = make("sample", max_inflight=16, per_step=2, max_stale_token_frac=0.25)
+    tickets = d.dispatch()
+    for t in tickets[:3]:
+        for j in range(4):
+            finish(d, t, j)
+    stale = {tickets[0].prompt_id: (40, 40), tickets[1].prompt_id: (40, 0), tickets[2].prompt_id: (40, 10)}
+    batch = d.take_batch([], lambda pid: stale[pid])
+    assert batch == [tickets[1].prompt_id, tickets[2].prompt_id]  # (0 + 10) / 80 <= 0.25, the all-stale one waits
+
+
+def test_warmup_discard_drops_short_early_groups_and_redispatches():
+    d = make("sample", max_inflight=8, warmup_discard={"steps": 1, "min_response_tokens": 5})
+    a, b = d.dispatch()
+    finish(d, a, 0, tokens=2)
+    assert d.is_discarded(a.prompt_id)
+    for j in range(1, 4):
+        finish(d, a, j, tokens=20)
+    assert d.stats.discarded_samples == 4 and d.num_ready_groups == 0
+    assert len(d.dispatch()) == 1  # the discarded group's room goes to a new prompt
+    for j in range(4):
+        finish(d, b, j, tokens=20)
+    assert d.num_ready_groups == 1

@@ -1,0 +1,85 @@
+"""PolicyWorker phases in-process: interrupt -> weight update in place -> resume, with no prefill."""
+
+import numpy as np
+import torch
+
+from rl.config import Recipe
+from rl.worker import PolicyWorker
+from rollout.types import GenerationRequest
+
+RECIPE = {
+    "run": {"name": "w", "seed": 0},
+    "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "init_std": 0.15,
+              "ffn": {"type": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}},
+    "datasets": [{"type": "arithmetic"}],
+    "engine": {"max_batch_size": 8, "block_size": 4, "max_seq_len": 64, "max_new_tokens": 30},
+    "runtime": {"ray": False},
+    "stages": [{"type": "grpo", "prompts_per_step": 1, "group_size": 2, "dispatch": {"max_inflight": 8}}],
+}
+
+
+def _worker():
+    return PolicyWorker(Recipe.model_validate(RECIPE))
+
+
+def _reqs():
+    return [GenerationRequest(f"s{i}", (1, 20 + i, 30, 40 + i), 30, seed=i) for i in range(4)]
+
+
+def test_interrupt_update_resume_continues_exact_tokens_without_prefill():
+    w = _worker()
+    w.add(_reqs())
+    for _ in range(5):
+        w.step()
+    held = w.interrupt()
+    states = {s.request.sample_id: s for s in w.held_states()}
+    assert held["states"] == len(states) > 0 and held["bytes"] == sum(s.nbytes for s in states.values())
+    assert w.engine.cache.num_free_blocks == w.engine.cache.num_blocks  # device KV released during TRAIN
+    with torch.no_grad():  # the weight update, in place, on the module the engine shares
+        for p in w.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    w.set_version(1)
+    prefills = w.engine.stats.prefill_calls
+    w.resume()
+    w.step()
+    assert w.engine.stats.prefill_calls == prefills  # no prompt or response token prefilled again
+    # The KV the engine now holds for each resumed sample is the persisted one, slot for slot.
+    for seq in w.engine._active:
+        st = states[seq.request.sample_id]
+        n = st.k.shape[1]
+        slots = torch.tensor(w.engine.cache.slots(seq.blocks, 0, n))
+        assert torch.equal(w.engine.cache.k[:, slots], st.k) and torch.equal(w.engine.cache.v[:, slots], st.v)
+    gens = []
+    while w.engine.has_work():
+        gens += w.step().finished
+    for g in gens:
+        st = states[g.sample_id]
+        full = list(g.prompt_tokens) + list(g.response_tokens)
+        assert full[: len(st.tokens)] == st.tokens  # tokens before the interrupt unchanged
+        n0 = st.num_response_tokens
+        assert list(g.policy_versions) == [0] * n0 + [1] * (len(g.response_tokens) - n0)
+        # concatenated routing replay record: the first segment's trace, then the new segment's
+        assert np.array_equal(g.routing_trace[: st.routing.shape[0]], st.routing)
+        assert g.routing_trace.shape[0] == len(full) - 1
+    assert w.engine.stats.reprefill_tokens == 0
+    assert w.engine.cache.num_free_blocks == w.engine.cache.num_blocks  # finished samples freed
+
+
+def test_new_segment_uses_new_weights():
+    """After the update, continuation differs from what the old weights would have produced."""
+    base = _worker()
+    ref = {g.sample_id: g for g in base.generate(_reqs())}
+    w = _worker()
+    w.add(_reqs())
+    for _ in range(3):
+        w.step()
+    w.interrupt()
+    with torch.no_grad():
+        for p in w.model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    w.resume()
+    gens = []
+    while w.engine.has_work():
+        gens += w.step().finished
+    assert any(g.response_tokens != ref[g.sample_id].response_tokens for g in gens)
+    assert all(g.response_tokens[:2] == ref[g.sample_id].response_tokens[:2] for g in gens)
