@@ -43,7 +43,7 @@ def recipe_for(policy: str, a) -> Recipe:
         "engine": {"max_batch_size": inflight, "block_size": 16, "max_seq_len": a.max_tokens + 16},
         "runtime": {"ray": a.ray, "num_workers": 1, "num_cpus": 2} if a.ray else {"ray": False},
         "stages": [{"type": "grpo", "max_steps": a.steps, "prompts_per_step": a.prompts, "group_size": a.group,
-                    "micro_batch_size": inflight, "optim": {"lr": 1e-5},
+                    "micro_batch_size": a.micro_batch, "optim": {"lr": 1e-5},
                     "dispatch": {"policy": policy, "max_inflight": inflight, "batch_prefill": 2}}],
         "logging": {"wandb": False, "progress_bar": False},
     })
@@ -95,16 +95,17 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=16, help="groups per train step")
+    ap.add_argument("--prompts", type=int, default=32, help="groups per train step")
     ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--micro-batch", type=int, default=32, help="samples per forward/backward in the train step")
     ap.add_argument("--median", type=int, default=16)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     a = ap.parse_args()
     if a.quick:
-        a.hidden, a.layers, a.prompts, a.group, a.steps, a.median, a.max_tokens = 64, 2, 8, 4, 4, 8, 160
+        a.hidden, a.layers, a.prompts, a.group, a.steps, a.median, a.max_tokens = 64, 2, 16, 4, 6, 8, 160
     out = Path(tempfile.mkdtemp(prefix="async_dispatch_"))
     rows = [run(p, a, out) for p in POLICIES]
     cols = ["policy", "trained_samples_per_s", "gen_tokens_per_s", "concurrency_mean", "concurrency_std",

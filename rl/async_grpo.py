@@ -42,8 +42,8 @@ def prompt_id_of(sample_id: str) -> str:
 class RolloutClock:
     """Concurrency and time accounting of the rollout phases (metrics and benchmarks)."""
 
-    concurrency: list[int] = field(default_factory=list)
-    """Active sequences summed over engines, after every engine call."""
+    concurrency: list[float] = field(default_factory=list)
+    """Sequences generating per engine step (tokens generated ÷ steps), summed over engines, per call."""
     interrupt_s: list[float] = field(default_factory=list)
     """Signal-to-idle time of every interrupt."""
     interrupt_late_steps: list[int] = field(default_factory=list)
@@ -126,7 +126,7 @@ def run_async_grpo(ctx, stage: GRPOStage, stage_idx: int) -> RolloutClock:
             gens = [g for r in results for g in r.finished]
             for w, r in enumerate(results):
                 load[w] -= len(r.finished)
-            clock.concurrency.append(sum(r.active for r in results))
+            clock.concurrency.append(sum(r.generated / max(r.steps, 1) for r in results))
             clock.generated_tokens += sum(r.generated for r in results)
             for g in gens:
                 disp.on_finished(FinishedMeta(g.sample_id, prompt_id_of(g.sample_id), len(g.response_tokens),
