@@ -117,6 +117,10 @@ class Trainer:
                                             std_normalize=cfg.std_normalize)
         local_tokens = float(sum(s.num_response_tokens for s in samples))
         num_tokens = local_tokens if num_tokens is None else num_tokens
+        # Micro-batches of similar length: padding to the longest member wastes little (long tails).
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_tokens) + samples[i].num_response_tokens)
+        samples = [samples[i] for i in order]
+        advantages_B = [advantages_B[i] for i in order]
         totals: dict[str, float] = {}
         for lo in range(0, len(samples), cfg.micro_batch_size):
             mb = samples[lo : lo + cfg.micro_batch_size]

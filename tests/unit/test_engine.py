@@ -160,3 +160,22 @@ def test_rollout_state_round_trip_preserves_everything(moe_model):
     assert r.logprobs == pytest.approx(s.logprobs)
     assert torch.equal(r.k, s.k) and torch.equal(r.v, s.v) and np.array_equal(r.routing, s.routing)
     assert r.nbytes == s.nbytes > 0
+
+
+def test_replaying_recorded_routing_reproduces_recorded_logprobs(moe_model):
+    """The training forward with the engine's routing trace gives the engine's logprobs and experts."""
+    from rl.losses import token_logprobs
+    from rl.trainer import pack
+
+    gens = _engine(moe_model, max_batch_size=8).generate(_requests(6, max_new=20, temperature=0.7))
+    b = pack([g.prompt_tokens for g in gens], [g.response_tokens for g in gens], [g.logprobs for g in gens],
+             routing_B=[g.routing_trace for g in gens])
+    with torch.no_grad():
+        logits, routing = moe_model(b.input_ids, routing_replay=b.routing)
+    lp = token_logprobs(logits, b.targets, temperature=0.7)
+    m = b.mask.bool()
+    assert torch.allclose(lp[m], b.behavior_logprobs[m], atol=1e-4)
+    real = torch.zeros_like(m)
+    for i, g in enumerate(gens):
+        real[i, : len(g.prompt_tokens) + len(g.response_tokens) - 1] = True
+    assert torch.equal(routing[real], b.routing[real])
