@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from model.config import ModelConfig, MoEFFNConfig
@@ -236,22 +237,35 @@ class Decoder(nn.Module):
         *,
         batch: PagedBatch | None = None,
         routing_replay: torch.Tensor | None = None,
+        checkpoint_layers: bool = False,
     ) -> DecoderOutput:
-        """input_ids, positions [B, T]; routing_replay [B, T, num_layers, top_k] or None."""
+        """input_ids, positions [B, T]; routing_replay [B, T, num_layers, top_k] or None.
+
+        checkpoint_layers: recompute each layer in the backward pass (training only). A layer's
+        replayed expert ids are an argument of that layer, so the recomputation reuses exactly the
+        record the first pass used; nothing is consumed twice.
+        """
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         h = self.model.embed_tokens(input_ids)
         routing = []
+        recompute = checkpoint_layers and batch is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
-            h, ids = layer(h, cos, sin, batch, None if routing_replay is None else routing_replay[:, :, i])
+            replay_i = None if routing_replay is None else routing_replay[:, :, i]
+            if recompute:
+                h, ids = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, None, replay_i, use_reentrant=False)
+            else:
+                h, ids = layer(h, cos, sin, batch, replay_i)
             if ids is not None:
                 routing.append(ids)
         return DecoderOutput(self.model.norm(h), torch.stack(routing, dim=2) if routing else None)
 
-    def forward(self, input_ids, positions=None, *, batch=None, routing_replay=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, input_ids, positions=None, *, batch=None, routing_replay=None,
+                checkpoint_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (logits [B, T, vocab] float32, routing or None)."""
-        out = self.forward_hidden(input_ids, positions, batch=batch, routing_replay=routing_replay)
+        out = self.forward_hidden(input_ids, positions, batch=batch, routing_replay=routing_replay,
+                                  checkpoint_layers=checkpoint_layers)
         return self.lm_head(out.hidden).float(), out.routing
 
     def num_parameters(self) -> int:

@@ -175,6 +175,13 @@ class ArithmeticTask:
             self._heldout = problems
         return list(self._heldout)
 
+    @staticmethod
+    def reasoning_tokens(response: str) -> int:
+        """ℓ for the length penalty: the scratchpad, i.e. every character (= char token) before the
+        final answer line, newlines included; a direct answer has ℓ = 0."""
+        cut = response.rstrip().rfind("\n")
+        return max(cut, 0) + (1 if cut >= 0 else 0)
+
     def response_budget(self, problem: Problem, j: int) -> int | None:
         """Forced response length of sample j, for forced-length tasks; None: stop at EOS."""
         return None
@@ -183,7 +190,10 @@ class ArithmeticTask:
         """SFT target: the worked solution with a slip in each cascading column at cfg.slip_rate."""
         rate = self.cfg.slip_rate
         slip = (lambda _column: rng.random() < rate) if rate > 0 else None
-        return worked_solution(problem.a, problem.b, slip)
+        worked = worked_solution(problem.a, problem.b, slip)
+        if self.cfg.direct_answer_rate and rng.random() < self.cfg.direct_answer_rate:
+            return worked.rsplit("\n", 1)[-1]  # the answer line alone (slips included)
+        return worked
 
     def verify(self, problem: Problem, response: str) -> Verdict:
         """Reward 1 iff the response's last non-blank line is exactly the sum; never raises."""

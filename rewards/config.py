@@ -29,6 +29,9 @@ class ArithmeticConfig(StrictConfig):
     slip_rate: float = Field(0.0, ge=0.0, le=1.0)
     """Probability, per cascading column, that an SFT demonstration drops the carry ("4+5+1=9");
     never applies to the clean solution or to the verifier."""
+    direct_answer_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of SFT demonstrations that skip the scratchpad and write only the answer line, so the
+    policy can trade length for accuracy (effort conditioning needs that choice to exist)."""
     seed: int = 0
     """Seed of the train stream and of the held-out set; same seed, same problems."""
     num_heldout: int = Field(256, gt=0)

@@ -76,6 +76,10 @@ class LongTailTask:
     def demonstration(self, problem: Problem, rng: random.Random) -> str:
         return "x" * self.response_budget(problem, rng.randrange(1 << 30))
 
+    @staticmethod
+    def reasoning_tokens(response: str) -> int:
+        return len(response)
+
     def verify(self, problem: Problem, response: str) -> Verdict:
         bit = hashlib.blake2b(response.encode(), digest_size=1).digest()[0] & 1
         return Verdict(float(bit), bool(bit), None)

@@ -81,20 +81,26 @@ def run_async_grpo(ctx, stage: GRPOStage, stage_idx: int) -> RolloutClock:
     load = [0] * n_workers  # unfinished samples per worker
     pending_rewards: list[tuple[object, list[Generation]]] = []
     clock = RolloutClock()
+    effort = recipe.effort
+    effort_of: dict[str, int | None] = {}  # sample_id -> effort level
     policy.call_all("begin_stage", stage)
 
     def release(tickets: list[Ticket]) -> None:
         per_worker: dict[int, list[GenerationRequest]] = defaultdict(list)
         for t in tickets:
             problem = next(streams[t.dataset])
-            toks = ctx.prompt_tokens(problem)
-            prompt = Prompt(t.prompt_id, t.dataset, problem.prompt, toks, problem.answer, t.group_size, t.version)
+            prompt = Prompt(t.prompt_id, t.dataset, problem.prompt, ctx.prompt_tokens(problem), problem.answer,
+                            t.group_size, t.version)
             prompts[t.prompt_id] = (prompt, problem)
             ctx.store.add_prompts([prompt])
-            for j in range(t.group_size):  # engines split the in-flight samples, least-loaded first
+            # With effort conditioning the group is M_b samples at each level b (one group to the dispatcher).
+            levels = [b for b in effort.levels for _ in range(effort.samples_per_level)] if effort else [None] * t.group_size
+            for j, b in enumerate(levels):  # engines split the in-flight samples, least-loaded first
                 w = min(range(n_workers), key=load.__getitem__)
                 load[w] += 1
                 sid = f"{t.prompt_id}-{j}"
+                effort_of[sid] = b
+                toks = ctx.prompt_tokens(problem, b)
                 forced = ctx.tasks[t.dataset].response_budget(problem, j)
                 per_worker[w].append(GenerationRequest(
                     sid, toks, forced or recipe.engine.max_new_tokens, seed=ctx.sample_seed(sid),
@@ -105,7 +111,8 @@ def run_async_grpo(ctx, stage: GRPOStage, stage_idx: int) -> RolloutClock:
         while pending_rewards and (block or rt.rewards.ready([pending_rewards[0][0]])):
             fut, gens = pending_rewards.pop(0)
             samples = [ctx.to_sample(*prompts[prompt_id_of(g.sample_id)], g, verdict,
-                                     status="discarded" if disp.is_discarded(prompt_id_of(g.sample_id)) else "finished")
+                                     status="discarded" if disp.is_discarded(prompt_id_of(g.sample_id)) else "finished",
+                                     effort=effort_of.pop(g.sample_id))
                        for g, verdict in zip(gens, rt.rewards.get(fut))]
             ctx.store.add_samples(samples)
             for s in samples:

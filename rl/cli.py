@@ -3,6 +3,7 @@
     rl validate RECIPE [--set a.b=c ...]
     rl train RECIPE [--run-dir DIR] [--set a.b=c ...]
     rl traj ls RUN_DIR [filters]      rl traj show RUN_DIR SAMPLE_ID
+    rl eval RUN_DIR [--effort 10,25,50,75,90,100]
 
 A bad recipe prints one line naming the field (and YAML line) and exits 2. torch is imported only by
 commands that need it, so `rl validate` is instant.
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 
 from rl.recipe_io import RecipeError, load_recipe
+from rl.eval_cli import add_eval_parser
 from rl.traj_cli import add_traj_parser
 
 EXIT_BAD_INPUT = 2
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
     p.set_defaults(func=cmd_train)
     add_traj_parser(sub)
+    add_eval_parser(sub)
     return parser
 
 

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from model.config import ModelConfig, StrictConfig
 from model.tokenizer import CharTokenizer
 from rewards.config import ArithmeticConfig
+from rewards.effort import EffortConfig
 from rewards.longtail import LongTailConfig
 from rl.dispatch import DispatchConfig
 from rollout.config import EngineConfig
@@ -74,6 +75,21 @@ class SFTStage(StrictConfig):
     """Log metrics every this many steps."""
 
 
+class ImportanceConfig(StrictConfig):
+    """Which ratio the clip acts on, and the truncated importance weight (rl/losses.py states the objective)."""
+
+    ratio: Literal["behavior", "proximal"] = "behavior"
+    """behavior: clip π_θ/π_behav; proximal: clip π_θ/sg(π_θ) and weight by sg(π_θ/π_behav)."""
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncate the proximal importance weight at this value (None: no truncation)."""
+
+    @model_validator(mode="after")
+    def _cap_needs_proximal(self) -> "ImportanceConfig":
+        if self.tis_cap is not None and self.ratio != "proximal":
+            raise ValueError("tis_cap applies to ratio: proximal only")
+        return self
+
+
 class GRPOStage(StrictConfig):
     """Group-relative policy optimisation on verifier rewards, on the asynchronous runtime."""
 
@@ -105,6 +121,18 @@ class GRPOStage(StrictConfig):
     """Dispatch policy, in-flight bound, per-dataset caps, off-policy bounds, warm-up discard."""
     steps_per_call: int = Field(1, gt=0)
     """Engine steps per controller round trip; interrupts land within this many steps."""
+    max_staleness: int | None = Field(None, ge=0)
+    """Tokens generated more than this many versions before the trained weights leave the loss;
+    the normaliser keeps them (seed §5.2.2). None: no masking."""
+    max_sample_stale_frac: float | None = Field(None, ge=0, le=1)
+    """Drop a whole sample from the loss when its share of masked stale tokens exceeds this."""
+    importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
+    """Importance correction against the recorded behaviour logprobs."""
+    routing_replay: bool = True
+    """MoE: the training forward uses the expert ids recorded at rollout, concatenated over segments
+    (seed §5.2.1); gate weights still come from the current router."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in the backward pass (replayed routing is reused, not re-drawn)."""
 
 
 Stage = Annotated[Union[SFTStage, GRPOStage], Field(discriminator="type")]
@@ -170,6 +198,8 @@ class Recipe(StrictConfig):
     """Procedural task datasets (each `type:` a task family)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     """Rollout engine."""
+    effort: EffortConfig | None = None
+    """Effort conditioning (seed §5.1.4): prompt prefix, per-level subgroups, length penalty."""
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     """Where workers run (Ray or in-process) and how many."""
     stages: list[Stage] = Field(min_length=1)
@@ -219,6 +249,16 @@ class Recipe(StrictConfig):
                 unknown = sorted((set(stage.dispatch.dataset_max_inflight) | set(stage.dispatch.mixture)) - set(names))
                 if unknown:
                     raise ValueError(f"stages.{i}.dispatch names unknown datasets {unknown}; datasets are {names}")
+        return self
+
+    @model_validator(mode="after")
+    def validate_effort(self) -> "Recipe":
+        if self.effort is not None:
+            for i, stage in enumerate(self.stages):
+                if isinstance(stage, GRPOStage) and stage.group_size != self.effort.group_size:
+                    raise ValueError(
+                        f"stages.{i}.group_size={stage.group_size} must equal len(effort.levels) x "
+                        f"effort.samples_per_level = {self.effort.group_size}")
         return self
 
     @model_validator(mode="after")

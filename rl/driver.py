@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from model.tokenizer import CharTokenizer
 from rewards.arithmetic import ArithmeticTask, Problem, Verdict
+from rewards.effort import effort_prefix
 from rl.async_grpo import run_async_grpo
 from rl.config import GRPOStage, Recipe, SFTStage
 from rl.metrics import MetricsLogger
@@ -49,8 +50,12 @@ class RunContext:
     global_step: int = 0
     bar: tqdm | None = None
 
-    def prompt_tokens(self, problem: Problem) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(problem.prompt, bos=True))
+    def prompt_text(self, problem: Problem, effort: int | None = None) -> str:
+        """The prompt as the policy sees it: the effort prefix line (seed §5.1.4), then the problem."""
+        return problem.prompt if effort is None else f"{effort_prefix(effort)}\n{problem.prompt}"
+
+    def prompt_tokens(self, problem: Problem, effort: int | None = None) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(self.prompt_text(problem, effort), bos=True))
 
     def sample_seed(self, sample_id: str) -> int:
         digest = hashlib.blake2b(f"{self.recipe.run.seed}:{sample_id}".encode(), digest_size=8).digest()
@@ -64,12 +69,20 @@ class RunContext:
                 return
             yield step
 
-    def to_sample(self, prompt: Prompt, problem: Problem, g: Generation, verdict: Verdict, status: str = "finished") -> Sample:
+    def to_sample(self, prompt: Prompt, problem: Problem, g: Generation, verdict: Verdict, status: str = "finished",
+                  effort: int | None = None) -> Sample:
+        """A rewarded trajectory; with effort, the subgroup is (prompt, effort) and the reward adds
+        the effort-dependent length penalty (seed §5.1.4)."""
+        text = self.tokenizer.decode(g.response_tokens)
+        reward = verdict.reward
+        if effort is not None:
+            reward += self.recipe.effort.length_penalty(effort, self.tasks[prompt.dataset].reasoning_tokens(text))
         return Sample(
-            sample_id=g.sample_id, prompt_id=prompt.prompt_id, dataset=prompt.dataset, group_id=prompt.prompt_id,
-            prompt_tokens=g.prompt_tokens, response_tokens=g.response_tokens, prompt_text=prompt.text,
-            response_text=self.tokenizer.decode(g.response_tokens), behavior_logprobs_T=g.logprobs,
-            policy_versions_T=g.policy_versions, reward=verdict.reward, correct=verdict.correct,
+            sample_id=g.sample_id, prompt_id=prompt.prompt_id, dataset=prompt.dataset,
+            group_id=prompt.prompt_id if effort is None else f"{prompt.prompt_id}@{effort}",
+            prompt_tokens=g.prompt_tokens, response_tokens=g.response_tokens,
+            prompt_text=self.prompt_text(problem, effort), response_text=text, behavior_logprobs_T=g.logprobs,
+            policy_versions_T=g.policy_versions, reward=reward, correct=verdict.correct,
             finish_reason=g.finish_reason, status=status, routing_trace=g.routing_trace,
             timings={"finished_at": time.time(), "generate_s": g.generate_s},
         )
@@ -92,12 +105,15 @@ def _split(items: list, n: int) -> list[list]:
     return [items[i::n] for i in range(n)]
 
 
-def evaluate(ctx: RunContext) -> dict[str, float]:
-    """Held-out accuracy and mean response length per dataset (greedy unless eval.temperature > 0)."""
+def evaluate(ctx: RunContext, effort: int | None = None) -> dict[str, float]:
+    """Held-out accuracy and mean response length per dataset (greedy unless eval.temperature > 0).
+    With effort conditioning the prompts carry the effort prefix (default: the highest level)."""
     cfg, policy, metrics, accs = ctx.recipe.eval, ctx.runtime.policy, {}, []
+    if effort is None and ctx.recipe.effort is not None:
+        effort = ctx.recipe.effort.levels[-1]
     for name, task in ctx.tasks.items():
         problems = task.heldout()[: cfg.max_problems]
-        reqs = [GenerationRequest(f"eval-{p.problem_id}", ctx.prompt_tokens(p), ctx.recipe.engine.max_new_tokens,
+        reqs = [GenerationRequest(f"eval-{p.problem_id}", ctx.prompt_tokens(p, effort), ctx.recipe.engine.max_new_tokens,
                                   seed=ctx.sample_seed(p.problem_id), temperature=cfg.temperature) for p in problems]
         gens = {g.sample_id: g for part in policy.get([policy.submit(w, "generate", chunk)
                                                         for w, chunk in enumerate(_split(reqs, len(policy)))]) for g in part}
@@ -119,7 +135,8 @@ def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
     rng = random.Random(f"sft:{ctx.recipe.run.seed}:{stage_idx}")
     for step in ctx.budget(stage.max_steps, stage.max_minutes):
         batch = [next(problems) for _ in range(stage.batch_size)]
-        prompts = [ctx.prompt_tokens(p) for p in batch]
+        levels = ctx.recipe.effort.levels if ctx.recipe.effort else [None]
+        prompts = [ctx.prompt_tokens(p, rng.choice(levels)) for p in batch]  # demonstrations ignore the level
         responses = [ctx.tokenizer.encode(ctx.tasks[p.dataset].demonstration(p, rng), eos=True) for p in batch]
         num_tokens = float(sum(len(r) for r in responses))
         futs = [policy.submit(w, "sft_step", p, r, num_tokens)

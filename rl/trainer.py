@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from model.decoder import Decoder
 from rl.config import GRPOStage, OptimConfig
-from rl.losses import PolicyLossInputs, grpo_loss, group_advantages, sft_loss, token_logprobs
+from rl.losses import PolicyLossInputs, grpo_loss, group_advantages, sft_loss, staleness_keep, token_logprobs
 from rl.types import Sample
 
 
@@ -30,17 +30,19 @@ class PackedBatch:
     mask: torch.Tensor  # [B, T] 1.0 on response targets
     behavior_logprobs: torch.Tensor  # [B, T] (zeros off the response)
     routing: torch.Tensor | None = None  # [B, T, L, k] recorded expert ids of each input token
+    versions: torch.Tensor | None = None  # [B, T] policy version of each response target token
 
 
 def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]],
          behavior_B: Sequence[Sequence[float]] | None = None, routing_B: Sequence | None = None,
-         device: str | torch.device = "cpu") -> PackedBatch:
+         versions_B: Sequence[Sequence[int]] | None = None, device: str | torch.device = "cpu") -> PackedBatch:
     seqs = [list(p) + list(r) for p, r in zip(prompts_B, responses_B)]
     B, T = len(seqs), max(len(s) for s in seqs) - 1
     input_ids = torch.zeros(B, T, dtype=torch.long)
     targets = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T)
     behav = torch.zeros(B, T)
+    versions = torch.zeros(B, T, dtype=torch.long) if versions_B is not None else None
     routing = None
     for i, (s, p, r) in enumerate(zip(seqs, prompts_B, responses_B)):
         n = len(s) - 1
@@ -50,13 +52,16 @@ def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]
         mask[i, P - 1 : P - 1 + R] = 1.0
         if behavior_B is not None:
             behav[i, P - 1 : P - 1 + R] = torch.tensor(behavior_B[i], dtype=torch.float32)
+        if versions is not None:
+            versions[i, P - 1 : P - 1 + R] = torch.tensor(versions_B[i], dtype=torch.long)
         if routing_B is not None and routing_B[i] is not None:
             tr = torch.as_tensor(routing_B[i]).long()
             if routing is None:
                 routing = torch.zeros(B, T, *tr.shape[1:], dtype=torch.long)
             routing[i, : tr.shape[0]] = tr
     return PackedBatch(*(t.to(device) for t in (input_ids, targets, mask, behav)),
-                       routing=None if routing is None else routing.to(device))
+                       routing=None if routing is None else routing.to(device),
+                       versions=None if versions is None else versions.to(device))
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -106,10 +111,13 @@ class Trainer:
         return metrics
 
     def grpo_step(self, samples: Sequence[Sample], cfg: GRPOStage, *, temperature: float,
-                  advantages_B: Sequence[float] | None = None, num_tokens: float | None = None) -> dict[str, float]:
+                  advantages_B: Sequence[float] | None = None, num_tokens: float | None = None,
+                  current_version: int | None = None) -> dict[str, float]:
         """One optimizer step on complete groups (gradient accumulated over micro-batches).
 
         Data-parallel callers pass the advantages (computed on whole groups) and the global token count.
+        current_version: the version of the weights being trained (staleness is measured against it);
+        default: the newest token version in the batch.
         """
         self.model.train()
         if advantages_B is None:
@@ -117,6 +125,8 @@ class Trainer:
                                             std_normalize=cfg.std_normalize)
         local_tokens = float(sum(s.num_response_tokens for s in samples))
         num_tokens = local_tokens if num_tokens is None else num_tokens
+        version = current_version if current_version is not None else max(
+            (max(s.policy_versions_T) for s in samples if s.policy_versions_T), default=0)
         # Micro-batches of similar length: padding to the longest member wastes little (long tails).
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_tokens) + samples[i].num_response_tokens)
         samples = [samples[i] for i in order]
@@ -124,17 +134,24 @@ class Trainer:
         totals: dict[str, float] = {}
         for lo in range(0, len(samples), cfg.micro_batch_size):
             mb = samples[lo : lo + cfg.micro_batch_size]
-            b = pack([s.prompt_tokens for s in mb], [s.response_tokens for s in mb],
-                     [s.behavior_logprobs_T for s in mb], device=self.device)
-            logits, _ = self.model(b.input_ids)
+            replay = cfg.routing_replay and self.model.config.is_moe
+            b = pack([s.prompt_tokens for s in mb], [s.response_tokens for s in mb], [s.behavior_logprobs_T for s in mb],
+                     routing_B=[s.routing_trace for s in mb] if replay else None,
+                     versions_B=[s.policy_versions_T for s in mb], device=self.device)
+            if replay and b.routing is None:
+                raise ValueError("routing_replay is on but the samples carry no routing trace")
+            logits, _ = self.model(b.input_ids, routing_replay=b.routing,
+                                   checkpoint_layers=cfg.activation_checkpointing)
             x = PolicyLossInputs(
                 logprobs=token_logprobs(logits, b.targets, temperature),
                 behavior_logprobs=b.behavior_logprobs,
                 advantages=torch.tensor(advantages_B[lo : lo + len(mb)], dtype=torch.float32, device=self.device),
                 mask=b.mask,
                 num_tokens=num_tokens,
+                keep=staleness_keep(b.versions, b.mask, version, cfg.max_staleness, cfg.max_sample_stale_frac),
             )
-            loss, metrics = grpo_loss(x, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
+            loss, metrics = grpo_loss(x, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                                      ratio=cfg.importance.ratio, tis_cap=cfg.importance.tis_cap)
             loss.backward()
             w = float(b.mask.sum()) / max(local_tokens, 1.0)  # token-weighted mean over micro-batches
             for k, v in metrics.items():

@@ -119,7 +119,7 @@ class PolicyWorker:
     def grpo_step(self, samples: Sequence[Sample], advantages_B: Sequence[float], num_tokens: float,
                   stage: GRPOStage, temperature: float) -> dict:
         return self.trainer.grpo_step(samples, stage, temperature=temperature, advantages_B=advantages_B,
-                                      num_tokens=num_tokens)
+                                      num_tokens=num_tokens, current_version=self.engine.policy_version)
 
     # -- misc ----------------------------------------------------------------------------------------
     def save(self, path: str, extra: dict | None = None) -> str:

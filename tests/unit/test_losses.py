@@ -63,3 +63,41 @@ def test_pack_and_sft_loss_mask_only_response():
 def test_token_logprobs_temperature():
     logits = torch.tensor([[[2.0, 0.0]]])
     assert token_logprobs(logits, torch.tensor([[0]]), 2.0).item() == pytest.approx(math.log(math.e / (math.e + 1)))
+
+
+def test_staleness_mask_keeps_the_normaliser():
+    from rl.losses import staleness_keep
+
+    versions = torch.tensor([[5, 6, 7, 7], [3, 3, 7, 0]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0]])
+    keep = staleness_keep(versions, mask, current_version=7, max_staleness=1)
+    assert keep.tolist() == [[0, 1, 1, 1], [0, 0, 1, 0]]
+    logp = torch.zeros(2, 4, requires_grad=True)
+    x = PolicyLossInputs(logp, torch.zeros(2, 4), torch.tensor([1.0, 1.0]), mask, num_tokens=7.0, keep=keep)
+    loss, m = grpo_loss(x, clip_low=0.2, clip_high=0.2)
+    # 4 fresh tokens with ratio 1 and advantage 1 contribute -1 each; the normaliser stays 7, not 4
+    assert loss.item() == pytest.approx(-4 / 7)
+    assert m["stale/masked_frac"] == pytest.approx(3 / 7)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0, -1 / 7, -1 / 7, -1 / 7], [0, 0, -1 / 7, 0]]))
+    # whole-sample discard: sample 1 has 2 of 3 tokens stale (> 0.5) and leaves the loss entirely
+    keep = staleness_keep(versions, mask, current_version=7, max_staleness=1, max_sample_stale_frac=0.5)
+    assert keep[1].sum() == 0 and keep[0].tolist() == [0, 1, 1, 1]
+
+
+def test_proximal_ratio_with_truncated_importance_weight():
+    # behaviour logprobs: ratios π_θ/π_behav = 2.0 and 0.5; cap 1.5 truncates the first
+    logp = torch.log(torch.tensor([[0.4, 0.2]])).requires_grad_()
+    behav = torch.log(torch.tensor([[0.2, 0.4]]))
+    x = PolicyLossInputs(logp, behav, torch.tensor([1.0]), torch.ones(1, 2), num_tokens=2.0)
+    loss, m = grpo_loss(x, clip_low=0.2, clip_high=0.2, ratio="proximal", tis_cap=1.5)
+    # ρ = 1 in value, so each token contributes -A·w: w = [1.5, 0.5]
+    assert loss.item() == pytest.approx(-(1.5 + 0.5) / 2)
+    assert m["rl/tis_truncated_frac"] == pytest.approx(0.5) and m["rl/tis_weight_mean"] == pytest.approx(1.0)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.5 / 2, -0.5 / 2]]))  # the weight is detached
+    # the behaviour ratio instead clips 2.0 at 1.2 (no gradient) and keeps 0.5
+    logp2 = logp.detach().clone().requires_grad_()
+    loss_b, _ = grpo_loss(PolicyLossInputs(logp2, behav, torch.tensor([1.0]), torch.ones(1, 2), 2.0),
+                          clip_low=0.2, clip_high=0.2)
+    assert loss_b.item() == pytest.approx(-(1.2 + 0.5) / 2)

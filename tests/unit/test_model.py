@@ -103,3 +103,20 @@ def test_tied_embeddings_checkpoint(tmp_path):
     loaded = load_checkpoint(save_checkpoint(m, tmp_path / "c"))
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert torch.equal(loaded.lm_head.weight, m.lm_head.weight)
+
+
+def test_replay_under_activation_checkpointing_gives_the_same_gradient(moe_model):
+    x = torch.tensor([[1, 22, 23, 24, 25, 26], [1, 30, 31, 32, 0, 0]])
+    with torch.no_grad():
+        _, routing = moe_model(x)
+        for layer in moe_model.model.layers:  # the router moved since rollout: replay matters
+            layer.mlp.gate.weight.add_(torch.randn_like(layer.mlp.gate.weight) * 0.5)
+    grads = []
+    for ckpt in (False, True):
+        moe_model.zero_grad()
+        moe_model.train()
+        logits, used = moe_model(x, routing_replay=routing, checkpoint_layers=ckpt)
+        assert torch.equal(used, routing)
+        logits.square().mean().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in moe_model.parameters() if p.grad is not None]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)

@@ -1,0 +1,88 @@
+"""`rl eval RUN_DIR [--effort 10,25,50,75,90,100] [--checkpoint DIR]`: held-out accuracy and mean
+response length of a run's latest checkpoint, per reasoning-effort level (levels never trained on
+included), greedy, in-process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def add_eval_parser(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="held-out accuracy and length of a run's checkpoint, per effort level")
+    p.add_argument("run_dir")
+    p.add_argument("--effort", default=None, help="comma-separated effort levels in 1..100 (default: no effort prefix)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's latest)")
+    p.add_argument("--max-problems", type=int, default=None, help="held-out problems per dataset (default: the recipe's)")
+    p.set_defaults(func=cmd_eval)
+
+
+def _fail(msg: str) -> int:
+    print(f"rl eval: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def parse_efforts(text: str | None) -> list[int | None]:
+    if text is None:
+        return [None]
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--effort must be comma-separated integers, got {text!r}") from None
+    bad = [b for b in levels if not 1 <= b <= 100]
+    if not levels or bad:
+        raise ValueError(f"--effort levels must be in 1..100, got {text!r}")
+    return levels
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = [p for p in (run_dir / "checkpoints").glob("stage*") if (p / "model.safetensors").is_file()]
+    return max(ckpts, key=lambda p: int(p.name[5:].split("-")[0]), default=None)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "recipe.yaml").is_file():
+        return _fail(f"{run_dir} is not a run directory (no recipe.yaml)")
+    try:
+        efforts = parse_efforts(args.effort)
+    except ValueError as e:
+        return _fail(str(e))
+    ckpt = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(run_dir)
+    if ckpt is None or not (ckpt / "model.safetensors").is_file():
+        return _fail(f"no checkpoint with model.safetensors under {run_dir / 'checkpoints'}")
+    from rl.recipe_io import load_recipe
+
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    import torch  # heavy imports only past input checks
+
+    from model.checkpoint import load_checkpoint
+    from model.tokenizer import CharTokenizer
+    from rewards.effort import effort_prefix
+    from rollout.engine import Engine
+    from rollout.types import GenerationRequest
+
+    torch.set_num_threads(recipe.run.num_threads)
+    model = load_checkpoint(ckpt).eval()
+    engine = Engine(model, recipe.engine, eos_id=CharTokenizer.eos_id)
+    tok = CharTokenizer()
+    print(f"checkpoint {ckpt}")
+    print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
+    for b in efforts:
+        for d in recipe.datasets:
+            task = d.build()
+            problems = task.heldout()[: args.max_problems or recipe.eval.max_problems]
+            text = [p.prompt if b is None else f"{effort_prefix(b)}\n{p.prompt}" for p in problems]
+            reqs = [GenerationRequest(f"eval-{i}", tuple(tok.encode(t, bos=True)), recipe.engine.max_new_tokens, seed=i,
+                                      temperature=recipe.eval.temperature) for i, t in enumerate(text)]
+            gens = engine.generate(reqs)
+            responses = [tok.decode(g.response_tokens) for g in gens]
+            acc = sum(task.verify(p, r).correct for p, r in zip(problems, responses)) / len(problems)
+            length = sum(len(g.response_tokens) for g in gens) / len(gens)
+            reasoning = sum(task.reasoning_tokens(r) for r in responses) / len(responses)
+            label = "-" if b is None else str(b)
+            print(f"{label:>7} {d.name:<10} {acc:>9.3f} {length:>9.1f} {reasoning:>10.1f} {len(problems):>9}")
+    return 0
