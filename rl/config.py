@@ -71,6 +71,9 @@ class SFTStage(StrictConfig):
     """Demonstrations per optimizer step."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """Optimizer of this stage."""
+    effort_prefix_frac: float = Field(1.0, ge=0, le=1)
+    """With effort conditioning on: share of demonstrations whose prompt carries the effort prefix
+    (a random training level; the demonstration ignores it). The rest have none."""
     log_every: int = Field(20, gt=0)
     """Log metrics every this many steps."""
 

@@ -135,8 +135,9 @@ def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
     rng = random.Random(f"sft:{ctx.recipe.run.seed}:{stage_idx}")
     for step in ctx.budget(stage.max_steps, stage.max_minutes):
         batch = [next(problems) for _ in range(stage.batch_size)]
-        levels = ctx.recipe.effort.levels if ctx.recipe.effort else [None]
-        prompts = [ctx.prompt_tokens(p, rng.choice(levels)) for p in batch]  # demonstrations ignore the level
+        levels = ctx.recipe.effort.levels if ctx.recipe.effort else None
+        prompts = [ctx.prompt_tokens(p, rng.choice(levels) if levels and rng.random() < stage.effort_prefix_frac else None)
+                   for p in batch]  # demonstrations ignore the level
         responses = [ctx.tokenizer.encode(ctx.tasks[p.dataset].demonstration(p, rng), eos=True) for p in batch]
         num_tokens = float(sum(len(r) for r in responses))
         futs = [policy.submit(w, "sft_step", p, r, num_tokens)
