@@ -55,7 +55,7 @@ def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]
         if versions is not None:
             versions[i, P - 1 : P - 1 + R] = torch.tensor(versions_B[i], dtype=torch.long)
         if routing_B is not None and routing_B[i] is not None:
-            tr = torch.as_tensor(routing_B[i]).long()
+            tr = torch.tensor(routing_B[i], dtype=torch.long)  # a copy: arrays from Ray are read-only
             if routing is None:
                 routing = torch.zeros(B, T, *tr.shape[1:], dtype=torch.long)
             routing[i, : tr.shape[0]] = tr
