@@ -186,12 +186,14 @@ class ArithmeticTask:
         """Forced response length of sample j, for forced-length tasks; None: stop at EOS."""
         return None
 
-    def demonstration(self, problem: Problem, rng: random.Random) -> str:
-        """SFT target: the worked solution with a slip in each cascading column at cfg.slip_rate."""
+    def demonstration(self, problem: Problem, rng: random.Random, direct_answer_rate: float | None = None) -> str:
+        """SFT target: the worked solution with a slip in each cascading column at cfg.slip_rate; with
+        probability direct_answer_rate (default cfg.direct_answer_rate) only the answer line."""
         rate = self.cfg.slip_rate
         slip = (lambda _column: rng.random() < rate) if rate > 0 else None
         worked = worked_solution(problem.a, problem.b, slip)
-        if self.cfg.direct_answer_rate and rng.random() < self.cfg.direct_answer_rate:
+        direct = self.cfg.direct_answer_rate if direct_answer_rate is None else direct_answer_rate
+        if direct and rng.random() < direct:
             return worked.rsplit("\n", 1)[-1]  # the answer line alone (slips included)
         return worked
 

@@ -27,6 +27,11 @@ def effort_prefix(effort: int) -> str:
     return EFFORT_PREFIX.format(effort=effort)
 
 
+def with_effort(prompt: str, effort: int | None) -> str:
+    """The prompt as the policy sees it: the effort prefix line, then the task prompt (None: as is)."""
+    return prompt if effort is None else f"{effort_prefix(effort)}\n{prompt}"
+
+
 class EffortConfig(StrictConfig):
     """Train one policy at several reasoning-effort levels with an effort-dependent length penalty."""
 

@@ -73,7 +73,7 @@ class LongTailTask:
         rng = random.Random(f"{self.cfg.seed}:heldout")
         return [self._problem(-1 - i, rng) for i in range(self.cfg.num_heldout)]
 
-    def demonstration(self, problem: Problem, rng: random.Random) -> str:
+    def demonstration(self, problem: Problem, rng: random.Random, direct_answer_rate: float | None = None) -> str:
         return "x" * self.response_budget(problem, rng.randrange(1 << 30))
 
     @staticmethod

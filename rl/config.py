@@ -73,7 +73,11 @@ class SFTStage(StrictConfig):
     """Optimizer of this stage."""
     effort_prefix_frac: float = Field(1.0, ge=0, le=1)
     """With effort conditioning on: share of demonstrations whose prompt carries the effort prefix
-    (a random training level; the demonstration ignores it). The rest have none."""
+    (a random training level). The rest have none."""
+    effort_cold_start: bool = False
+    """A demonstration prefixed with level b skips the scratchpad with probability 1 − b/100: a tiny
+    model has no language prior to read the prefix's meaning from, so SFT shows it once; RL with the
+    length penalty then sets the trade-off. False: demonstrations ignore the level."""
     log_every: int = Field(20, gt=0)
     """Log metrics every this many steps."""
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from model.tokenizer import CharTokenizer
 from rewards.arithmetic import ArithmeticTask, Problem, Verdict
-from rewards.effort import effort_prefix
+from rewards.effort import with_effort
 from rl.async_grpo import run_async_grpo
 from rl.config import GRPOStage, Recipe, SFTStage
 from rl.metrics import MetricsLogger
@@ -52,7 +52,7 @@ class RunContext:
 
     def prompt_text(self, problem: Problem, effort: int | None = None) -> str:
         """The prompt as the policy sees it: the effort prefix line (seed §5.1.4), then the problem."""
-        return problem.prompt if effort is None else f"{effort_prefix(effort)}\n{problem.prompt}"
+        return with_effort(problem.prompt, effort)
 
     def prompt_tokens(self, problem: Problem, effort: int | None = None) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(self.prompt_text(problem, effort), bos=True))
@@ -136,9 +136,11 @@ def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
     for step in ctx.budget(stage.max_steps, stage.max_minutes):
         batch = [next(problems) for _ in range(stage.batch_size)]
         levels = ctx.recipe.effort.levels if ctx.recipe.effort else None
-        prompts = [ctx.prompt_tokens(p, rng.choice(levels) if levels and rng.random() < stage.effort_prefix_frac else None)
-                   for p in batch]  # demonstrations ignore the level
-        responses = [ctx.tokenizer.encode(ctx.tasks[p.dataset].demonstration(p, rng), eos=True) for p in batch]
+        efforts = [rng.choice(levels) if levels and rng.random() < stage.effort_prefix_frac else None for _ in batch]
+        prompts = [ctx.prompt_tokens(p, b) for p, b in zip(batch, efforts)]
+        responses = [ctx.tokenizer.encode(ctx.tasks[p.dataset].demonstration(
+            p, rng, direct_answer_rate=1 - b / 100 if stage.effort_cold_start and b is not None else None), eos=True)
+            for p, b in zip(batch, efforts)]
         num_tokens = float(sum(len(r) for r in responses))
         futs = [policy.submit(w, "sft_step", p, r, num_tokens)
                 for w, (p, r) in enumerate(zip(_split(prompts, len(policy)), _split(responses, len(policy))))]

@@ -61,7 +61,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from model.checkpoint import load_checkpoint
     from model.tokenizer import CharTokenizer
-    from rewards.effort import effort_prefix
+    from rewards.effort import with_effort
     from rollout.engine import Engine
     from rollout.types import GenerationRequest
 
@@ -75,7 +75,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for d in recipe.datasets:
             task = d.build()
             problems = task.heldout()[: args.max_problems or recipe.eval.max_problems]
-            text = [p.prompt if b is None else f"{effort_prefix(b)}\n{p.prompt}" for p in problems]
+            text = [with_effort(p.prompt, b) for p in problems]
             reqs = [GenerationRequest(f"eval-{i}", tuple(tok.encode(t, bos=True)), recipe.engine.max_new_tokens, seed=i,
                                       temperature=recipe.eval.temperature) for i, t in enumerate(text)]
             gens = engine.generate(reqs)

@@ -1,7 +1,6 @@
 """Real Ray, 2 PolicyWorkers on CPU (gloo data parallel), sample-level dispatch, a few train steps."""
 
 import pytest
-import torch
 
 from rl.async_grpo import run_async_grpo
 from rl.config import Recipe

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
@@ -86,3 +85,17 @@ def test_traj_cli_reads_the_run(tiny_run):
     sid = out.stdout.splitlines()[2].split()[0]
     show = _rl("traj", "show", str(run_dir), sid, cwd=run_dir.parent)
     assert show.returncode == 0 and sid in show.stdout
+
+
+def test_rl_eval_per_effort_and_bad_input(tiny_run):
+    run_dir, _ = tiny_run
+    out = _rl("eval", str(run_dir), "--effort", "10,100", "--max-problems", "8", cwd=run_dir.parent)
+    assert out.returncode == 0, out.stderr[-1000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0] in ("10", "100")]
+    assert [r[0] for r in rows] == ["10", "100"] and all(r[-1] == "8" for r in rows)
+    assert 0.0 <= float(rows[0][2]) <= 1.0
+    for args in (["--effort", "0,50"], ["--effort", "x"]):
+        bad = _rl("eval", str(run_dir), *args, cwd=run_dir.parent)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--effort" in bad.stderr
+    missing = _rl("eval", str(run_dir / "nope"), cwd=run_dir.parent)
+    assert missing.returncode == 2 and "not a run directory" in missing.stderr

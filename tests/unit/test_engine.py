@@ -1,6 +1,5 @@
 """Rollout engine: continuous batching, interrupt/resume without prefill, sampling."""
 
-import math
 
 import numpy as np
 import pytest
