@@ -158,6 +158,7 @@ class Dispatcher:
         self._groups: dict[str, _Group] = {}  # open groups (some member still generating)
         self._ready: OrderedDict[str, _Group] = OrderedDict()  # complete, untrained
         self._pending_draw: str | None = None  # dataset of a drawn-but-blocked next prompt
+        self._discarded: set[str] = set()  # prompt ids of complete groups discarded at warm-up
 
     # -- events --------------------------------------------------------------------------------------
     @property
@@ -178,12 +179,13 @@ class Dispatcher:
                 self._credit += 1
             if g.discarded:
                 self.stats.discarded_samples += len(g.done)
+                self._discarded.add(meta.prompt_id)
             else:
                 self._ready[meta.prompt_id] = g
 
     def is_discarded(self, prompt_id: str) -> bool:
         g = self._groups.get(prompt_id)
-        return g is not None and g.discarded
+        return prompt_id in self._discarded or (g is not None and g.discarded)
 
     def on_train_step(self) -> None:
         self.version += 1

@@ -127,6 +127,7 @@ def test_warmup_discard_drops_short_early_groups_and_redispatches():
     for j in range(1, 4):
         finish(d, a, j, tokens=20)
     assert d.stats.discarded_samples == 4 and d.num_ready_groups == 0
+    assert d.is_discarded(a.prompt_id)  # still known as discarded after the group completed
     assert len(d.dispatch()) == 1  # the discarded group's room goes to a new prompt
     for j in range(4):
         finish(d, b, j, tokens=20)

@@ -64,3 +64,12 @@ def test_direct_answer_demonstrations():
     demos = [task.demonstration(p, random.Random(i)) for i in range(200)]
     direct = sum(d == "961" for d in demos)
     assert 70 < direct < 130 and all(d == "961" or d == p.solution for d in demos)
+
+
+def test_demonstration_direct_answer_override():
+    import random
+
+    task = ArithmeticTask(ArithmeticConfig(direct_answer_rate=0.5))
+    p = task.make_problem(372, 589)
+    assert all(task.demonstration(p, random.Random(i), direct_answer_rate=1.0) == "961" for i in range(20))
+    assert all(task.demonstration(p, random.Random(i), direct_answer_rate=0.0) == p.solution for i in range(20))
