@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Triton kernels run in interpreter mode where there is no GPU (set before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from model.config import DenseFFNConfig, ModelConfig, MoEFFNConfig
 

@@ -1,0 +1,54 @@
+"""Triton FP4 kernels vs the PyTorch reference: bit-exact (interpreter mode on CPU)."""
+
+import pytest
+import torch
+
+from model import fp4 as ref
+
+kernels = pytest.importorskip("model.kernels.fp4")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _cases():
+    torch.manual_seed(0)
+    x = torch.randn(6, 128) * torch.logspace(-4, 4, 6)[:, None]
+    x[0, :16] = 0.0  # all-zero block
+    x[1, 5] = float("inf")
+    x[2, 40] = float("nan")
+    x[3, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -6.0])
+    x[4] = x[4] * 1e6  # scales that saturate at 448
+    return x
+
+
+@pytest.mark.parametrize("C", [16, 64, 128])
+def test_quantize_bit_exact(C):
+    x = _cases()[:, :C].to(DEVICE)
+    p_ref, s_ref = ref.quantize(x)
+    p, s = kernels.quantize(x)
+    assert torch.equal(p, p_ref)
+    assert torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+
+
+def test_dequantize_bit_exact_and_batched_shapes():
+    x = _cases().reshape(2, 3, 128).to(DEVICE)
+    p, s = ref.quantize(x)
+    y_ref = ref.dequantize(p, s)
+    y = kernels.dequantize(p, s)
+    assert y.shape == x.shape
+    assert torch.equal(torch.nan_to_num(y, nan=7.0), torch.nan_to_num(y_ref, nan=7.0))
+    assert torch.equal(y.isnan(), y_ref.isnan())
+
+
+def test_bad_width_is_refused():
+    with pytest.raises(ValueError, match="16"):
+        kernels.quantize(torch.zeros(2, 48))
+
+
+def test_bf16_input_with_exact_ties_bit_exact():
+    """bf16 values land on exact E2M1 midpoints often: ties and divisions must match the reference."""
+    torch.manual_seed(2)
+    x = (torch.randn(256, 128) * 3).to(torch.bfloat16).to(DEVICE)
+    x[:, 0] = 6.0  # scale 1 exactly: every other value is x / 1, many exact ties
+    p_ref, s_ref = ref.quantize(x)
+    p, s = kernels.quantize(x)
+    assert torch.equal(p, p_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
