@@ -1,7 +1,8 @@
 """Triton kernels for the FP4 KV format: quantise (to packed E2M1 + E4M3 scales) and dequantise.
 
-Bit-exact against the PyTorch reference in `model/fp4.py` (which documents the format); one program
-per row, the row's channels viewed as [C // 16, 16] blocks. On a machine without a GPU, tests run
+Bit-exact against the PyTorch reference in `model/fp4.py` (which documents the format). Scale blocks
+are 16 contiguous values, so the tensor is processed as a flat sequence of blocks, `NBP` blocks per
+program, whatever the row width. On a machine without a GPU, tests run
 them with TRITON_INTERPRET=1. `use_triton(x)` is the opt-in switch: the reference is the fallback.
 """
 
@@ -27,11 +28,10 @@ def _floor_log2(s):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, C: tl.constexpr, NB: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    blk = tl.arange(0, NB)[:, None]
-    ch = tl.arange(0, 16)[None, :]
-    x = tl.load(x_ptr + row * C + blk * 16 + ch).to(tl.float32)  # [NB, 16]
+def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr):
+    blk = tl.program_id(0).to(tl.int64) * NBP + tl.arange(0, NBP)  # [NBP] global block ids
+    live = blk < n_blocks
+    x = tl.load(x_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
     absx = tl.abs(x)
     amax = tl.max(absx, axis=1)  # inf stays inf; NaN handled below
     has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
@@ -46,19 +46,21 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, C: tl.constexpr, NB: tl.const
     sub = scale < 0.015625
     bits = tl.where(sub, scale * 512.0, 8.0 * (e + 6.0) + 8.0 * tl.math.div_rn(scale, _pow2(e))).to(tl.int32)
     bits = tl.where(has_nan, 0x7F, bits)  # E4M3 NaN: the block dequantises to NaN
-    tl.store(scale_ptr + row * NB + tl.arange(0, NB), bits.to(tl.uint8))
-    y = tl.math.div_rn(x, scale[:, None])  # IEEE division, as the reference (`/` is approximate on GPUs)
-    mag = tl.minimum(tl.abs(y), 6.0)
-    mag = tl.where(y != y, 0.0, mag)
-    # E2M1 code = number of midpoints below |y|, ties to the even code
-    idx = ((mag > 0.25).to(tl.int32) + (mag > 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
-           + (mag > 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag > 3.5).to(tl.int32) + (mag > 5.0).to(tl.int32))
-    tie = ((mag == 0.25) | (mag == 0.75) | (mag == 1.25) | (mag == 1.75) | (mag == 2.5) | (mag == 3.5) | (mag == 5.0))
+    tl.store(scale_ptr + blk, bits.to(tl.uint8), mask=live)
+    # E2M1 code = number of midpoints below |x| / scale, ties to the even code; compared as
+    # |x| vs midpoint · scale (exact products), so no division is needed
+    mag = tl.where(x != x, 0.0, tl.abs(x))
+    sc = scale[:, None]
+    idx = ((mag > 0.25 * sc).to(tl.int32) + (mag > 0.75 * sc).to(tl.int32) + (mag > 1.25 * sc).to(tl.int32)
+           + (mag > 1.75 * sc).to(tl.int32) + (mag > 2.5 * sc).to(tl.int32) + (mag > 3.5 * sc).to(tl.int32)
+           + (mag > 5.0 * sc).to(tl.int32))
+    tie = ((mag == 0.25 * sc) | (mag == 0.75 * sc) | (mag == 1.25 * sc) | (mag == 1.75 * sc) | (mag == 2.5 * sc)
+           | (mag == 3.5 * sc) | (mag == 5.0 * sc))
     idx = idx + (tie & ((idx % 2) == 1)).to(tl.int32)
-    code = idx + 8 * ((y < 0) & (idx > 0)).to(tl.int32)
-    lo, hi = tl.split(tl.reshape(code, (NB, 8, 2)))
+    code = idx + 8 * ((x < 0) & (idx > 0)).to(tl.int32)
+    lo, hi = tl.split(tl.reshape(code, (NBP, 8, 2)))
     packed = (lo | (hi << 4)).to(tl.uint8)
-    tl.store(packed_ptr + row * (C // 2) + tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :], packed)
+    tl.store(packed_ptr + blk[:, None] * 8 + tl.arange(0, 8)[None, :], packed, mask=live[:, None])
 
 
 @triton.jit
@@ -82,34 +84,38 @@ def _e4m3_value(bits):
 
 
 @triton.jit
-def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, C: tl.constexpr, NB: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    p = tl.load(packed_ptr + row * (C // 2) + tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :]).to(tl.int32)
-    codes = tl.reshape(tl.join(p & 15, p >> 4), (NB, 16))
-    bits = tl.load(scale_ptr + row * NB + tl.arange(0, NB)).to(tl.int32)
-    scale = _e4m3_value(bits)
-    vals = _e2m1_value(codes) * scale[:, None]
-    tl.store(out_ptr + row * C + tl.arange(0, NB)[:, None] * 16 + tl.arange(0, 16)[None, :], vals)
+def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, n_blocks, NBP: tl.constexpr):
+    blk = tl.program_id(0).to(tl.int64) * NBP + tl.arange(0, NBP)
+    live = blk < n_blocks
+    p = tl.load(packed_ptr + blk[:, None] * 8 + tl.arange(0, 8)[None, :], mask=live[:, None], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(p & 15, p >> 4), (NBP, 16))
+    bits = tl.load(scale_ptr + blk, mask=live, other=0).to(tl.int32)
+    vals = _e2m1_value(codes) * _e4m3_value(bits)[:, None]
+    tl.store(out_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :], vals.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+NBP = 128  # scale blocks (of 16 values) per program
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as model.fp4.quantize: x [..., C] -> (uint8 [..., C // 2], float8_e4m3fn [..., C // 16])."""
     C = x.shape[-1]
-    if C % ref.BLOCK or (C // ref.BLOCK) & (C // ref.BLOCK - 1):
-        raise ValueError(f"last dimension {C} must be 16 × a power of two")
-    rows = x.reshape(-1, C).contiguous()
-    packed = torch.empty(rows.shape[0], C // 2, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(rows.shape[0], C // ref.BLOCK, dtype=torch.uint8, device=x.device)
-    if rows.shape[0]:
-        _quantize_kernel[(rows.shape[0],)](rows, packed, scales, C=C, NB=C // ref.BLOCK)
+    if C % ref.BLOCK:
+        raise ValueError(f"last dimension {C} is not a multiple of {ref.BLOCK}")
+    flat = x.contiguous().view(-1)
+    n_blocks = flat.numel() // ref.BLOCK
+    packed = torch.empty(n_blocks * 8, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
+    if n_blocks:
+        _quantize_kernel[(triton.cdiv(n_blocks, NBP),)](flat, packed, scales, n_blocks, NBP=NBP)
     return packed.view(*x.shape[:-1], C // 2), scales.view(torch.float8_e4m3fn).view(*x.shape[:-1], C // ref.BLOCK)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     C = packed.shape[-1] * 2
-    rows = packed.reshape(-1, C // 2).contiguous()
-    out = torch.empty(rows.shape[0], C, dtype=torch.float32, device=packed.device)
-    if rows.shape[0]:
-        _dequantize_kernel[(rows.shape[0],)](rows, scales.reshape(-1, C // ref.BLOCK).contiguous().view(torch.uint8),
-                                             out, C=C, NB=C // ref.BLOCK)
-    return out.view(*packed.shape[:-1], C).to(dtype)
+    n_blocks = scales.numel()
+    out = torch.empty(n_blocks * ref.BLOCK, dtype=dtype, device=packed.device)
+    if n_blocks:
+        _dequantize_kernel[(triton.cdiv(n_blocks, NBP),)](packed.contiguous().view(-1),
+                                                          scales.contiguous().view(torch.uint8).view(-1), out, n_blocks, NBP=NBP)
+    return out.view(*packed.shape[:-1], C)

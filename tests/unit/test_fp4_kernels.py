@@ -39,9 +39,14 @@ def test_dequantize_bit_exact_and_batched_shapes():
     assert torch.equal(y.isnan(), y_ref.isnan())
 
 
-def test_bad_width_is_refused():
+def test_bad_width_is_refused_and_odd_row_counts_work():
     with pytest.raises(ValueError, match="16"):
-        kernels.quantize(torch.zeros(2, 48))
+        kernels.quantize(torch.zeros(2, 40))
+    x = torch.randn(3, 7, 48).to(DEVICE)  # 63 blocks: a partial last program, a width of 3 blocks
+    p, s = kernels.quantize(x)
+    p_ref, s_ref = ref.quantize(x)
+    assert torch.equal(p, p_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+    assert torch.equal(kernels.dequantize(p, s, torch.bfloat16), ref.dequantize(p, s, torch.bfloat16))
 
 
 def test_bf16_input_with_exact_ties_bit_exact():
