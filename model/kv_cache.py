@@ -30,7 +30,10 @@ class PagedKVCache:
         device: str | torch.device = "cpu",
     ):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
-        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        # One slot past the pool is a scratch slot: padding writes land there, so `write` never needs
+        # to look at the mask on the host (no sync in the token loop).
+        self._scratch = num_blocks * block_size
+        shape = (num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -62,12 +65,10 @@ class PagedKVCache:
 
     # -- data movement -----------------------------------------------------------------------------
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slot_mapping [B, T] (−1 = padding, not written); k, v [B, T, KVH, D]."""
+        """slot_mapping [B, T] (−1 = padding, sent to the scratch slot); k, v [B, T, KVH, D]."""
         flat = slot_mapping.reshape(-1)
-        keep = flat >= 0
+        flat = torch.where(flat < 0, torch.full_like(flat, self._scratch), flat)
         kf, vf = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-        if not bool(keep.all()):
-            flat, kf, vf = flat[keep], kf[keep], vf[keep]
         self.k[layer].index_copy_(0, flat, kf.to(self.k.dtype))
         self.v[layer].index_copy_(0, flat, vf.to(self.v.dtype))
 
