@@ -15,6 +15,11 @@ The algorithm, per train step:
             no prefill. New tokens carry the new version, so each sample's segments
             [(start, end, version)] and its concatenated routing trace record where it changed hands.
 
+Checkpoints (rl/checkpoint.py) are taken at the top of the ROLLOUT loop, a token boundary: every
+engine is interrupted, pending rewards are collected, the controller state (`state_dict`) and the
+workers' states are written, and generation resumes (or, on SIGTERM, the job exits). A restored job
+re-enters the loop at the same point, so it continues exactly as the uninterrupted one would.
+
 Departures from the textbook: the behaviour logprob in the clipped ratio is recorded per token at
 generation time, so a sample spanning several versions is corrected token by token; `sync` is this
 same loop with no overlap between rollout and training (the baseline).
@@ -29,7 +34,9 @@ from dataclasses import dataclass, field
 from rewards.arithmetic import Problem
 from rl.config import GRPOStage
 from rl.dispatch import Dispatcher, FinishedMeta, Ticket
+from rl.faults import fault_point
 from rl.losses import group_advantages
+from rl.streams import Cursor
 from rl.types import Prompt, Sample
 from rollout.types import Generation, GenerationRequest
 
@@ -66,86 +73,134 @@ def _merge_rank_metrics(per_rank: list[dict], tokens: list[int]) -> dict:
     return out
 
 
-def run_async_grpo(ctx, stage: GRPOStage, stage_idx: int) -> RolloutClock:
-    """`ctx` is the driver's RunContext: runtime, store, tasks, recipe, logging hooks."""
-    rt, recipe = ctx.runtime, ctx.recipe
-    policy, n_workers = rt.policy, len(rt.policy)
-    disp = Dispatcher(stage.dispatch, datasets=list(ctx.tasks), group_size=stage.group_size,
-                      prompts_per_step=stage.prompts_per_step, seed=recipe.run.seed + stage_idx,
-                      id_prefix=f"s{stage_idx}-p")
-    disp.version = ctx.global_step
-    streams = {d: task.train_stream(seed_offset=2000 + stage_idx) for d, task in ctx.tasks.items()}
-    sampling = recipe.engine.sampling
-    prompts: dict[str, tuple[Prompt, Problem]] = {}
-    finished: dict[str, list[Sample]] = defaultdict(list)  # prompt_id -> rewarded samples
-    load = [0] * n_workers  # unfinished samples per worker
-    pending_rewards: list[tuple[object, list[Generation]]] = []
-    clock = RolloutClock()
-    effort = recipe.effort
-    effort_of: dict[str, int | None] = {}  # sample_id -> effort level
-    policy.call_all("begin_stage", stage)
+class AsyncGRPO:
+    """One GRPO stage's controller state and loop; `ctx` is the driver's RunContext."""
 
-    def release(tickets: list[Ticket]) -> None:
+    def __init__(self, ctx, stage: GRPOStage, stage_idx: int):
+        self.ctx, self.stage, self.stage_idx = ctx, stage, stage_idx
+        self.rt, recipe = ctx.runtime, ctx.recipe
+        self.policy = self.rt.policy
+        self.n_workers = len(self.policy)
+        self.disp = Dispatcher(stage.dispatch, datasets=list(ctx.tasks), group_size=stage.group_size,
+                               prompts_per_step=stage.prompts_per_step, seed=recipe.run.seed + stage_idx,
+                               id_prefix=f"s{stage_idx}-p")
+        self.disp.version = ctx.global_step
+        self.streams = {d: Cursor(task, seed_offset=2000 + stage_idx) for d, task in ctx.tasks.items()}
+        self.prompts: dict[str, tuple[Prompt, Problem]] = {}
+        self.finished: dict[str, list[Sample]] = defaultdict(list)  # prompt_id -> rewarded samples
+        self.load = [0] * self.n_workers  # unfinished samples per worker
+        self.pending_rewards: list[tuple[object, list[Generation]]] = []
+        self.effort_of: dict[str, int | None] = {}  # sample_id -> effort level, while in flight
+        self.clock = RolloutClock()
+        self.step = 0  # train steps of this stage so far
+
+    # -- checkpoint state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Controller state at a token boundary with pending rewards collected (see module docstring)."""
+        assert not self.pending_rewards
+        live = set(self.disp._groups) | set(self.disp._ready) | set(self.finished)
+        return {"dispatcher": self.disp.state_dict(), "streams": {d: c.drawn for d, c in self.streams.items()},
+                "prompts": {pid: self.prompts[pid] for pid in live},
+                "finished": {pid: [s.sample_id for s in ss] for pid, ss in self.finished.items()},
+                "effort_of": dict(self.effort_of), "clock": self.clock, "step": self.step}
+
+    def load_state_dict(self, state: dict, inflight_ids: list[list[str]]) -> None:
+        self.disp.load_state_dict(state["dispatcher"])
+        for d, n in state["streams"].items():
+            self.streams[d].skip_to(n)
+        self.prompts = dict(state["prompts"])
+        self.finished = defaultdict(list, {pid: [self.ctx.store.get_sample(i) for i in ids]
+                                           for pid, ids in state["finished"].items()})
+        self.effort_of, self.clock, self.step = dict(state["effort_of"]), state["clock"], state["step"]
+        self.load = [len(ids) for ids in inflight_ids]
+
+    # -- the phases ------------------------------------------------------------------------------------
+    def release(self, tickets: list[Ticket]) -> None:
+        ctx, effort, sampling = self.ctx, self.ctx.recipe.effort, self.ctx.recipe.engine.sampling
         per_worker: dict[int, list[GenerationRequest]] = defaultdict(list)
         for t in tickets:
-            problem = next(streams[t.dataset])
+            problem = next(self.streams[t.dataset])
             prompt = Prompt(t.prompt_id, t.dataset, problem.prompt, ctx.prompt_tokens(problem), problem.answer,
                             t.group_size, t.version)
-            prompts[t.prompt_id] = (prompt, problem)
+            self.prompts[t.prompt_id] = (prompt, problem)
             ctx.store.add_prompts([prompt])
             # With effort conditioning the group is M_b samples at each level b (one group to the dispatcher).
             levels = [b for b in effort.levels for _ in range(effort.samples_per_level)] if effort else [None] * t.group_size
             for j, b in enumerate(levels):  # engines split the in-flight samples, least-loaded first
-                w = min(range(n_workers), key=load.__getitem__)
-                load[w] += 1
+                w = min(range(self.n_workers), key=self.load.__getitem__)
+                self.load[w] += 1
                 sid = f"{t.prompt_id}-{j}"
-                effort_of[sid] = b
+                self.effort_of[sid] = b
                 toks = ctx.prompt_tokens(problem, b)
                 forced = ctx.tasks[t.dataset].response_budget(problem, j)
                 per_worker[w].append(GenerationRequest(
-                    sid, toks, forced or recipe.engine.max_new_tokens, seed=ctx.sample_seed(sid),
+                    sid, toks, forced or ctx.recipe.engine.max_new_tokens, seed=ctx.sample_seed(sid),
                     temperature=sampling.temperature, top_p=sampling.top_p, ignore_eos=forced is not None))
-        policy.get([policy.submit(w, "add", reqs) for w, reqs in per_worker.items()])
+        self.policy.get([self.policy.submit(w, "add", reqs) for w, reqs in per_worker.items()])
 
-    def collect_rewards(block: bool) -> None:
-        while pending_rewards and (block or rt.rewards.ready([pending_rewards[0][0]])):
-            fut, gens = pending_rewards.pop(0)
-            samples = [ctx.to_sample(*prompts[prompt_id_of(g.sample_id)], g, verdict,
-                                     status="discarded" if disp.is_discarded(prompt_id_of(g.sample_id)) else "finished",
-                                     effort=effort_of.pop(g.sample_id))
-                       for g, verdict in zip(gens, rt.rewards.get(fut))]
-            ctx.store.add_samples(samples)
+    def collect_rewards(self, block: bool) -> None:
+        rewards = self.rt.rewards
+        while self.pending_rewards and (block or rewards.ready([self.pending_rewards[0][0]])):
+            fut, gens = self.pending_rewards.pop(0)
+            samples = [self.ctx.to_sample(*self.prompts[prompt_id_of(g.sample_id)], g, verdict,
+                                          status="discarded" if self.disp.is_discarded(prompt_id_of(g.sample_id)) else "finished",
+                                          effort=self.effort_of.pop(g.sample_id))
+                       for g, verdict in zip(gens, rewards.get(fut))]
+            self.ctx.store.add_samples(samples)
             for s in samples:
                 if s.status == "finished":
-                    finished[s.prompt_id].append(s)
+                    self.finished[s.prompt_id].append(s)
+        self.record_closed()
 
-    def tokens_of(pid: str) -> tuple[int, int]:
-        ss = finished[pid]
-        return sum(s.num_response_tokens for s in ss), sum(v < disp.version for s in ss for v in s.policy_versions_T)
+    def record_closed(self) -> None:
+        by_outcome: dict[str, list[str]] = defaultdict(list)
+        for pid, outcome in self.disp.drain_closed():
+            by_outcome[outcome].append(pid)
+            self.finished.pop(pid, None)
+        for outcome, pids in by_outcome.items():
+            self.ctx.store.set_outcome(pids, outcome)
 
-    for step in ctx.budget(stage.max_steps, stage.max_minutes):
-        # ROLLOUT until the dispatcher's train-batch condition holds.
-        t_roll = time.perf_counter()
+    def tokens_of(self, pid: str) -> tuple[int, int]:
+        ss = self.finished[pid]
+        return sum(s.num_response_tokens for s in ss), sum(v < self.disp.version for s in ss for v in s.policy_versions_T)
+
+    def checkpoint_point(self, force: bool = False) -> None:
+        """A token boundary where the job may checkpoint (periodically, at the stage's end, or on
+        SIGTERM: then exit)."""
+        ctx = self.ctx
+        if ctx.ckpt is None or not (force or ctx.checkpoint_wanted()):
+            return
+        self.policy.call_all("interrupt")
+        self.collect_rewards(block=True)
+        ctx.save_checkpoint(self.stage_idx, self.state_dict())  # raises Preempted after a SIGTERM
+        self.policy.call_all("resume")
+
+    def rollout_until_batch(self) -> list[str]:
+        """ROLLOUT until the dispatcher's train-batch condition holds; returns the batch's prompt ids."""
+        disp, policy, clock, stage = self.disp, self.policy, self.clock, self.stage
         while True:
+            self.checkpoint_point()
             tickets = disp.dispatch()
-            release(tickets)
+            self.release(tickets)
             results = policy.call_all("step", stage.steps_per_call)
             gens = [g for r in results for g in r.finished]
             for w, r in enumerate(results):
-                load[w] -= len(r.finished)
+                self.load[w] -= len(r.finished)
             clock.concurrency.append(sum(r.generated / max(r.steps, 1) for r in results))
             clock.generated_tokens += sum(r.generated for r in results)
+            self.ctx.generated(sum(r.generated for r in results))
             for g in gens:
                 disp.on_finished(FinishedMeta(g.sample_id, prompt_id_of(g.sample_id), len(g.response_tokens),
                                               min(g.policy_versions)))
             if gens:
-                items = [(prompts[prompt_id_of(g.sample_id)][1], ctx.tokenizer.decode(g.response_tokens)) for g in gens]
-                pending_rewards.append((rt.rewards.submit(len(pending_rewards) % len(rt.rewards), "verify", items), gens))
-            collect_rewards(block=False)
+                items = [(self.prompts[prompt_id_of(g.sample_id)][1], self.ctx.tokenizer.decode(g.response_tokens)) for g in gens]
+                self.pending_rewards.append((self.rt.rewards.submit(len(self.pending_rewards) % len(self.rt.rewards), "verify", items), gens))
+            self.collect_rewards(block=False)
             batch = None
             if disp.num_ready_groups >= stage.prompts_per_step:
-                collect_rewards(block=True)  # a ready group's rewards must be in before it trains
-                batch = disp.take_batch([v for r in results for v in r.oldest_versions], tokens_of)
+                self.collect_rewards(block=True)  # a ready group's rewards must be in before it trains
+                batch = disp.take_batch([v for r in results for v in r.oldest_versions], self.tokens_of)
+                self.record_closed()
             if batch is not None:
                 # the batch became ready at the step that finished its last member in this call
                 chosen = set(batch)
@@ -153,38 +208,34 @@ def run_async_grpo(ctx, stage: GRPOStage, stage_idx: int) -> RolloutClock:
                                 if prompt_id_of(g.sample_id) in chosen), default=-1)
                 steps_run = max(r.steps for r in results)
                 clock.interrupt_late_steps.append(max(0, steps_run - 1 - ready_at) if ready_at >= 0 else 0)
-                break
+                return batch
             if not tickets and not any(r.active or r.waiting for r in results):
-                raise RuntimeError(f"rollout stalled at step {step}: nothing in flight, the dispatcher releases nothing "
+                raise RuntimeError(f"rollout stalled at step {self.step}: nothing in flight, the dispatcher releases nothing "
                                    f"and no batch fits the off-policy bounds ({disp.stats})")
-        clock.rollout_s += time.perf_counter() - t_roll
 
-        # INTERRUPT at the token boundary; in-flight states move to host memory.
-        t_sig = time.perf_counter()
-        held = policy.call_all("interrupt")
-        clock.interrupt_s.append(time.perf_counter() - t_sig)
-
-        # TRAIN one optimizer step on whole groups, data-parallel across the workers.
+    def train_step(self, batch: list[str], held: list[dict]) -> dict:
+        """TRAIN one optimizer step on whole groups, data-parallel across the workers."""
+        ctx, stage, policy, disp, clock = self.ctx, self.stage, self.policy, self.disp, self.clock
         t_train = time.perf_counter()
-        groups = [finished.pop(pid) for pid in batch]
+        groups = [self.finished.pop(pid) for pid in batch]
         samples = [s for g in groups for s in g]
         adv = dict(zip((s.sample_id for s in samples), group_advantages(
             [s.reward for s in samples], [s.group_id for s in samples], std_normalize=stage.std_normalize)))
         num_tokens = float(sum(s.num_response_tokens for s in samples))
-        shards = [[s for g in groups[w::n_workers] for s in g] for w in range(n_workers)]
+        shards = [[s for g in groups[w :: self.n_workers] for s in g] for w in range(self.n_workers)]
+        temperature = ctx.recipe.engine.sampling.temperature or 1.0
         per_rank = policy.get([policy.submit(w, "grpo_step", shard, [adv[s.sample_id] for s in shard], num_tokens,
-                                             stage, sampling.temperature or 1.0) for w, shard in enumerate(shards)])
+                                             stage, temperature) for w, shard in enumerate(shards)])
         metrics = _merge_rank_metrics(per_rank, [sum(s.num_response_tokens for s in sh) for sh in shards])
+        fault_point("train")
         ctx.global_step += 1
         disp.on_train_step()
         policy.call_all("set_version", ctx.global_step)
         ctx.store.mark_trained([s.sample_id for s in samples], ctx.global_step)
+        ctx.store.set_outcome(batch, "trained")
+        for pid in batch:
+            self.prompts.pop(pid, None)
         clock.train_s += time.perf_counter() - t_train
-
-        # RESUME: the engines continue every parked sample from its exact token, with no prefill.
-        resumed = policy.call_all("resume")
-        moved = sum(h["bytes"] for h in held) + sum(r["bytes"] for r in resumed)
-        clock.bytes_moved += moved
 
         trained_version = ctx.global_step - 1  # the weights this step's gradient was taken at
         versions = [v for s in samples for v in s.policy_versions_T]
@@ -199,7 +250,6 @@ def run_async_grpo(ctx, stage: GRPOStage, stage_idx: int) -> RolloutClock:
             "async/interrupt_s": clock.interrupt_s[-1],
             "async/states_held": sum(h["states"] for h in held),
             "async/state_bytes_held": sum(h["bytes"] for h in held),
-            "async/state_bytes_moved": moved,
             "dispatch/inflight": disp.total_inflight,
             "dispatch/cap_skips": disp.stats.cap_skips,
             "dispatch/discarded_samples": disp.stats.discarded_samples,
@@ -209,10 +259,47 @@ def run_async_grpo(ctx, stage: GRPOStage, stage_idx: int) -> RolloutClock:
             "time/rollout_s": clock.rollout_s,
             "time/train_s": clock.train_s,
         })
-        ctx.after_train_step(stage, step, metrics)
+        return metrics
 
-    # Stage over: drop what is still in flight (its prompts are recorded; samples never trained).
-    policy.call_all("interrupt")
-    policy.call_all("discard_held")
-    collect_rewards(block=True)
-    return clock
+    def run(self) -> RolloutClock:
+        ctx, stage, policy, clock = self.ctx, self.stage, self.policy, self.clock
+        for step in ctx.budget(stage, start=self.step):
+            t_roll = time.perf_counter()
+            batch = self.rollout_until_batch()
+            clock.rollout_s += time.perf_counter() - t_roll
+
+            # INTERRUPT at the token boundary; in-flight states move to host memory.
+            t_sig = time.perf_counter()
+            held = policy.call_all("interrupt")
+            clock.interrupt_s.append(time.perf_counter() - t_sig)
+
+            metrics = self.train_step(batch, held)
+            self.step = step + 1
+
+            # RESUME: the engines continue every parked sample from its exact token, with no prefill.
+            resumed = policy.call_all("resume")
+            moved = sum(h["bytes"] for h in held) + sum(r["bytes"] for r in resumed)
+            clock.bytes_moved += moved
+            metrics["async/state_bytes_moved"] = moved
+            ctx.after_train_step(stage, step, metrics)
+
+        # Stage over: checkpoint (a resume with a larger budget continues from here), then drop what is
+        # still in flight; its prompts are recorded as dropped at the stage end.
+        self.checkpoint_point(force=True)
+        policy.call_all("interrupt")
+        policy.call_all("discard_held")
+        self.collect_rewards(block=True)
+        ctx.store.set_outcome(sorted(set(self.disp._groups) | set(self.disp._ready) | set(self.finished)),
+                              "dropped_stage_end")
+        return clock
+
+
+def run_async_grpo(ctx, stage: GRPOStage, stage_idx: int) -> RolloutClock:
+    ctx.runtime.policy.call_all("begin_stage", stage)
+    loop = AsyncGRPO(ctx, stage, stage_idx)
+    restored = ctx.restore_stage(stage)
+    if restored is not None:  # the checkpoint's in-flight samples continue from their exact token
+        loop.load_state_dict(restored, ctx.restore_inflight())
+        ctx.runtime.policy.call_all("resume")
+        ctx.restore_from = None
+    return loop.run()

@@ -1,7 +1,8 @@
 """`rl` command line: validate and train recipes, inspect trajectories.
 
     rl validate RECIPE [--set a.b=c ...]
-    rl train RECIPE [--run-dir DIR] [--set a.b=c ...]
+    rl train RECIPE [--run-dir DIR] [--resume RUN_DIR] [--set a.b=c ...]
+    rl resume RUN_DIR [--set a.b=c ...]       continue a preempted or killed run from its checkpoint
     rl traj ls RUN_DIR [filters]      rl traj show RUN_DIR SAMPLE_ID
     rl eval RUN_DIR [--effort 10,25,50,75,90,100]
 
@@ -37,10 +38,28 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
+    if args.resume and args.run_dir and Path(args.resume) != Path(args.run_dir):
+        raise RecipeError("--resume", "give either --run-dir or --resume RUN_DIR, not two different directories")
+    run_dir = Path(args.resume or args.run_dir or Path("runs") / recipe.run.name)
+    return _train(recipe, run_dir, resume=bool(args.resume))
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "recipe.yaml").is_file():
+        raise RecipeError(str(run_dir), "not a run directory (no recipe.yaml)")
+    return _train(load_recipe(run_dir / "recipe.yaml", args.overrides), run_dir, resume=True)
+
+
+def _train(recipe, run_dir: Path, resume: bool) -> int:
+    from rl.checkpoint import CheckpointError
     from rl.driver import train  # heavy: torch
 
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / recipe.run.name
-    summary = train(recipe, run_dir)
+    try:
+        summary = train(recipe, run_dir, resume=resume)
+    except CheckpointError as e:
+        print(f"rl: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))
     return 0
 
@@ -54,7 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run a recipe")
     _add_recipe_args(p)
     p.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest valid checkpoint")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("resume", help="continue a run from its newest valid checkpoint (its own recipe)")
+    p.add_argument("run_dir", help="run directory")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe field (compatible changes only: budgets, logging, lr, ...)")
+    p.set_defaults(func=cmd_resume)
     add_traj_parser(sub)
     add_eval_parser(sub)
     return parser

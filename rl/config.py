@@ -179,6 +179,15 @@ class StoreConfig(StrictConfig):
     """SQLAlchemy URL; default sqlite:///<run_dir>/trajectories.db (WAL mode)."""
 
 
+class CheckpointConfig(StrictConfig):
+    """Resumable checkpoints (seed §5.1.2, §5.2.3): see rl/checkpoint.py for what one holds."""
+
+    every_steps: int = Field(0, ge=0)
+    """Write one every N train steps (counted over all stages); 0: only at stage ends and on SIGTERM."""
+    keep_last: int = Field(3, gt=0)
+    """Keep the newest K checkpoints; older ones are deleted after a new one is complete."""
+
+
 class LoggingConfig(StrictConfig):
     """Metrics sinks: always a JSONL file in the run directory; wandb when installed and enabled."""
 
@@ -217,6 +226,8 @@ class Recipe(StrictConfig):
     """Trajectory store."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Metrics logging."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Resumable checkpoints: how often, how many kept."""
 
     @model_validator(mode="after")
     def validate_vocab(self) -> "Recipe":

@@ -30,6 +30,7 @@ group missing a member cannot be scored GRPO-style) and the prompt is re-drawn; 
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
@@ -159,6 +160,27 @@ class Dispatcher:
         self._ready: OrderedDict[str, _Group] = OrderedDict()  # complete, untrained
         self._pending_draw: str | None = None  # dataset of a drawn-but-blocked next prompt
         self._discarded: set[str] = set()  # prompt ids of complete groups discarded at warm-up
+        self._closed: list[tuple[str, str]] = []  # (prompt_id, outcome) not yet drained by the controller
+
+    # -- checkpoint ----------------------------------------------------------------------------------
+    _STATE = ("_counter", "version", "train_steps", "stats", "_credit", "_batches_owed", "inflight", "_groups",
+              "_ready", "_pending_draw", "_discarded", "_closed")
+
+    def state_dict(self) -> dict:
+        """Everything that decides future releases and batches (picklable; a deep copy)."""
+        return copy.deepcopy({k: getattr(self, k) for k in self._STATE} | {"rng": self._rng.getstate()})
+
+    def load_state_dict(self, state: dict) -> None:
+        state = copy.deepcopy(state)
+        self._rng.setstate(state.pop("rng"))
+        for k in self._STATE:
+            setattr(self, k, state[k])
+
+    def drain_closed(self) -> list[tuple[str, str]]:
+        """(prompt_id, outcome) of groups dropped since the last call: 'discarded' (warm-up) or
+        'dropped_stale' (past max_version_lag); trained groups are reported by the controller."""
+        out, self._closed = self._closed, []
+        return out
 
     # -- events --------------------------------------------------------------------------------------
     @property
@@ -180,6 +202,7 @@ class Dispatcher:
             if g.discarded:
                 self.stats.discarded_samples += len(g.done)
                 self._discarded.add(meta.prompt_id)
+                self._closed.append((meta.prompt_id, "discarded"))
             else:
                 self._ready[meta.prompt_id] = g
 
@@ -268,6 +291,7 @@ class Dispatcher:
             for pid in [p for p, g in self._ready.items() if v - min(m.min_version for m in g.done) > K]:
                 del self._ready[pid]
                 self.stats.dropped_stale_groups += 1
+                self._closed.append((pid, "dropped_stale"))
         if len(self._ready) < self.prompts_per_step:
             return None
         if self.cfg.policy == "sync" and self._groups:

@@ -334,3 +334,8 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
 def recipe_to_yaml(recipe: Recipe) -> str:
     """The fully resolved recipe (every default filled in) as YAML, for the run directory."""
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+def recipe_from_yaml(text: str) -> Recipe:
+    """Inverse of `recipe_to_yaml` (a run directory's or a checkpoint's resolved recipe)."""
+    return Recipe.model_validate(yaml.safe_load(text))

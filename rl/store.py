@@ -14,6 +14,17 @@ Tables:
                 [start, end) in response-token indices; derived from `policy_versions_T` at insert,
                 so "which samples span versions 3..5" is a SQL query rather than a blob scan.
 - `train_steps` one row per (run, step) with the step's metrics as JSON.
+- `trained`     one row per (sample, train step that consumed it): an audit of `samples.train_step`
+                kept as a separate record; a sample trained twice would show as two rows.
+- `restarts`    one row per resume: the checkpoint it restarted from and what the rollback removed.
+
+Resume (rl/checkpoint.py): every prompt, sample and outcome write takes the next number of one
+run-wide `seq` counter; a checkpoint records a *watermark* (the last `seq` and the train step). On resume, rows written after the watermark belong to work the
+restored job redoes with the same ids (prompts re-dispatched, samples regenerated, train steps
+re-run), so `rollback_to` deletes them and resets `train_step` on samples consumed by a rolled-back
+step (they are in the checkpoint's untrained buffer and train again once); the `restarts` row
+counts each kind, so nothing disappears unrecorded. Each prompt's `outcome` says how its group
+ended: trained, discarded (warm-up), dropped_stale (past max_version_lag), dropped_stage_end.
 
 Token arrays (token ids, behaviour logprobs, per-token policy versions, MoE routing traces) are
 blobs of raw little-endian numpy bytes: a sample has hundreds to thousands of values per array that
@@ -31,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import Float, ForeignKey, LargeBinary, String, Text, create_engine, event, func, insert, select, update
+from sqlalchemy import Float, ForeignKey, LargeBinary, String, Text, create_engine, delete, event, func, insert, select, update
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
 
@@ -95,6 +106,11 @@ class PromptTable(Base):
     group_size: Mapped[int]
     policy_version: Mapped[int]
     dispatched_at: Mapped[float] = mapped_column(Float)
+    seq: Mapped[int] = mapped_column(index=True)
+    """Write order within the run (the resume watermark compares against it)."""
+    outcome: Mapped[str | None] = mapped_column(String(32))
+    """NULL while open; trained | discarded | dropped_stale | dropped_stage_end."""
+    outcome_seq: Mapped[int | None]
 
 
 class SampleTable(Base):
@@ -124,6 +140,8 @@ class SampleTable(Base):
     finished_at: Mapped[float | None] = mapped_column(Float)
     generate_s: Mapped[float | None] = mapped_column(Float)
     train_step: Mapped[int | None] = mapped_column(index=True)
+    seq: Mapped[int] = mapped_column(index=True)
+    """Write order within the run (the resume watermark compares against it)."""
 
 
 class SegmentTable(Base):
@@ -141,6 +159,35 @@ class TrainStepTable(Base):
     step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     created_at: Mapped[float] = mapped_column(Float)
     metrics_json: Mapped[str] = mapped_column(Text)
+
+
+class TrainedTable(Base):
+    __tablename__ = "trained"
+    run_id: Mapped[str] = mapped_column(_ID, primary_key=True)
+    sample_id: Mapped[str] = mapped_column(_ID, primary_key=True)
+    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+
+
+class RestartTable(Base):
+    __tablename__ = "restarts"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_ID, index=True)
+    restarted_at: Mapped[float] = mapped_column(Float)
+    checkpoint: Mapped[str] = mapped_column(Text)
+    train_step: Mapped[int]
+    """The checkpoint's train step: the job continues with step train_step + 1."""
+    prompts_redispatched: Mapped[int]
+    samples_regenerated: Mapped[int]
+    samples_untrained: Mapped[int]
+    train_steps_rolled_back: Mapped[int]
+
+
+@dataclass(frozen=True)
+class Watermark:
+    """How far the store was written when a checkpoint was taken."""
+
+    seq: int
+    train_step: int
 
 
 @dataclass(frozen=True)
@@ -181,6 +228,12 @@ class TrajectoryStore:
             event.listen(self._engine, "connect", _set_sqlite_pragmas)
         Base.metadata.create_all(self._engine)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+        self._seq = max(self._max(PromptTable.seq, PromptTable), self._max(PromptTable.outcome_seq, PromptTable),
+                        self._max(SampleTable.seq, SampleTable))
+
+    def _max(self, column, table) -> int:
+        with self._sessions() as s:
+            return s.scalar(select(func.coalesce(func.max(column), 0)).where(table.run_id == self.run_id))
 
     @classmethod
     def for_run_dir(
@@ -210,11 +263,23 @@ class TrajectoryStore:
         rows = [
             dict(prompt_id=p.prompt_id, run_id=self.run_id, dataset=p.dataset, text=p.text,
                  tokens=encode_array(p.tokens, TOKEN_DTYPE), answer=p.answer, group_size=int(p.group_size),
-                 policy_version=int(p.policy_version), dispatched_at=now)
-            for p in prompts
+                 policy_version=int(p.policy_version), dispatched_at=now, seq=self._seq + 1 + i)
+            for i, p in enumerate(prompts)
         ]
         with self._sessions.begin() as s:
             s.execute(insert(PromptTable), rows)
+        self._seq += len(rows)
+
+    def set_outcome(self, prompt_ids: Sequence[str], outcome: str) -> None:
+        """Record how these prompts' groups ended (see the module docstring); an outcome is final."""
+        if not prompt_ids:
+            return
+        self._seq += 1
+        with self._sessions.begin() as s:
+            for i in range(0, len(prompt_ids), 500):
+                s.execute(update(PromptTable).where(PromptTable.prompt_id.in_(list(prompt_ids[i : i + 500])),
+                                                    PromptTable.outcome.is_(None))
+                          .values(outcome=outcome, outcome_seq=self._seq))
 
     def add_samples(self, samples: Sequence[Sample]) -> None:
         """Record samples and their version segments in one transaction.
@@ -239,7 +304,7 @@ class TrajectoryStore:
                 policy_versions=encode_array(x.policy_versions_T, VERSION_DTYPE),
                 routing_trace=None if trace is None else encode_array(trace, ROUTING_DTYPE),
                 routing_shape=None if trace is None else ",".join(str(d) for d in trace.shape),
-                num_response_tokens=x.num_response_tokens,
+                num_response_tokens=x.num_response_tokens, seq=self._seq + 1 + len(sample_rows),
                 min_version=int(min(x.policy_versions_T)) if x.policy_versions_T else None,
                 max_version=int(max(x.policy_versions_T)) if x.policy_versions_T else None,
                 **{k: None if x.timings.get(k) is None else float(x.timings[k]) for k in _TIMING_KEYS},
@@ -252,6 +317,7 @@ class TrajectoryStore:
             s.execute(insert(SampleTable), sample_rows)
             if segment_rows:
                 s.execute(insert(SegmentTable), segment_rows)
+        self._seq += len(sample_rows)
 
     def mark_trained(self, sample_ids: Sequence[str], step: int) -> None:
         """Stamp `step` on the samples the trainer consumed. Raises, marking nothing, if any id is
@@ -270,6 +336,7 @@ class TrajectoryStore:
                 ).rowcount
             if matched != len(ids):
                 raise ValueError(f"mark_trained: {len(ids) - matched} of {len(ids)} sample ids are unknown or already trained")
+            s.execute(insert(TrainedTable), [dict(run_id=self.run_id, sample_id=i, step=int(step)) for i in ids])
 
     def add_train_step(self, step: int, metrics: dict) -> None:
         """Record one optimizer step's metrics (a repeated step, after resume, overwrites)."""
@@ -277,6 +344,30 @@ class TrajectoryStore:
         with self._sessions.begin() as s:
             row = TrainStepTable(run_id=self.run_id, step=int(step), created_at=time.time(), metrics_json=metrics_json)
             s.merge(row)
+
+    def watermark(self, train_step: int) -> Watermark:
+        return Watermark(self._seq, int(train_step))
+
+    def rollback_to(self, wm: Watermark, checkpoint: str) -> dict[str, int]:
+        """Undo what was written after `wm` (see the module docstring), in one transaction; returns and
+        records the counts."""
+        P, S, t = PromptTable, SampleTable, TrainStepTable
+        with self._sessions.begin() as s:
+            late_samples = select(S.sample_id).where(S.run_id == self.run_id, S.seq > wm.seq)
+            s.execute(delete(SegmentTable).where(SegmentTable.sample_id.in_(late_samples)))
+            counts = dict(
+                samples_regenerated=s.execute(delete(S).where(S.run_id == self.run_id, S.seq > wm.seq)).rowcount,
+                prompts_redispatched=s.execute(delete(P).where(P.run_id == self.run_id, P.seq > wm.seq)).rowcount,
+                samples_untrained=s.execute(update(S).where(S.run_id == self.run_id, S.train_step > wm.train_step)
+                                            .values(train_step=None)).rowcount,
+                train_steps_rolled_back=s.execute(delete(t).where(t.run_id == self.run_id, t.step > wm.train_step)).rowcount,
+            )
+            s.execute(delete(TrainedTable).where(TrainedTable.run_id == self.run_id, TrainedTable.step > wm.train_step))
+            s.execute(update(P).where(P.run_id == self.run_id, P.outcome_seq > wm.seq).values(outcome=None, outcome_seq=None))
+            s.add(RestartTable(run_id=self.run_id, restarted_at=time.time(), checkpoint=checkpoint,
+                               train_step=wm.train_step, **counts))
+        self._seq = wm.seq
+        return counts
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -358,6 +449,27 @@ class TrajectoryStore:
         """Every run id that has samples in this database (one, for a run directory's own file)."""
         with self._sessions() as s:
             return list(s.scalars(select(SampleTable.run_id).distinct().order_by(SampleTable.run_id)))
+
+    def restarts(self) -> list[dict]:
+        with self._sessions() as s:
+            rows = s.scalars(select(RestartTable).where(RestartTable.run_id == self.run_id).order_by(RestartTable.id))
+            return [{c: getattr(r, c) for c in ("checkpoint", "train_step", "prompts_redispatched", "samples_regenerated",
+                                                "samples_untrained", "train_steps_rolled_back")} for r in rows]
+
+    def audit(self) -> dict[str, int]:
+        """Consistency counts for resume checks: samples consumed by more than one train step,
+        trained samples whose `train_step` disagrees with the audit table, prompts without an outcome."""
+        S, T, P = SampleTable, TrainedTable, PromptTable
+        with self._sessions() as s:
+            twice = s.scalar(select(func.count()).select_from(
+                select(T.sample_id).where(T.run_id == self.run_id).group_by(T.sample_id).having(func.count() > 1).subquery()))
+            trained = s.scalar(select(func.count()).select_from(S).where(S.run_id == self.run_id, S.train_step.is_not(None)))
+            agree = s.scalar(select(func.count()).select_from(S).join(T, (T.sample_id == S.sample_id) & (T.step == S.train_step))
+                             .where(S.run_id == self.run_id))
+            open_ = s.scalar(select(func.count()).select_from(P).where(P.run_id == self.run_id, P.outcome.is_(None)))
+            prompts = s.scalar(select(func.count()).select_from(P).where(P.run_id == self.run_id))
+        return {"trained_twice": twice, "trained": trained, "link_mismatch": trained - agree, "prompts": prompts,
+                "prompts_open": open_}
 
     def close(self) -> None:
         self._engine.dispose()

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from model.checkpoint import load_checkpoint, save_checkpoint
+import msgpack
+
+from model.checkpoint import load_checkpoint, load_weights_into, save_checkpoint, write_weights
 from model.decoder import Decoder
 from model.tokenizer import CharTokenizer
 from rl.config import GRPOStage, Recipe, SFTStage
@@ -80,9 +82,14 @@ class PolicyWorker:
                           self.engine.stats.generated_tokens - before, finish_step, self.engine.oldest_versions())
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
-        """Run requests to completion on an otherwise idle engine (evaluation)."""
+        """Run requests to completion (evaluation); in-flight samples are parked meanwhile and
+        continue afterwards from their exact token."""
         self.model.eval()
-        return self.engine.generate(list(requests))
+        parked = self.engine.interrupt()
+        try:
+            return self.engine.generate(list(requests))
+        finally:
+            self.engine.resume(parked)
 
     # -- phase switches ------------------------------------------------------------------------------
     def interrupt(self) -> dict[str, float]:
@@ -120,6 +127,41 @@ class PolicyWorker:
                   stage: GRPOStage, temperature: float) -> dict:
         return self.trainer.grpo_step(samples, stage, temperature=temperature, advantages_B=advantages_B,
                                       num_tokens=num_tokens, current_version=self.engine.policy_version)
+
+    # -- checkpoint (rl/checkpoint.py) ------------------------------------------------------------------
+    def save_state(self, directory: str) -> int:
+        """Rank 0 writes weights, optimizer, LR schedule and RNG; every rank writes its parked states.
+        Call while interrupted. Returns the bytes of state written by this rank."""
+        from rl.checkpoint import inflight_file
+
+        if self.rank == 0:
+            write_weights(self.model, directory)
+            torch.save({"optimizer": self.trainer.opt.state_dict() if self.trainer else None,
+                        "scheduler": self.trainer.sched.state_dict() if self.trainer else None,
+                        "torch_rng": torch.get_rng_state(),
+                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                       os.path.join(directory, "trainer.pt"))
+        blob = msgpack.packb([s.to_bytes() for s in self._held])
+        inflight_file(directory, self.rank).write_bytes(blob)
+        return len(blob)
+
+    def load_state(self, directory: str) -> None:
+        """Weights, optimizer, LR schedule and RNG from a checkpoint (after `begin_stage`)."""
+        load_weights_into(self.model, directory)
+        state = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
+        if self.trainer is not None and state["optimizer"] is not None:
+            self.trainer.opt.load_state_dict(state["optimizer"])
+            self.trainer.sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+    def load_inflight(self, files: Sequence[str]) -> list[str]:
+        """Park the checkpoint's in-flight states, this rank's share (states are portable between
+        engines, so the worker count may change); `resume` continues them. Returns their sample ids."""
+        states = [RolloutState.from_bytes(b) for f in files for b in msgpack.unpackb(open(f, "rb").read())]
+        self._held = states[self.rank :: self.world_size]
+        return [s.request.sample_id for s in self._held]
 
     # -- misc ----------------------------------------------------------------------------------------
     def save(self, path: str, extra: dict | None = None) -> str:
