@@ -96,3 +96,59 @@ class ModelConfig(StrictConfig):
     @property
     def is_moe(self) -> bool:
         return isinstance(self.ffn, MoEFFNConfig)
+
+
+CSA2Mode = Literal["full", "reindex", "reuse"]
+
+
+class HierarchicalIndexerConfig(StrictConfig):
+    """Hierarchical Sparse Indexer (seed §2.3.2): the first Full layer at or after `from_layer` builds a
+    per-query candidate pool from its top-scoring blocks; later Reindex layers score only that pool."""
+
+    from_layer: int = Field(0, ge=0)
+    """First layer index where the hierarchy applies (the decoder's first layer under CED)."""
+    block_size: int = Field(8, gt=0)
+    """Compressed main KV entries per block; a block's score is the max index score of its entries."""
+    num_blocks: int = Field(64, gt=0)
+    """Blocks kept per query; the candidate pool holds num_blocks * block_size entries."""
+
+    @property
+    def pool_size(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+class SparseAttentionConfig(StrictConfig):
+    """CSA2 sparse attention (seed §2.3): compressed main KV, lightweight indexer, top-k plus sliding
+    window, per-layer Full / Reindex / Reuse modes (seed §2.3.1)."""
+
+    compress_ratio: int = Field(4, ge=1)
+    """m: consecutive tokens pooled into one main KV entry (non-overlapping); 1 = uncompressed."""
+    topk: int = Field(64, gt=0)
+    """Compressed main KV entries each query attends to (chosen by the indexer)."""
+    window: int = Field(64, gt=0)
+    """Sliding window: the query attends to this many most recent raw tokens, itself included."""
+    index_heads: int = Field(4, gt=0)
+    """Indexer query heads h, each with a per-token weight w_h."""
+    index_dim: int = Field(32, gt=0)
+    """Width of indexer Q heads and of indexer K; even (RoPE)."""
+    layer_modes: tuple[CSA2Mode, ...] = ("full", "reindex", "reuse")
+    """Mode pattern, repeated over the layers (layer i gets layer_modes[i % len]); starts with full."""
+    hierarchical: HierarchicalIndexerConfig | None = None
+    """Hierarchical Sparse Indexer; None = every indexer scores every visible entry (flat)."""
+    aux_loss_weight: float = Field(0.01, ge=0)
+    """Weight of the indexer KL loss (seed §3.1.2 / DeepSeek-V3.2) added to the training loss."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> "SparseAttentionConfig":
+        if not self.layer_modes or self.layer_modes[0] != "full":
+            raise ValueError(f"layer_modes must start with 'full' (Reindex/Reuse need a main KV): {self.layer_modes}")
+        if self.index_dim % 2:
+            raise ValueError(f"index_dim={self.index_dim} must be even for RoPE")
+        if self.hierarchical is not None and self.hierarchical.pool_size < self.topk:
+            raise ValueError(
+                f"candidate pool num_blocks*block_size={self.hierarchical.pool_size} is smaller than topk={self.topk}"
+            )
+        return self
+
+    def mode_of(self, layer_idx: int) -> CSA2Mode:
+        return self.layer_modes[layer_idx % len(self.layer_modes)]
