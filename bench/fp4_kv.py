@@ -1,21 +1,37 @@
-"""FP4 KV format: storage cost and quantise/dequantise throughput (issue #5, first figures).
+"""KV-cache formats: storage cost, FP4 quantise/dequantise throughput, paged decode attention (issue #5).
 
-    python bench/fp4_kv.py [--quick] [--device cuda]
+    python bench/fp4_kv.py [--quick] [--device cuda] [--sweep] [--json out.json]
 
-Bits per value (4-bit E2M1 + one 8-bit E4M3 scale per 16 values), the KV bytes ratio bf16 / fp4, and
-on a GPU the Triton kernels' throughput (bytes read + written per second) as a fraction of a plain
-device copy of the bf16 tensor measured in the same run. On CPU the PyTorch reference is timed.
-Last line: RESULT bits_per_value=.. kv_bytes_ratio_bf16_over_fp4=.. [quant_frac_of_copy=.. dequant_frac_of_copy=..]
+1. KV bytes per token per layer (K and V, all KV heads), seed §2.4.4:
+       bf16 = 2 · KVH · D · 2
+       fp8  = 2 · KVH · (D + 1)            E4M3 values + one E8M0 scale byte per row (model/fp8.py)
+       fp4  = 2 · KVH · (D / 2 + D / 16)   4-bit E2M1 + one 8-bit E4M3 scale per 16 values,
+                                           i.e. 4 + 8 / 16 = 4.5 bits per quantised value
+2. On a GPU: the Triton quantise / dequantise throughput (bytes read + written per second) as a
+   fraction of a plain device copy of the bf16 tensor measured in the same run (--sweep also times
+   other launch shapes). On CPU the PyTorch reference is timed.
+3. Decode attention (model/kernels/decode_attention.py), one query token per sequence over a paged
+   cache with shuffled blocks, bf16 vs FP4 cache: time per decode step for one layer and per token
+   (step / batch), and the KV bytes read per second. GPU: contexts 8K..128K; --quick on CPU: the
+   Triton interpreter at small contexts (a smoke run, not a speed figure).
+Last line: RESULT bits_per_value=.. kv_bytes_ratio_bf16_over_fp4=.. [quant_frac_of_copy=.. dequant_frac_of_copy=..
+           attn_speedup_fp4_over_bf16_<ctx>=..]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import time
 
 import torch
 
-from model import fp4 as ref
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from model import fp4 as ref  # noqa: E402
+from model import fp8  # noqa: E402
 
 
 def _time(fn, iters: int) -> float:
@@ -30,13 +46,133 @@ def _time(fn, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def kv_bytes_per_token_per_layer(kv_heads: int, head_dim: int) -> dict[str, float]:
+    return {
+        "bf16": 2 * kv_heads * head_dim * 2,
+        "fp8": 2 * kv_heads * fp8.bytes_per_row(head_dim),
+        "fp4": 2 * kv_heads * (head_dim // 2 + head_dim // ref.BLOCK),
+    }
+
+
+def bench_quant(x: torch.Tensor, packed, scales, sweep: bool) -> dict:
+    from model.kernels import fp4 as kern
+
+    fp4_bytes = packed.numel() + scales.numel()
+    p, s = kern.quantize(x)
+    assert torch.equal(p, packed) and torch.equal(s.view(torch.uint8), scales.view(torch.uint8)), "quantise not bit-exact"
+    y = kern.dequantize(packed, scales, torch.bfloat16)
+    assert torch.equal(y, ref.dequantize(packed, scales, torch.bfloat16)), "dequantise not bit-exact"
+    out = torch.empty_like(x)
+    iters = 20
+    t_copy = _time(lambda: out.copy_(x), iters)
+    bw_copy = 2 * x.numel() * 2 / t_copy
+    moved = x.numel() * 2 + fp4_bytes
+
+    def frac(fn):
+        return moved / _time(fn, iters) / bw_copy
+
+    res = {"copy_TBps": bw_copy / 1e12}
+    if sweep:
+        default = (kern.QUANT_NBP, kern.QUANT_WARPS, kern.DEQUANT_NBP, kern.DEQUANT_WARPS, kern.DEQUANT_F16_DECODE)
+        for nbp, w in [(64, 4), (128, 4), (256, 4), (128, 8), (256, 8), (512, 8)]:
+            kern.QUANT_NBP, kern.QUANT_WARPS, kern.DEQUANT_NBP, kern.DEQUANT_WARPS = nbp, w, nbp, w
+            fq = frac(lambda: kern.quantize(x))
+            fd = []
+            for f16 in (True, False):
+                kern.DEQUANT_F16_DECODE = f16
+                fd.append(frac(lambda: kern.dequantize(packed, scales, torch.bfloat16)))
+            print(f"  sweep NBP={nbp:4d} warps={w}: quantise {fq:.3f}, dequantise {fd[0]:.3f} (fp16 decode) "
+                  f"{fd[1]:.3f} (fp32 decode) of copy")
+            res[f"sweep_nbp{nbp}_w{w}"] = [fq, *fd]
+        (kern.QUANT_NBP, kern.QUANT_WARPS, kern.DEQUANT_NBP, kern.DEQUANT_WARPS, kern.DEQUANT_F16_DECODE) = default
+    res["quant_frac_of_copy"] = frac(lambda: kern.quantize(x))
+    res["dequant_frac_of_copy"] = frac(lambda: kern.dequantize(packed, scales, torch.bfloat16))
+    print(f"copy {bw_copy / 1e12:.2f} TB/s (read + write); quantise {res['quant_frac_of_copy']:.3f} of copy, "
+          f"dequantise {res['dequant_frac_of_copy']:.3f} of copy (bytes read + written / time)")
+    return res
+
+
+def _paged_kv(B: int, ctx: int, kvh: int, d: int, page: int, device: str, gen: torch.Generator):
+    nb = -(-ctx // page)
+    perm = torch.randperm(B * nb, generator=gen, device=device)
+    table = perm.view(B, nb).int()
+    k = torch.randn(B * nb * page, kvh, d, generator=gen, device=device, dtype=torch.bfloat16)
+    v = torch.randn(B * nb * page, kvh, d, generator=gen, device=device, dtype=torch.bfloat16)
+    return k, v, table
+
+
+def bench_attention(contexts: list[int], B: int, H: int, kvh: int, d: int, page: int, device: str, iters: int,
+                    sweep: bool) -> dict:
+    from model.kernels.decode_attention import decode_attention
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    per_tok = kv_bytes_per_token_per_layer(kvh, d)
+    res = {}
+    print(f"decode attention: B={B} sequences, H={H} query heads, KVH={kvh}, D={d}, page {page} tokens (shuffled)")
+    print(f"{'context':>8} {'bf16 us/step':>13} {'fp4 us/step':>12} {'bf16 us/tok':>12} {'fp4 us/tok':>11} "
+          f"{'bf16 TB/s':>10} {'fp4 TB/s':>9} {'speedup':>8}")
+    for ctx in contexts:
+        k, v, table = _paged_kv(B, ctx, kvh, d, page, device, gen)
+        q = torch.randn(B, H, d, generator=gen, device=device, dtype=torch.bfloat16)
+        lens = torch.full((B,), ctx, dtype=torch.int32, device=device)
+        fmt = ref
+        if device == "cuda":
+            from model.kernels import fp4 as fmt  # bit-exact with the reference, and fast at 128K
+        k4, v4 = fmt.quantize(k), fmt.quantize(v)
+        kd, vd = fmt.dequantize(*k4, torch.bfloat16), fmt.dequantize(*v4, torch.bfloat16)
+        run16 = lambda **kw: decode_attention(q, k, v, table, lens, page, kv_format="dense", **kw)  # noqa: E731
+        run4 = lambda **kw: decode_attention(q, k4, v4, table, lens, page, kv_format="fp4", **kw)  # noqa: E731
+        # parity: fp4 kernel == dense kernel on the (exactly) dequantised cache, up to bf16 rounding of p
+        o4 = run4()
+        od = decode_attention(q, kd, vd, table, lens, page, kv_format="dense")
+        err = (o4.float() - od.float()).abs().max().item()
+        assert err < 2e-2, f"fp4 vs dense-on-dequantised mismatch {err}"
+        if sweep and ctx == contexts[len(contexts) // 2]:
+            import model.kernels.decode_attention as da
+
+            for bn, w in [(32, 4), (64, 4), (128, 4), (64, 8)]:
+                t16 = _time(lambda: run16(block_n=bn, num_warps=w), iters)
+                t4 = []
+                for tile_2d in (False, True):
+                    da.FP4_TILE_2D = tile_2d
+                    t4.append(_time(lambda: run4(block_n=bn, num_warps=w), iters))
+                da.FP4_TILE_2D = False
+                print(f"  sweep ctx={ctx} block_n={bn} warps={w}: bf16 {t16 * 1e6:.1f} us, fp4 {t4[0] * 1e6:.1f} us "
+                      f"(3-D tile) {t4[1] * 1e6:.1f} us (2-D tile)")
+                res[f"sweep_ctx{ctx}_bn{bn}_w{w}_us"] = [t16 * 1e6, t4[0] * 1e6, t4[1] * 1e6]
+        t16, t4 = _time(run16, iters), _time(run4, iters)
+        bw16, bw4 = B * ctx * per_tok["bf16"] / t16, B * ctx * per_tok["fp4"] / t4
+        print(f"{ctx:8d} {t16 * 1e6:13.1f} {t4 * 1e6:12.1f} {t16 * 1e6 / B:12.2f} {t4 * 1e6 / B:11.2f} "
+              f"{bw16 / 1e12:10.2f} {bw4 / 1e12:9.2f} {t16 / t4:8.2f}")
+        res[str(ctx)] = dict(bf16_us_per_step=t16 * 1e6, fp4_us_per_step=t4 * 1e6, bf16_us_per_token=t16 * 1e6 / B,
+                             fp4_us_per_token=t4 * 1e6 / B, bf16_TBps=bw16 / 1e12, fp4_TBps=bw4 / 1e12,
+                             speedup=t16 / t4, parity_max_abs_err=err)
+        del k, v, k4, v4, kd, vd
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--rows", type=int, default=1 << 20, help="tokens x kv heads")
+    ap.add_argument("--rows", type=int, default=1 << 20, help="tokens x kv heads for the quantise figures")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--q-heads", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per decode step")
+    ap.add_argument("--page", type=int, default=64, help="KV block size in tokens")
+    ap.add_argument("--sweep", action="store_true", help="also time other launch shapes (GPU)")
+    ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    gpu = a.device == "cuda"
+    out: dict = {"device": torch.cuda.get_device_name() if gpu else "cpu", "args": vars(a)}
+
+    per_tok = kv_bytes_per_token_per_layer(a.kv_heads, a.head_dim)
+    print(f"KV bytes per token per layer (KVH={a.kv_heads}, D={a.head_dim}): "
+          + ", ".join(f"{k} {v:.0f}" for k, v in per_tok.items())
+          + "   [bf16 2·KVH·D·2; fp8 2·KVH·(D+1); fp4 2·KVH·(D/2 + D/16)]")
+    out["kv_bytes_per_token_per_layer"] = per_tok
+
     rows = 4096 if a.quick else a.rows
     x = torch.randn(rows, a.head_dim, device=a.device, dtype=torch.bfloat16)
     packed, scales = ref.quantize(x)
@@ -44,26 +180,28 @@ def main() -> None:
     bits = 8 * fp4_bytes / x.numel()
     ratio = x.numel() * 2 / fp4_bytes
     print(f"{rows} rows x {a.head_dim}: bf16 {x.numel() * 2 / 2**20:.1f} MiB, fp4 {fp4_bytes / 2**20:.1f} MiB "
-          f"({bits:.2f} bits/value, bf16/fp4 = {ratio:.3f})")
+          f"({bits:.2f} bits/value, bf16/fp4 = {ratio:.3f}, fp8/fp4 = {per_tok['fp8'] / per_tok['fp4']:.3f})")
     extra = ""
-    if a.device == "cuda":
-        from model.kernels import fp4 as kern
-
-        p, s = kern.quantize(x)
-        assert torch.equal(p, packed) and torch.equal(s.view(torch.uint8), scales.view(torch.uint8))
-        y = torch.empty_like(x)
-        iters = 20
-        t_copy = _time(lambda: y.copy_(x), iters)
-        t_q = _time(lambda: kern.quantize(x), iters)
-        t_d = _time(lambda: kern.dequantize(packed, scales, torch.bfloat16), iters)
-        moved_copy, moved_q = 2 * x.numel() * 2, x.numel() * 2 + fp4_bytes
-        bw_copy, bw_q, bw_d = moved_copy / t_copy, moved_q / t_q, moved_q / t_d
-        print(f"copy {bw_copy / 1e12:.2f} TB/s; quantise {bw_q / 1e12:.2f} TB/s ({bw_q / bw_copy:.2f} of copy); "
-              f"dequantise {bw_d / 1e12:.2f} TB/s ({bw_d / bw_copy:.2f} of copy)")
-        extra = f" quant_frac_of_copy={bw_q / bw_copy:.3f} dequant_frac_of_copy={bw_d / bw_copy:.3f}"
+    if gpu:
+        q = bench_quant(x, packed, scales, a.sweep)
+        out["quant"] = q
+        extra = f" quant_frac_of_copy={q['quant_frac_of_copy']:.3f} dequant_frac_of_copy={q['dequant_frac_of_copy']:.3f}"
     else:
         t_q = _time(lambda: ref.quantize(x), 3)
         print(f"reference quantise on {a.device}: {x.numel() / t_q / 1e6:.1f} M values/s")
+    del x, packed, scales
+
+    if gpu:
+        contexts, B, H, kvh, d, page, iters = [8192, 16384, 32768, 65536, 131072], a.batch, a.q_heads, a.kv_heads, a.head_dim, a.page, 20
+    else:  # interpreter smoke run: small shapes
+        contexts, B, H, kvh, d, page, iters = [128, 512], 2, 8, 2, 64, 16, 1
+    attn = bench_attention(contexts, B, H, kvh, d, page, a.device, iters, a.sweep and gpu)
+    out["attention"] = attn
+    extra += "".join(f" attn_speedup_fp4_over_bf16_{c // 1024 if c >= 1024 else c}{'k' if c >= 1024 else ''}="
+                     f"{attn[str(c)]['speedup']:.2f}" for c in contexts)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
     print(f"RESULT bits_per_value={bits:.2f} kv_bytes_ratio_bf16_over_fp4={ratio:.3f}{extra}")
 
 

@@ -2,8 +2,14 @@
 
 Bit-exact against the PyTorch reference in `model/fp4.py` (which documents the format). Scale blocks
 are 16 contiguous values, so the tensor is processed as a flat sequence of blocks, `NBP` blocks per
-program, whatever the row width. On a machine without a GPU, tests run
-them with TRITON_INTERPRET=1. `use_triton(x)` is the opt-in switch: the reference is the fallback.
+program, whatever the row width; a program handles the 8 channel pairs of a block, one output byte
+each. bf16 tensors move as int32 words (a channel pair per word), so widening, amax and the NaN test
+are bit operations and a dequantised pair is one 32-bit store. The E2M1 encode is a three-comparison
+binary search against exact midpoint products (no division); the decode places E2M1's bits in an fp16
+(exact, see `_e2m1_f16_bits`). Exactness tricks: no float8 casts (the interpreter's fp32 -> fp8 is not
+round-to-nearest-even) and no approximate division / log2 / exp2: the one division is `div_rn`, the
+E4M3 round-up works on float32 bits. On a machine without a GPU, tests run them with
+TRITON_INTERPRET=1. Callers choose this module or the reference (same contract); no switch is wired yet.
 """
 
 from __future__ import annotations
@@ -28,73 +34,140 @@ def _floor_log2(s):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr):
-    blk = tl.program_id(0).to(tl.int64) * NBP + tl.arange(0, NBP)  # [NBP] global block ids
-    live = blk < n_blocks
-    x = tl.load(x_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-    absx = tl.abs(x)
-    amax = tl.max(absx, axis=1)  # inf stays inf; NaN handled below
-    has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+def _e2m1_code(x, sc):
+    """E2M1 code (sign in bit 3) of x / sc, ties to even, without forming the quotient.
+
+    A binary search over the midpoints [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5] · sc (exact products): a
+    tie goes to the even code, so the comparison is >= against the midpoints whose upper neighbour has
+    an even code (0.75, 1.75, 3.5) and > against the others. Three comparisons instead of seven plus a
+    tie pass; a NaN x (or a NaN sc) compares false everywhere and gives code 0, as in the reference.
+    """
+    mag = tl.abs(x)
+    c1 = mag >= 1.75 * sc
+    c2 = mag >= tl.where(c1, 3.5 * sc, 0.75 * sc)
+    c3 = mag > tl.where(c1, tl.where(c2, 5.0 * sc, 2.5 * sc), tl.where(c2, 1.25 * sc, 0.25 * sc))
+    idx = c1.to(tl.int32) * 4 + c2.to(tl.int32) * 2 + c3.to(tl.int32)
+    return tl.where((x < 0) & (idx > 0), idx + 8, idx)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr, BF16_WORDS: tl.constexpr):
+    # 64-bit arithmetic once per program (the base pointers); per-element offsets are int32
+    first = tl.program_id(0).to(tl.int64) * NBP
+    if BF16_WORDS:
+        x_ptr += first * 8
+    else:
+        x_ptr += first * 16
+    packed_ptr += first * 8
+    scale_ptr += first
+    blk = tl.arange(0, NBP)  # block ids within the program
+    live = blk < n_blocks - first
+    pair = tl.arange(0, 8)  # channel pairs (2j, 2j+1) of a block: one output byte each
+    if BF16_WORDS:
+        # x_ptr is the bf16 tensor viewed as int32: word j holds channel 2j (low half), 2j+1 (high half).
+        # Widening bf16 to float32 is a shift, and |x| is ordered like its bits, so amax and the NaN
+        # test are integer max / compare (full rate) instead of float work per value.
+        w = tl.load(x_ptr + blk[:, None] * 8 + pair[None, :], mask=live[:, None], other=0)
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+        mbits = tl.max(tl.maximum(w & 0x7FFF, (w >> 16) & 0x7FFF), axis=1)
+        has_nan = mbits > 0x7F80
+        amax = (mbits << 16).to(tl.float32, bitcast=True)  # inf stays inf
+    else:
+        offs = blk[:, None] * 16 + 2 * pair[None, :]
+        lo = tl.load(x_ptr + offs, mask=live[:, None], other=0.0).to(tl.float32)
+        hi = tl.load(x_ptr + offs + 1, mask=live[:, None], other=0.0).to(tl.float32)
+        has_nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), axis=1) > 0
+        amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1)
     s = tl.minimum(tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125), 448.0)  # [2^-9, 448], IEEE /
     s = tl.where(has_nan, 1.0, s)
-    # Round the scale *up* to E4M3 arithmetically (no float8 conversion: exact on every backend).
-    # In the binade [2^e, 2^(e+1)) E4M3 steps by 2^(e-3); below 2^-6 (subnormals) by 2^-9.
-    e = _floor_log2(s)
-    step = _pow2(tl.maximum(e, -6.0) - 3.0)
-    scale = tl.minimum(tl.ceil(tl.math.div_rn(s, step)) * step, 448.0)
-    e = _floor_log2(scale)  # the binade of the rounded value (it may have moved up)
-    sub = scale < 0.015625
-    bits = tl.where(sub, scale * 512.0, 8.0 * (e + 6.0) + 8.0 * tl.math.div_rn(scale, _pow2(e))).to(tl.int32)
+    # Round the scale *up* to E4M3 from the float32 bits (no float8 conversion: exact on every backend).
+    # Normal range (>= 2^-6): keep 3 mantissa bits, rounding up (a carry into the exponent is right);
+    # subnormal range: multiples of 2^-9.
+    sub = s < 0.015625
+    up = (s.to(tl.int32, bitcast=True) + 0xFFFFF) & -1048576  # 0xFFF00000
+    sub_m = tl.ceil(s * 512.0)
+    scale = tl.where(sub, sub_m * 0.001953125, up.to(tl.float32, bitcast=True))
+    bits = tl.where(sub, sub_m.to(tl.int32), (up >> 20) - 960)  # E4M3 exponent field = float32's - 120
     bits = tl.where(has_nan, 0x7F, bits)  # E4M3 NaN: the block dequantises to NaN
     tl.store(scale_ptr + blk, bits.to(tl.uint8), mask=live)
-    # E2M1 code = number of midpoints below |x| / scale, ties to the even code; compared as
-    # |x| vs midpoint · scale (exact products), so no division is needed
-    mag = tl.where(x != x, 0.0, tl.abs(x))
-    sc = scale[:, None]
-    idx = ((mag > 0.25 * sc).to(tl.int32) + (mag > 0.75 * sc).to(tl.int32) + (mag > 1.25 * sc).to(tl.int32)
-           + (mag > 1.75 * sc).to(tl.int32) + (mag > 2.5 * sc).to(tl.int32) + (mag > 3.5 * sc).to(tl.int32)
-           + (mag > 5.0 * sc).to(tl.int32))
-    tie = ((mag == 0.25 * sc) | (mag == 0.75 * sc) | (mag == 1.25 * sc) | (mag == 1.75 * sc) | (mag == 2.5 * sc)
-           | (mag == 3.5 * sc) | (mag == 5.0 * sc))
-    idx = idx + (tie & ((idx % 2) == 1)).to(tl.int32)
-    code = idx + 8 * ((x < 0) & (idx > 0)).to(tl.int32)
-    lo, hi = tl.split(tl.reshape(code, (NBP, 8, 2)))
-    packed = (lo | (hi << 4)).to(tl.uint8)
-    tl.store(packed_ptr + blk[:, None] * 8 + tl.arange(0, 8)[None, :], packed, mask=live[:, None])
+    sc = tl.where(has_nan, float("nan"), scale)[:, None]  # NaN block: every code 0, as in the reference
+    packed = (_e2m1_code(lo, sc) | (_e2m1_code(hi, sc) << 4)).to(tl.uint8)
+    tl.store(packed_ptr + blk[:, None] * 8 + pair[None, :], packed, mask=live[:, None])
+
+
+@triton.jit
+def _e2m1_bits(code):
+    """float32 bits of the E2M1 value of a 4-bit code: magnitudes 1..6 are (idx + 252) << 22, 0.5 is
+    one below that pattern's 0.75, 0 is 0; bit 3 is the sign."""
+    idx = code & 7
+    mag = tl.where(idx == 0, 0, (idx + 252 - (idx == 1).to(tl.int32)) << 22)
+    return mag | ((code & 8) << 28)
+
+
+@triton.jit
+def _e2m1_f16_bits(code):
+    """Low nibble of `code` -> fp16 holding E2M1(nibble) · 2^-14 exactly: E2M1's exponent and mantissa
+    bits placed at fp16's (bits 11..9), its sign at bit 15; 0.5 lands on fp16's subnormal 2^-15."""
+    return (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def _e2m1_value(code):
-    idx = code & 7
-    e = idx >> 1
-    m = (idx & 1).to(tl.float32)
-    normal = _pow2(e - 1) * (1.0 + 0.5 * m)
-    mag = tl.where(idx < 2, 0.5 * m, normal)
-    return tl.where(code >= 8, -mag, mag)
+    return _e2m1_bits(code).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _e4m3_value(bits):
-    """E4M3 (fn) bit pattern -> float32, decoded arithmetically; 0x7F is NaN."""
-    ex = bits >> 3
-    m = (bits & 7).to(tl.float32)
+    """E4M3 (fn) bit pattern -> float32, decoded arithmetically; 0x7F / 0xFF are NaN."""
+    b = bits & 0x7F
+    ex = b >> 3
+    m = (b & 7).to(tl.float32)
     normal = _pow2(ex - 7) * (1.0 + m * 0.125)
     v = tl.where(ex == 0, m * 0.001953125, normal)
-    return tl.where(bits == 0x7F, float("nan"), v)
+    v = tl.where(bits >= 0x80, -v, v)
+    return tl.where(b == 0x7F, float("nan"), v)
 
 
 @triton.jit
-def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, n_blocks, NBP: tl.constexpr):
-    blk = tl.program_id(0).to(tl.int64) * NBP + tl.arange(0, NBP)
-    live = blk < n_blocks
-    p = tl.load(packed_ptr + blk[:, None] * 8 + tl.arange(0, 8)[None, :], mask=live[:, None], other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(p & 15, p >> 4), (NBP, 16))
-    bits = tl.load(scale_ptr + blk, mask=live, other=0).to(tl.int32)
-    vals = _e2m1_value(codes) * _e4m3_value(bits)[:, None]
-    tl.store(out_ptr + blk[:, None] * 16 + tl.arange(0, 16)[None, :], vals.to(out_ptr.dtype.element_ty), mask=live[:, None])
+def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, n_blocks, NBP: tl.constexpr, BF16_WORDS: tl.constexpr,
+                       F16_DECODE: tl.constexpr):
+    first = tl.program_id(0).to(tl.int64) * NBP
+    packed_ptr += first * 8
+    scale_ptr += first
+    if BF16_WORDS:
+        out_ptr += first * 8
+    else:
+        out_ptr += first * 16
+    blk = tl.arange(0, NBP)
+    live = blk < n_blocks - first
+    pair = tl.arange(0, 8)
+    p = tl.load(packed_ptr + blk[:, None] * 8 + pair[None, :], mask=live[:, None], other=0).to(tl.int32)
+    sc = _e4m3_value(tl.load(scale_ptr + blk, mask=live, other=0).to(tl.int32))[:, None]
+    if F16_DECODE:
+        # E2M1 bits placed in an fp16 give E2M1 · 2^-14 exactly (decode_attention.py explains); the
+        # 2^14 goes into the per-block scale, so a value costs a few bit ops, a convert and a multiply
+        sc = sc * 16384.0
+        lo = _e2m1_f16_bits(p).to(tl.float32) * sc
+        hi = _e2m1_f16_bits(p >> 4).to(tl.float32) * sc
+    else:
+        lo = _e2m1_value(p & 15) * sc  # exact: 2 x 4 significant bits, in bf16's range
+        hi = _e2m1_value(p >> 4) * sc
+    if BF16_WORDS:
+        # the products are exact in bf16, so bf16 is the top half of the float32 bits; one int32 store
+        # writes the channel pair (2j in the low half, 2j + 1 in the high half)
+        word = ((lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | (hi.to(tl.int32, bitcast=True) & -65536)
+        tl.store(out_ptr + blk[:, None] * 8 + pair[None, :], word, mask=live[:, None])
+    else:
+        offs = blk[:, None] * 16 + 2 * pair[None, :]
+        tl.store(out_ptr + offs, lo.to(out_ptr.dtype.element_ty), mask=live[:, None])
+        tl.store(out_ptr + offs + 1, hi.to(out_ptr.dtype.element_ty), mask=live[:, None])
 
 
-NBP = 128  # scale blocks (of 16 values) per program
+# Launch shape: scale blocks (of 16 values) per program and warps; the bench's --sweep varies them.
+QUANT_NBP, QUANT_WARPS = 128, 4
+DEQUANT_NBP, DEQUANT_WARPS = 128, 4
+DEQUANT_F16_DECODE = True  # E2M1 via fp16 bit placement (False: the float32 bit pattern path)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,11 +176,15 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if C % ref.BLOCK:
         raise ValueError(f"last dimension {C} is not a multiple of {ref.BLOCK}")
     flat = x.contiguous().view(-1)
-    n_blocks = flat.numel() // ref.BLOCK
+    words = flat.dtype == torch.bfloat16
+    if words:
+        flat = flat.view(torch.int32)
+    n_blocks = x.numel() // ref.BLOCK
     packed = torch.empty(n_blocks * 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
     if n_blocks:
-        _quantize_kernel[(triton.cdiv(n_blocks, NBP),)](flat, packed, scales, n_blocks, NBP=NBP)
+        _quantize_kernel[(triton.cdiv(n_blocks, QUANT_NBP),)](flat, packed, scales, n_blocks, NBP=QUANT_NBP,
+                                                               BF16_WORDS=words, num_warps=QUANT_WARPS)
     return packed.view(*x.shape[:-1], C // 2), scales.view(torch.float8_e4m3fn).view(*x.shape[:-1], C // ref.BLOCK)
 
 
@@ -115,7 +192,10 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     C = packed.shape[-1] * 2
     n_blocks = scales.numel()
     out = torch.empty(n_blocks * ref.BLOCK, dtype=dtype, device=packed.device)
+    words = dtype == torch.bfloat16
     if n_blocks:
-        _dequantize_kernel[(triton.cdiv(n_blocks, NBP),)](packed.contiguous().view(-1),
-                                                          scales.contiguous().view(torch.uint8).view(-1), out, n_blocks, NBP=NBP)
+        _dequantize_kernel[(triton.cdiv(n_blocks, DEQUANT_NBP),)](
+            packed.contiguous().view(-1), scales.contiguous().view(torch.uint8).view(-1),
+            out.view(torch.int32) if words else out, n_blocks, NBP=DEQUANT_NBP, BF16_WORDS=words,
+            F16_DECODE=DEQUANT_F16_DECODE, num_warps=DEQUANT_WARPS)
     return out.view(*packed.shape[:-1], C)

@@ -57,3 +57,26 @@ def test_bf16_input_with_exact_ties_bit_exact():
     p_ref, s_ref = ref.quantize(x)
     p, s = kernels.quantize(x)
     assert torch.equal(p, p_ref) and torch.equal(s.view(torch.uint8), s_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_midpoint_at_every_scale_bit_exact(dtype):
+    """Each E4M3 scale s (amax = 6·s exactly) with ±(midpoint·s) ties, their float neighbours and the
+    grid values: the encode's comparisons (>= vs >) and the scale round-up are checked everywhere."""
+    s = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 2^-9 .. 448
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    row = torch.cat([torch.tensor([6.0]), mids, -mids[:4], torch.tensor([0.5, -1.5, 4.0, -0.0])])  # 16
+    x = (row[None, :] * s[:, None]).to(dtype)
+    up, down = x.float().nextafter(torch.tensor(float("inf"))), x.float().nextafter(torch.tensor(0.0))
+    x = torch.cat([x, up.to(dtype), down.to(dtype)], 1)  # bf16 rounds the neighbours back: still ties
+    nan_block = torch.full((1, 48), 5.0, dtype=dtype)
+    nan_block[0, 3] = float("nan")  # codes in a NaN block are 0, whatever the other values
+    x = torch.cat([x, nan_block]).to(DEVICE)
+    p_ref, s_ref = ref.quantize(x)
+    p, sc = kernels.quantize(x)
+    assert torch.equal(s_ref[:126, 0].float().cpu(), s)  # the construction hits every scale exactly
+    assert torch.equal(p, p_ref) and torch.equal(sc.view(torch.uint8), s_ref.view(torch.uint8))
+    assert (p[-1, :8] == 0).all() and sc.view(torch.uint8)[-1].tolist() == [0x7F, 0x36, 0x36]  # 5/6 -> 0.875
+    y = kernels.dequantize(p, sc, dtype)
+    y_ref = ref.dequantize(p, sc, dtype)
+    assert torch.equal(torch.nan_to_num(y, nan=7.0), torch.nan_to_num(y_ref, nan=7.0))
