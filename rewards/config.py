@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, Union
 
 from pydantic import Field, model_validator
 
@@ -47,3 +47,201 @@ class ArithmeticConfig(StrictConfig):
         from rewards.arithmetic import ArithmeticTask
 
         return ArithmeticTask(self)
+
+
+# ---- procedural domains (rewards/domains.py) ---------------------------------------------------
+# One strict config per domain, each with its `type` discriminator, so a recipe's dataset list is a
+# discriminated union (`DomainConfig` below). Every default keeps prompt + worked solution within
+# 60 characters so a tiny char-level model learns the domain on CPU in a minute or two.
+
+
+class _ProceduralConfig(StrictConfig):
+    """Fields every procedural domain shares (not a recipe type itself: it has no discriminator)."""
+
+    seed: int = 0
+    """Seed of the train stream and of the held-out set; same seed, same problems."""
+    num_heldout: int = Field(64, gt=0)
+    """Size of the fixed held-out set (distinct instances the train stream never yields)."""
+    direct_answer_rate: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of SFT demonstrations that skip the worked lines and write only the answer line."""
+
+    def build(self):
+        from rewards.domains import build_task
+
+        return build_task(self)
+
+
+class _StringLengthConfig(_ProceduralConfig):
+    min_len: int = Field(3, ge=1)
+    """Shortest input string."""
+    max_len: int = Field(8, ge=1, le=24)
+    """Longest input string (24 keeps prompt + response within ~60 characters)."""
+
+    @model_validator(mode="after")
+    def _len_range(self):
+        if self.max_len < self.min_len:
+            raise ValueError(f"max_len={self.max_len} is smaller than min_len={self.min_len}")
+        return self
+
+
+class _DigitsConfig(_ProceduralConfig):
+    min_digits: int = Field(1, ge=1)
+    """Fewest decimal digits of the (first) operand, drawn uniformly."""
+    max_digits: int = Field(3, ge=1, le=6)
+    """Most decimal digits of the (first) operand; 6 keeps the worked lines within ~60 characters."""
+
+    @model_validator(mode="after")
+    def _digit_range(self):
+        if self.max_digits < self.min_digits:
+            raise ValueError(f"max_digits={self.max_digits} is smaller than min_digits={self.min_digits}")
+        return self
+
+
+class ReverseConfig(_StringLengthConfig):
+    """Reverse a lowercase string: "rev abc=" -> "cba" (answer only)."""
+
+    type: Literal["reverse"] = "reverse"
+    """Discriminator: string reversal."""
+    name: str = Field("reverse", min_length=1)
+    """Dataset name; it prefixes every problem_id and tags samples and metrics."""
+
+
+class UppercaseConfig(_StringLengthConfig):
+    """Copy a lowercase string in upper case: "up abc=" -> "ABC" (answer only)."""
+
+    type: Literal["uppercase"] = "uppercase"
+    """Discriminator: copy to upper case."""
+    name: str = Field("upper", min_length=1)
+    """Dataset name."""
+
+
+class SortDigitsConfig(_StringLengthConfig):
+    """Sort a digit string ascending: "sort 5391=" -> "1359" (answer only)."""
+
+    type: Literal["sort_digits"] = "sort_digits"
+    """Discriminator: sort the digits of a string."""
+    name: str = Field("sort", min_length=1)
+    """Dataset name."""
+
+
+class CountCharConfig(_StringLengthConfig):
+    """Count one character in a string, with a running count: "cnt a:abca=" -> "1112\\n2"."""
+
+    type: Literal["count_char"] = "count_char"
+    """Discriminator: count occurrences of a character."""
+    name: str = Field("count", min_length=1)
+    """Dataset name."""
+    alphabet: str = Field("abc", min_length=2, pattern=r"^[a-z]+$")
+    """Letters the string is drawn from; a small alphabet makes the target character common."""
+    max_len: int = Field(9, ge=1, le=9)
+    """Longest string; at most 9 so the running count is one digit per character."""
+
+
+class SubtractionConfig(_DigitsConfig):
+    """a - b with a >= b, column by column with explicit borrows (see rewards/domains.py)."""
+
+    type: Literal["subtraction"] = "subtraction"
+    """Discriminator: multi-digit subtraction."""
+    name: str = Field("sub", min_length=1)
+    """Dataset name."""
+    max_digits: int = Field(3, ge=1, le=4)
+    """Most digits of a; the worked lines grow ~8 characters per digit."""
+
+
+class MultiplyDigitConfig(_DigitsConfig):
+    """a * d for a one-digit d, column by column with carries: "47*6=" -> "7*6=42\\n4*6+4=28\\n282"."""
+
+    type: Literal["multiply_digit"] = "multiply_digit"
+    """Discriminator: multiplication by a single digit."""
+    name: str = Field("mul", min_length=1)
+    """Dataset name."""
+    max_digits: int = Field(3, ge=1, le=4)
+    """Most digits of a; the worked lines grow ~9 characters per digit."""
+
+
+class ModuloConfig(_DigitsConfig):
+    """n mod m for a one-digit m >= 2, by a running remainder: "123%7=" -> "1%7=1\\n12%7=5\\n53%7=4\\n4"."""
+
+    type: Literal["modulo"] = "modulo"
+    """Discriminator: remainder by long division (parity is m = 2)."""
+    name: str = Field("mod", min_length=1)
+    """Dataset name."""
+    max_digits: int = Field(4, ge=1, le=5)
+    """Most digits of n."""
+    moduli: list[int] = Field(default_factory=lambda: [2, 3, 4, 5, 6, 7, 8, 9], min_length=1)
+    """Divisors drawn uniformly; each in 2..9."""
+
+    @model_validator(mode="after")
+    def _moduli_range(self):
+        bad = [m for m in self.moduli if not 2 <= m <= 9]
+        if bad:
+            raise ValueError(f"moduli must be in 2..9, got {bad}")
+        return self
+
+
+class MaxListConfig(_ProceduralConfig):
+    """Largest of a list of two-digit numbers, with a running max: "max 37,92,41=" -> "37 92 92\\n92"."""
+
+    type: Literal["max_list"] = "max_list"
+    """Discriminator: maximum of a list."""
+    name: str = Field("max", min_length=1)
+    """Dataset name."""
+    min_items: int = Field(2, ge=1)
+    """Fewest numbers in the list."""
+    max_items: int = Field(5, ge=1, le=6)
+    """Most numbers in the list."""
+
+    @model_validator(mode="after")
+    def _item_range(self):
+        if self.max_items < self.min_items:
+            raise ValueError(f"max_items={self.max_items} is smaller than min_items={self.min_items}")
+        return self
+
+
+class BaseConversionConfig(_ProceduralConfig):
+    """Decimal n to base k by repeated division: "13>b2=" -> "13:1\\n6:0\\n3:1\\n1:1\\n1101"."""
+
+    type: Literal["base_conversion"] = "base_conversion"
+    """Discriminator: decimal to base-k conversion."""
+    name: str = Field("base", min_length=1)
+    """Dataset name."""
+    max_value: int = Field(127, ge=2, le=255)
+    """Largest n (drawn uniformly from 0..max_value)."""
+    bases: list[int] = Field(default_factory=lambda: [2, 3, 4, 5, 6, 7, 8, 9], min_length=1)
+    """Target bases drawn uniformly; each in 2..9."""
+
+    @model_validator(mode="after")
+    def _base_range(self):
+        bad = [k for k in self.bases if not 2 <= k <= 9]
+        if bad:
+            raise ValueError(f"bases must be in 2..9, got {bad}")
+        return self
+
+
+class DigitSumConfig(_DigitsConfig):
+    """Sum of the digits with running partial sums: "dsum 4721=" -> "4 11 13 14\\n14"."""
+
+    type: Literal["digit_sum"] = "digit_sum"
+    """Discriminator: digit sum."""
+    name: str = Field("dsum", min_length=1)
+    """Dataset name."""
+    min_digits: int = Field(2, ge=1)
+    """Fewest digits."""
+    max_digits: int = Field(6, ge=1, le=8)
+    """Most digits."""
+
+
+PROCEDURAL_DOMAIN_CONFIGS = (
+    ReverseConfig, UppercaseConfig, SortDigitsConfig, CountCharConfig, SubtractionConfig,
+    MultiplyDigitConfig, ModuloConfig, MaxListConfig, BaseConversionConfig, DigitSumConfig,
+)
+"""Every procedural domain's config class, besides ArithmeticConfig (recipe unions list these)."""
+
+DomainConfig = Annotated[
+    Union[
+        ArithmeticConfig, ReverseConfig, UppercaseConfig, SortDigitsConfig, CountCharConfig, SubtractionConfig,
+        MultiplyDigitConfig, ModuloConfig, MaxListConfig, BaseConversionConfig, DigitSumConfig,
+    ],
+    Field(discriminator="type"),
+]
+"""Any procedural task domain, chosen by its `type:` key."""

@@ -1,0 +1,511 @@
+"""TeacherPool: every teacher in host memory, a few on the device, switched at next to no cost (seed §5.2.4).
+
+Seed §5.2.4 trains the final OPD stage with over 40 architecturally heterogeneous teachers and
+"efficient switching among them at negligible cost". The pool does it with three pieces:
+
+- Host store. Every teacher's weights are read once from its checkpoint into host memory, already in
+  the device dtype, packed into one flat buffer per dtype (a load is one copy, not one per tensor),
+  page-locked when CUDA exists so a host-to-device copy is asynchronous.
+- Device LRU. Teachers are materialised on the device on demand; the resident set stays within
+  `device_memory_mib` by evicting the least-recently-used teacher that this step no longer needs.
+  A teacher is a `Decoder` built on the meta device (no allocation, no init) whose tensors are the
+  device copies, so teachers may differ from each other and from the student in depth, width, heads,
+  GQA, qk-norm, dense or MoE; only the vocabulary is shared (full-vocabulary OPD).
+- Prefetch. `run(groups, fn)` visits a step's teachers once each (resident ones first) and, while one
+  computes, copies the next non-resident one in: on a side CUDA stream from a worker thread on the
+  GPU (the compute stream waits on an event, so ordering is exact), on a worker thread on CPU.
+
+Counters (`stats()`, reset per step): loads, prefetched loads, hits, evictions, seconds the compute
+stream waited for weights (`load_wait_s`), seconds spent copying whether hidden or not (`load_s`),
+teacher compute seconds, and `overhead = load_wait_s / compute_s`. On CUDA the intervals are timed
+with events on the streams (resolved when `stats()` is read), so they measure device time, not
+host time.
+
+Live reconfiguration (seed §5.2.4: active teachers change during training) is `add` / `remove` of
+teachers and `set_budget` / `set_prefetch`; none of them disturbs resident teachers still in use.
+
+On CPU the "device" is the CPU itself and a load is a real copy (clone) of the host tensors, so the
+budget, LRU and prefetch logic run and are tested exactly as on a GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from model.config import ModelConfig
+from model.decoder import Decoder
+from teachers.config import TeacherPoolConfig, TeacherSpec, check_vocab, read_teacher_config
+
+R = TypeVar("R")
+_MIB = 1 << 20
+_KEEP_DTYPE_SUFFIXES = ("e_score_correction_bias",)
+"""Buffers kept in their stored dtype (the MoE selection bias is added to float32 router scores)."""
+
+
+@dataclass(frozen=True)
+class TeacherOutput:
+    """What OPD needs from a teacher for one batch: logits are `hidden @ head_weight.T`, computed
+    chunk by chunk by the loss so [tokens, vocab] never materialises for both models at once."""
+
+    hidden: torch.Tensor
+    """Final normed hidden states [B, T, teacher hidden_size]."""
+    head_weight: torch.Tensor
+    """Output head [vocab, teacher hidden_size] (the embedding when the teacher ties them)."""
+    routing: torch.Tensor | None
+    """MoE teachers: expert ids [B, T, num_layers, top_k]; None for dense."""
+
+
+@dataclass
+class PoolStats:
+    """Counters since the last `stats()` (one train step when the driver reads them once per step)."""
+
+    loads: int = 0
+    """Teachers copied host -> device (synchronous and prefetched)."""
+    prefetched: int = 0
+    """Of `loads`, those started ahead by prefetch."""
+    hits: int = 0
+    """Teacher uses served by an already resident copy (no load)."""
+    evictions: int = 0
+    """Resident teachers dropped to make room."""
+    load_wait_s: float = 0.0
+    """Seconds the compute stream waited for teacher weights (synchronous loads plus the unhidden
+    tail of prefetches): the switching cost."""
+    load_s: float = 0.0
+    """Seconds spent copying weights, hidden by prefetch or not."""
+    compute_s: float = 0.0
+    """Seconds of teacher forward passes (including the caller's `fn`)."""
+    teachers: int = 0
+    """Teacher uses (forward calls)."""
+
+    @property
+    def overhead(self) -> float:
+        """Switching cost as a fraction of teacher compute: load_wait_s / compute_s."""
+        return self.load_wait_s / self.compute_s if self.compute_s > 0 else 0.0
+
+    def as_metrics(self, prefix: str = "teachers/") -> dict[str, float]:
+        keys = ("loads", "prefetched", "hits", "evictions", "load_wait_s", "load_s", "compute_s", "teachers")
+        return {**{prefix + k: float(getattr(self, k)) for k in keys}, prefix + "overhead": self.overhead}
+
+
+@dataclass
+class _HostTeacher:
+    name: str
+    config: ModelConfig
+    flat: dict[torch.dtype, torch.Tensor]
+    """Host copy of all weights, one flat buffer per dtype (page-locked when CUDA exists): a load is
+    one copy per dtype (usually one), not one per tensor."""
+    layout: dict[str, tuple[torch.dtype, int, torch.Size]]
+    """State key -> (buffer dtype, element offset, shape)."""
+    nbytes: int
+    module: Decoder
+    """Skeleton built once on the meta device; bound to device tensors while resident."""
+    slots: list[tuple[torch.nn.Module, str, bool, str]]
+    """(owning submodule, attribute, is a parameter, state key) of every tensor, for fast (re)binding."""
+    datasets: tuple[str, ...] = ()
+
+
+@dataclass
+class _Resident:
+    module: Decoder
+    nbytes: int
+    ready: torch.cuda.Event | None = None
+    """CUDA prefetch: recorded on the side stream after the copies; the compute stream waits on it."""
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    """CUDA prefetch: the flat buffers allocated on the side stream (marked as used by the compute stream)."""
+
+
+class _Clock:
+    """Interval marks: CUDA events on a stream (device time) or perf_counter (CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self, stream: torch.cuda.Stream | None = None) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+
+class TeacherPool:
+    """Host store of teachers, device-resident LRU set within a byte budget, prefetch of the next one."""
+
+    def __init__(
+        self,
+        teachers: Iterable[TeacherSpec],
+        device_memory_mib: float,
+        *,
+        prefetch: bool = True,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        pin_host_memory: bool = True,
+        student_vocab: int | None = None,
+    ):
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.budget_bytes = int(device_memory_mib * _MIB)
+        self.prefetch_enabled = prefetch
+        self.dtype = dtype
+        self.pin = pin_host_memory and torch.cuda.is_available()
+        self.student_vocab = student_vocab
+        self._host: dict[str, _HostTeacher] = {}
+        self._resident: OrderedDict[str, _Resident] = OrderedDict()  # least recently used first
+        self._inflight: tuple[str, int, Future] | None = None  # (name, reserved bytes, future -> _Resident)
+        self._clock = _Clock(self.device)
+        self._side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="teacher-prefetch")
+        self._lock = threading.Lock()  # guards the interval lists, appended to by the prefetch thread
+        self._stats = PoolStats()
+        self._pending: dict[str, list[tuple[Any, Any]]] = {"load_wait_s": [], "load_s": [], "compute_s": []}
+        self.peak_resident_bytes = 0
+        for spec in teachers:
+            self.add(spec)
+
+    @classmethod
+    def from_config(cls, cfg: TeacherPoolConfig, device: str | torch.device = "cpu",
+                    student_vocab: int | None = None) -> "TeacherPool":
+        dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+        return cls(cfg.teachers, cfg.device_memory_mib, prefetch=cfg.prefetch, device=device, dtype=dtype,
+                   pin_host_memory=cfg.pin_host_memory, student_vocab=student_vocab)
+
+    # ---- registry (live reconfiguration adds and removes teachers) --------------------------------
+    def add(self, spec: TeacherSpec) -> None:
+        """Read a teacher checkpoint into host memory. Errors (missing file, wrong keys or shapes,
+        vocabulary, too big for the budget) surface here, not in the middle of a train step."""
+        from safetensors.torch import load_file  # only checkpoint reads need it
+
+        cfg = read_teacher_config(spec.checkpoint)
+        stored = load_file(str(Path(spec.checkpoint) / "model.safetensors"))
+        self.add_weights(spec.name, cfg, stored, datasets=spec.datasets, source=f"checkpoint {str(spec.checkpoint)!r}")
+
+    def add_weights(self, name: str, cfg: ModelConfig, stored: Mapping[str, torch.Tensor], *,
+                    datasets: Iterable[str] = (), source: str = "in-memory weights") -> None:
+        """Register a teacher from a state dict (Decoder layout; a tied head may be omitted)."""
+        if name in self._host:
+            raise ValueError(f"teacher {name!r} is already in the pool")
+        if self.student_vocab is not None and (err := check_vocab(self.student_vocab, cfg, name)):
+            raise ValueError(err)
+        stored = dict(stored)
+        expected = {k: tuple(v.shape) for k, v in _skeleton(cfg).state_dict().items()}
+        if cfg.tie_word_embeddings:
+            expected.pop("lm_head.weight")
+            stored.pop("lm_head.weight", None)
+        got = {k: tuple(v.shape) for k, v in stored.items()}
+        if got != expected:
+            missing, unexpected = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+            reshaped = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
+            problems = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected else [])
+            problems += [f"{k} is {got[k]} not {expected[k]}" for k in reshaped[:3]]
+            raise ValueError(f"teacher {name!r} {source} does not match its config: {', '.join(problems)}")
+        tensors = {}
+        for k, v in stored.items():
+            v = v.detach().to("cpu")
+            if self.dtype is not None and v.is_floating_point() and not k.endswith(_KEEP_DTYPE_SUFFIXES):
+                v = v.to(self.dtype)
+            tensors[k] = v
+        sizes: dict[torch.dtype, int] = {}
+        layout = {}
+        for k, v in tensors.items():
+            layout[k] = (v.dtype, sizes.get(v.dtype, 0), v.shape)
+            sizes[v.dtype] = sizes.get(v.dtype, 0) + v.numel()
+        flat = {dt: torch.empty(n, dtype=dt, pin_memory=self.pin) for dt, n in sizes.items()}
+        for k, (dt, off, shape) in layout.items():
+            flat[dt][off : off + shape.numel()].view(shape).copy_(tensors[k])
+        nbytes = sum(t.numel() * t.element_size() for t in flat.values())
+        if nbytes > self.budget_bytes:
+            raise ValueError(f"teacher {name!r} needs {nbytes / _MIB:.1f} MiB on device but the pool's "
+                             f"device_memory_mib is {self.budget_bytes / _MIB:.1f}")
+        module = _skeleton(cfg)
+        slots = []
+        for key in module.state_dict():
+            path, _, attr = key.rpartition(".")
+            owner = module.get_submodule(path)
+            slots.append((owner, attr, attr in owner._parameters, key))
+        self._host[name] = _HostTeacher(name, cfg, flat, layout, nbytes, module.requires_grad_(False).eval(), slots,
+                                        tuple(datasets))
+
+    def remove(self, name: str) -> None:
+        self._settle_inflight()
+        if self._resident.pop(name, None) is not None:
+            _unbind(self._host[name])
+        del self._host[name]
+
+    def set_budget(self, device_memory_mib: float) -> None:
+        """Change the device budget live, evicting least-recently-used teachers until the rest fit."""
+        budget = int(device_memory_mib * _MIB)
+        too_big = [n for n, h in self._host.items() if h.nbytes > budget]
+        if too_big:
+            raise ValueError(f"device_memory_mib={device_memory_mib} cannot hold teachers {too_big[:3]}")
+        self._settle_inflight()
+        self.budget_bytes = budget
+        while self.resident_bytes > budget:
+            name, _ = self._resident.popitem(last=False)
+            _unbind(self._host[name])
+            self._stats.evictions += 1
+
+    def set_prefetch(self, enabled: bool) -> None:
+        self.prefetch_enabled = enabled
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._host)
+
+    def config(self, name: str) -> ModelConfig:
+        return self._host[name].config
+
+    def nbytes(self, name: str) -> int:
+        """Device bytes of one teacher's weights."""
+        return self._host[name].nbytes
+
+    @property
+    def resident(self) -> list[str]:
+        """Device-resident teachers, least recently used first."""
+        return list(self._resident)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(r.nbytes for r in self._resident.values())
+
+    # ---- the API a train step uses ----------------------------------------------------------------
+    def run(self, groups: Mapping[str, torch.Tensor], fn: Callable[[str, TeacherOutput], R]) -> dict[str, R]:
+        """Score each teacher's batch: `groups` maps teacher name -> input_ids [B, T] (right-padded);
+        `fn(name, output)` runs while that teacher is resident (e.g. the chunked OPD loss's teacher
+        log-probs) and its result is returned per name. Each teacher is loaded at most once: resident
+        teachers go first, teachers still needed in this call are never evicted, and the next
+        non-resident one is prefetched while the current one computes."""
+        unknown = [n for n in groups if n not in self._host]
+        if unknown:
+            raise KeyError(f"unknown teachers {unknown}; the pool has {self.names}")
+        order = [n for n in self._resident if n in groups] + [n for n in groups if n not in self._resident]
+        needed = set(order)
+        results: dict[str, R] = {}
+        for i, name in enumerate(order):
+            entry = self._acquire(name, protect=needed)
+            if self.prefetch_enabled:
+                upcoming = next((n for n in order[i + 1:] if n not in self._resident), None)
+                if upcoming is not None:
+                    self._start_prefetch(upcoming, protect=needed)
+            results[name] = self._compute(name, entry, groups[name], None, fn)
+            needed.discard(name)
+        return results
+
+    def hidden_states(self, groups: Mapping[str, torch.Tensor]) -> dict[str, TeacherOutput]:
+        """`run` returning the outputs themselves. A returned head weight is a view of its teacher's
+        device buffer, so it keeps that teacher's weights allocated after eviction until dropped;
+        prefer `run` with a consuming `fn` when device memory is tight."""
+        return self.run(groups, lambda _name, out: out)
+
+    def forward(self, name: str, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> TeacherOutput:
+        """One teacher on one batch, loading it if needed (no prefetch of anything else)."""
+        entry = self._acquire(name, protect={name})
+        return self._compute(name, entry, input_ids, positions, lambda _n, out: out)
+
+    def prefetch(self, name: str) -> bool:
+        """Start copying `name` to the device ahead of use (e.g. the next step's first teacher).
+        False when it is already resident, another prefetch is in flight, or there is no room."""
+        if not self.prefetch_enabled:
+            return False
+        return self._start_prefetch(name, protect={name})
+
+    def stats(self, reset: bool = True) -> PoolStats:
+        """Counters since the last reset (CUDA: waits for the timed events)."""
+        with self._lock:
+            pending = {k: list(v) for k, v in self._pending.items()}
+            if reset:
+                for v in self._pending.values():
+                    v.clear()
+        out = replace(self._stats)
+        for key, intervals in pending.items():
+            setattr(out, key, getattr(out, key) + sum(self._clock.seconds(a, b) for a, b in intervals))
+        if reset:
+            self._stats = PoolStats()
+        return out
+
+    def close(self) -> None:
+        self._settle_inflight()
+        self._executor.shutdown(wait=True)
+
+    # ---- internals --------------------------------------------------------------------------------
+    def _acquire(self, name: str, protect: set[str]) -> _Resident:
+        """The resident copy of `name`, loading it (or finishing its prefetch) if needed."""
+        if name not in self._host:
+            raise KeyError(f"unknown teacher {name!r}; the pool has {self.names}")
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if name in self._resident:
+            self._resident.move_to_end(name)
+            self._stats.hits += 1
+            entry = self._resident[name]
+            if entry.ready is not None:  # a prefetch that landed without being waited on yet
+                self._await_copies(entry, stream)
+            return entry
+        start = self._clock.mark(stream)
+        if self._inflight is not None and self._inflight[0] == name:
+            entry = self._settle_inflight()
+            self._await_copies(entry, stream)
+        else:
+            host = self._host[name]
+            # A prefetch of another teacher may hold the room: let it land, then it is evictable
+            # (last resort: even when this step still needs it, which costs it a second load).
+            if not (self._make_room(host.nbytes, protect | {name})
+                    or (self._settle_inflight() is not None and self._make_room(host.nbytes, protect | {name}))
+                    or self._make_room(host.nbytes, {name})):
+                raise RuntimeError(f"cannot fit teacher {name!r} ({host.nbytes / _MIB:.1f} MiB) in the pool's "
+                                   f"{self.budget_bytes / _MIB:.1f} MiB")
+            load_start = self._clock.mark(stream)
+            module, _ = _bind(host, self.device, non_blocking=self.pin)
+            entry = _Resident(module, host.nbytes)
+            with self._lock:
+                self._pending["load_s"].append((load_start, self._clock.mark(stream)))
+            self._resident[name] = entry
+            self._stats.loads += 1
+            self._track_peak()
+        with self._lock:
+            self._pending["load_wait_s"].append((start, self._clock.mark(stream)))
+        return entry
+
+    @staticmethod
+    def _await_copies(entry: _Resident, stream: torch.cuda.Stream | None) -> None:
+        """CUDA prefetch: the compute stream waits for the side stream's copies, and the allocator
+        learns the tensors are used on the compute stream (so freeing them later is safe)."""
+        if entry.ready is None:
+            return
+        stream.wait_event(entry.ready)
+        for t in entry.tensors:
+            t.record_stream(stream)
+        entry.ready, entry.tensors = None, []
+
+    def _compute(self, name: str, entry: _Resident, input_ids: torch.Tensor, positions: torch.Tensor | None,
+                 fn: Callable[[str, TeacherOutput], R]) -> R:
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        start = self._clock.mark(stream)
+        with torch.no_grad():
+            ids = input_ids.to(self.device, non_blocking=True)
+            pos = None if positions is None else positions.to(self.device, non_blocking=True)
+            out = entry.module.forward_hidden(ids, pos)
+            result = fn(name, TeacherOutput(out.hidden, entry.module.lm_head.weight, out.routing))
+        with self._lock:
+            self._pending["compute_s"].append((start, self._clock.mark(stream)))
+        self._stats.teachers += 1
+        return result
+
+    def _make_room(self, nbytes: int, protect: set[str]) -> bool:
+        """Evict least-recently-used unprotected teachers until `nbytes` more fit (with any in-flight
+        reservation counted). False, evicting nothing, when that is impossible."""
+        reserved = self._inflight[1] if self._inflight is not None else 0
+        free = self.budget_bytes - self.resident_bytes - reserved
+        if free >= nbytes:
+            return True
+        victims = []
+        for n, r in self._resident.items():
+            if n in protect:
+                continue
+            victims.append(n)
+            free += r.nbytes
+            if free >= nbytes:
+                break
+        if free < nbytes:
+            return False
+        for n in victims:
+            del self._resident[n]
+            _unbind(self._host[n])
+            self._stats.evictions += 1
+        return True
+
+    def _start_prefetch(self, name: str, protect: set[str]) -> bool:
+        if name in self._resident or self._inflight is not None:
+            return False
+        host = self._host[name]
+        if not self._make_room(host.nbytes, protect):
+            return False
+        future = self._executor.submit(self._load_async, host)
+        self._inflight = (name, host.nbytes, future)
+        self._track_peak()
+        return True
+
+    def _load_async(self, host: _HostTeacher) -> _Resident:
+        """Prefetch worker: copy on the side stream (CUDA) or in this thread (CPU)."""
+        if self._side_stream is None:
+            start = self._clock.mark()
+            module, _ = _bind(host, self.device, non_blocking=False)
+            with self._lock:
+                self._pending["load_s"].append((start, self._clock.mark()))
+            return _Resident(module, host.nbytes)
+        with torch.cuda.device(self.device), torch.cuda.stream(self._side_stream):
+            start = self._clock.mark(self._side_stream)
+            module, tensors = _bind(host, self.device, non_blocking=self.pin)
+            ready = self._clock.mark(self._side_stream)
+        with self._lock:
+            self._pending["load_s"].append((start, ready))
+        return _Resident(module, host.nbytes, ready=ready, tensors=tensors)
+
+    def _settle_inflight(self) -> _Resident | None:
+        """Wait for the in-flight prefetch (if any) and make it resident; returns it."""
+        if self._inflight is None:
+            return None
+        name, _, future = self._inflight
+        self._inflight = None
+        entry = future.result()  # a failed copy raises here, in the caller's thread
+        self._resident[name] = entry
+        self._stats.loads += 1
+        self._stats.prefetched += 1
+        return entry
+
+    def _track_peak(self) -> None:
+        reserved = self._inflight[1] if self._inflight is not None else 0
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes + reserved)
+
+
+def _skeleton(cfg: ModelConfig) -> Decoder:
+    """A Decoder without storage: building it allocates and initialises nothing."""
+    with torch.device("meta"):
+        return Decoder(cfg)
+
+
+def _bind(host: _HostTeacher, device: torch.device, non_blocking: bool) -> tuple[Decoder, list[torch.Tensor]]:
+    """Copy the host store to the device (one copy per flat buffer) and bind views of it into the
+    teacher's skeleton (no module construction per load: rebinding ~50 views costs well under a
+    millisecond). Returns the module and the device buffers."""
+    if device.type == "cpu":  # the CPU "device": still a real copy, so loads cost what they cost
+        flat = {dt: buf.clone() for dt, buf in host.flat.items()}
+    else:
+        flat = {dt: buf.to(device, non_blocking=non_blocking, copy=True) for dt, buf in host.flat.items()}
+    state = {k: flat[dt][off : off + shape.numel()].view(shape) for k, (dt, off, shape) in host.layout.items()}
+    for owner, attr, is_param, key in host.slots:
+        if key not in state:  # the tied head: bound below to the embedding
+            continue
+        if is_param:
+            owner._parameters[attr] = torch.nn.Parameter(state[key], requires_grad=False)
+        else:
+            owner._buffers[attr] = state[key]
+    module = host.module
+    if host.config.tie_word_embeddings:
+        module.lm_head._parameters["weight"] = module.model.embed_tokens.weight
+    return module, list(flat.values())
+
+
+def _unbind(host: _HostTeacher) -> None:
+    """Drop the device copies (the skeleton goes back to meta tensors); memory frees once callers
+    holding outputs (e.g. a head weight) let go."""
+    for owner, attr, is_param, _key in host.slots:
+        table = owner._parameters if is_param else owner._buffers
+        t = table[attr]
+        if t is not None and t.device.type != "meta":
+            meta = torch.empty_like(t, device="meta")
+            table[attr] = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta

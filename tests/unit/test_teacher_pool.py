@@ -1,0 +1,298 @@
+"""TeacherPool: exact outputs for heterogeneous teachers, LRU within a byte budget, grouped runs that load each
+teacher once, prefetch, counters, config validation; the teacher-zoo builder at debug size."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from model.checkpoint import load_checkpoint, save_checkpoint
+from model.config import DenseFFNConfig, ModelConfig, MoEFFNConfig
+from model.decoder import Decoder
+from model.tokenizer import CharTokenizer
+from rewards.config import UppercaseConfig
+from teachers.config import TeacherPoolConfig, TeacherSpec, check_vocab
+from teachers.pool import TeacherPool
+from teachers.architectures import ARCHITECTURES, tiny
+from teachers.train_teachers import build_teachers, greedy_responses, sft, sft_batch
+
+_SAME = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                    ffn=DenseFFNConfig(intermediate_size=64))
+_HETERO = {
+    "deep": ModelConfig(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                        ffn=DenseFFNConfig(intermediate_size=64)),
+    "moe": ModelConfig(hidden_size=48, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=24, init_std=0.1,
+                       ffn=MoEFFNConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+    "tied-mqa": ModelConfig(hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=1, head_dim=16, qk_norm=False,
+                            tie_word_embeddings=True, ffn=DenseFFNConfig(intermediate_size=96)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(_threads):
+    # Debug-size models: intra-op parallelism does not pay, and on shared cores 2 threads stall badly.
+    torch.set_num_threads(1)
+
+
+def _save(root: Path, name: str, cfg: ModelConfig, seed: int) -> TeacherSpec:
+    torch.manual_seed(seed)
+    save_checkpoint(Decoder(cfg), root / name)
+    return TeacherSpec(name=name, checkpoint=root / name, datasets=[f"d-{name}"])
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("teachers")
+    same = [_save(root, n, _SAME, i) for i, n in enumerate("ABC")]
+    hetero = [_save(root, n, cfg, 10 + i) for i, (n, cfg) in enumerate(_HETERO.items())]
+    return {"same": same, "hetero": hetero}
+
+
+def _ids(seed: int = 0, b: int = 3, t: int = 12) -> torch.Tensor:
+    return torch.randint(3, 99, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _budget_mib(nbytes: int, k: float) -> float:
+    """A budget of k teachers of nbytes each, in MiB."""
+    return nbytes * k / 2**20
+
+
+def _one_size(zoo) -> int:
+    return TeacherPool(zoo["same"][:1], 1024, prefetch=False).nbytes("A")
+
+
+# ---- outputs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_outputs_equal_a_direct_forward_of_each_heterogeneous_teacher(zoo, prefetch):
+    ids = _ids()
+    budget = max(TeacherPool([s], 1024, prefetch=False).nbytes(s.name) for s in zoo["hetero"]) * 1.5 / 2**20
+    pool = TeacherPool(zoo["hetero"], budget, prefetch=prefetch)  # fits one at a time: every use is a switch
+    for _ in range(2):
+        outs = pool.hidden_states({s.name: ids for s in zoo["hetero"]})
+        for spec in zoo["hetero"]:
+            ref = load_checkpoint(spec.checkpoint).eval()
+            with torch.no_grad():
+                want = ref.forward_hidden(ids)
+            got = outs[spec.name]
+            assert got.hidden.shape == (3, 12, _HETERO[spec.name].hidden_size)
+            assert torch.equal(got.hidden, want.hidden)
+            assert torch.equal(got.head_weight, ref.lm_head.weight)
+            assert (got.routing is None) == (spec.name != "moe")
+            if got.routing is not None:
+                assert torch.equal(got.routing, want.routing)
+    # outputs taken before a teacher was evicted stay valid: the pool rebinds, it never overwrites
+    assert torch.equal(outs["deep"].head_weight, load_checkpoint(zoo["hetero"][0].checkpoint).lm_head.weight)
+    tied = pool.forward("tied-mqa", ids)
+    assert torch.equal(tied.head_weight, load_checkpoint(zoo["hetero"][2].checkpoint).model.embed_tokens.weight)
+    pool.close()
+
+
+def test_forward_accepts_positions_and_matches_the_decoder(zoo):
+    spec = zoo["hetero"][0]
+    ids, pos = _ids(1, 2, 6), torch.arange(5, 11).expand(2, 6)
+    pool = TeacherPool(zoo["hetero"][:1], 64)
+    got = pool.forward(spec.name, ids, pos).hidden
+    pool.close()
+    with torch.no_grad():
+        assert torch.equal(got, load_checkpoint(spec.checkpoint).forward_hidden(ids, pos).hidden)
+
+
+# ---- LRU within the budget -------------------------------------------------------------------------
+
+
+def test_lru_budget_of_two_teachers_counts_loads_and_evicts_least_recent(zoo):
+    size = _one_size(zoo)
+    pool = TeacherPool(zoo["same"], _budget_mib(size, 2.5), prefetch=False)
+    ids = _ids()
+    loads = []
+    for name in "ABACA":
+        pool.forward(name, ids)
+        loads.append(pool.stats(reset=False).loads)
+    assert loads == [1, 2, 2, 3, 3]  # A, B load; A hits; C evicts B (least recent), not A; A hits
+    assert pool.resident == ["C", "A"]
+    pool.forward("B", ids)  # evicts C, the least recent now
+    s = pool.stats()
+    assert (s.loads, s.hits, s.evictions, s.teachers, s.prefetched) == (4, 2, 2, 6, 0)
+    assert pool.resident == ["A", "B"] and pool.resident_bytes == 2 * size
+    assert pool.peak_resident_bytes <= pool.budget_bytes
+    assert pool.stats().loads == 0  # reset
+    # an evicted teacher's device copies are dropped (the skeleton is back on meta)
+    assert pool._host["C"].module.lm_head.weight.device.type == "meta"
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_run_loads_each_teacher_once_and_stays_within_budget(zoo, prefetch):
+    size = _one_size(zoo)
+    pool = TeacherPool(zoo["same"], _budget_mib(size, 2.5), prefetch=prefetch)
+    seen = []
+    out = pool.run({n: _ids(i) for i, n in enumerate("ABC")}, lambda name, o: seen.append(name) or o.hidden.sum().item())
+    s = pool.stats()
+    assert sorted(seen) == ["A", "B", "C"] and set(out) == {"A", "B", "C"}
+    assert (s.loads, s.hits, s.teachers) == (3, 0, 3)
+    assert s.prefetched == (2 if prefetch else 0)  # the first load of a cold step cannot be hidden
+    assert pool.peak_resident_bytes <= pool.budget_bytes
+    assert s.compute_s > 0 and s.load_s > 0 and s.overhead == pytest.approx(s.load_wait_s / s.compute_s)
+    pool.close()
+
+
+def test_run_serves_resident_teachers_first_so_none_is_loaded_twice(zoo):
+    pool = TeacherPool(zoo["same"], _budget_mib(_one_size(zoo), 2.5), prefetch=False)
+    pool.forward("A", _ids())
+    pool.forward("B", _ids())  # resident, least recent first: A, B
+    pool.stats()
+    # C first would evict A and then reload it; serving A first lets C evict B instead.
+    pool.run({"C": _ids(), "A": _ids()}, lambda n, o: None)
+    s = pool.stats()
+    assert (s.loads, s.hits, s.evictions) == (1, 1, 1)
+    assert pool.resident == ["A", "C"]
+
+
+def test_prefetch_needs_room_for_two_and_never_evicts_a_teacher_still_needed(zoo):
+    size = _one_size(zoo)
+    ids = {n: _ids() for n in "ABC"}
+    one = TeacherPool(zoo["same"], _budget_mib(size, 1.5), prefetch=True)
+    one.run(ids, lambda n, o: None)
+    s = one.stats()
+    assert (s.loads, s.prefetched, s.evictions) == (3, 0, 2)  # no room to overlap: synchronous switches
+    assert one.peak_resident_bytes <= one.budget_bytes
+    two = TeacherPool(zoo["same"], _budget_mib(size, 2.5), prefetch=True)
+    two.run({"A": ids["A"], "B": ids["B"]}, lambda n, o: None)
+    two.stats()
+    # A, B resident and both needed: C cannot be prefetched until A is done, then evicts A (not B).
+    two.run(ids, lambda n, o: None)
+    s = two.stats()
+    assert (s.loads, s.prefetched, s.hits, s.evictions) == (1, 1, 2, 1)
+    assert two.resident == ["B", "C"]
+    assert two.prefetch("A") and two.stats().loads == 0  # a hint for the next step, settled on use
+    two.forward("A", ids["A"])
+    s = two.stats()
+    assert (s.loads, s.prefetched, s.hits) == (1, 1, 0)
+    one.close()
+    two.close()
+
+
+def test_add_and_remove_teachers_live(zoo):
+    size = _one_size(zoo)
+    pool = TeacherPool(zoo["same"][:2], _budget_mib(size, 3.5), prefetch=False)
+    pool.forward("A", _ids())
+    pool.remove("A")
+    assert pool.names == ["B"] and pool.resident == [] and pool.resident_bytes == 0
+    with pytest.raises(KeyError, match="unknown teacher"):
+        pool.forward("A", _ids())
+    pool.add(zoo["same"][2])
+    with pytest.raises(ValueError, match="already in the pool"):
+        pool.add(zoo["same"][2])
+    assert pool.run({"C": _ids(), "B": _ids()}, lambda n, o: o.hidden.shape[-1]) == {"C": 32, "B": 32}
+
+
+def test_set_budget_live_evicts_least_recent_and_refuses_a_budget_below_one_teacher(zoo):
+    size = _one_size(zoo)
+    pool = TeacherPool(zoo["same"], _budget_mib(size, 3.5), prefetch=False)
+    for name in "BAC":
+        pool.forward(name, _ids())
+    pool.set_budget(_budget_mib(size, 1.5))
+    assert pool.resident == ["C"] and pool.stats().evictions == 2
+    with pytest.raises(ValueError, match="cannot hold teachers"):
+        pool.set_budget(_budget_mib(size, 0.5))
+    assert pool.resident == ["C"]
+    with pytest.raises(KeyError, match="unknown teachers"):
+        pool.run({"Z": _ids()}, lambda n, o: None)
+
+
+# ---- errors and config -----------------------------------------------------------------------------
+
+
+def test_errors_surface_when_a_teacher_is_added(zoo, tmp_path):
+    size = _one_size(zoo)
+    with pytest.raises(ValueError, match=r"needs .* MiB on device but the pool's device_memory_mib"):
+        TeacherPool(zoo["same"][:1], _budget_mib(size, 0.5))
+    bad = ModelConfig(vocab_size=128, hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=16,
+                      ffn=DenseFFNConfig(intermediate_size=32))
+    spec = _save(tmp_path, "wide-vocab", bad, 0)
+    with pytest.raises(ValueError, match="vocab_size=128 but the student has vocab_size=99"):
+        TeacherPool([spec], 64, student_vocab=CharTokenizer().vocab_size)
+    with pytest.raises(ValueError, match="has no config.json"):
+        TeacherPool([TeacherSpec(name="x", checkpoint=tmp_path / "missing")], 64)
+    # a checkpoint whose weights do not match its config.json
+    (tmp_path / "wide-vocab" / "config.json").write_text(_SAME.model_dump_json())
+    with pytest.raises(ValueError, match=r"does not match its config: .*embed_tokens.weight is \(128, 16\) not \(99, 32\)"):
+        TeacherPool([spec], 64)
+
+
+def test_check_vocab_names_both_sizes_on_one_line():
+    assert check_vocab(99, ModelConfig()) is None
+    msg = check_vocab(99, ModelConfig(vocab_size=151936), "qwen")
+    assert "\n" not in msg and "151936" in msg and "99" in msg and msg.startswith("qwen")
+
+
+def test_pool_config_validates_and_builds(zoo):
+    specs = zoo["hetero"]
+    cfg = TeacherPoolConfig(teachers=specs, device_memory_mib=8, prefetch=False)
+    assert cfg.teacher_for("d-moe") == "moe" and cfg.teacher_for("nope") is None
+    cfg.validate_vocab(99)
+    with pytest.raises(ValueError, match="vocab_size=99 but the student has vocab_size=100"):
+        cfg.validate_vocab(100)
+    with pytest.raises(ValidationError, match="unique"):
+        TeacherPoolConfig(teachers=[specs[0], specs[0]])
+    with pytest.raises(ValidationError, match="assigned to two teachers"):
+        TeacherPoolConfig(teachers=[specs[0], specs[1].model_copy(update={"datasets": ["d-deep"]})])
+    with pytest.raises(ValidationError):
+        TeacherPoolConfig(device_memory_mib=0)
+    with pytest.raises(ValidationError):
+        TeacherPoolConfig(dtype="int8")
+    pool = cfg.build()
+    assert pool.names == ["deep", "moe", "tied-mqa"] and not pool.prefetch_enabled
+    half = TeacherPoolConfig(teachers=specs[:1], dtype="bfloat16").build()
+    assert half.nbytes("deep") * 2 == pool.nbytes("deep")
+    assert half.forward("deep", _ids()).hidden.dtype == torch.bfloat16
+
+
+def test_config_module_imports_neither_torch_nor_ray():
+    code = "import sys, teachers.config; bad = {'torch', 'ray'} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+# ---- teacher zoo -----------------------------------------------------------------------------------
+
+
+def test_sft_batch_scores_exactly_the_response_and_eos():
+    task = UppercaseConfig().build()
+    problems = [task.make_problem("ab"), task.make_problem("abcdef")]
+    ids, mask = sft_batch(task, problems, random.Random(0), CharTokenizer())
+    tok = CharTokenizer()
+    for row, p in enumerate(problems):
+        targets = ids[row, 1:][mask[row]].tolist()
+        assert targets[-1] == tok.eos_id and tok.decode(targets[:-1]) == p.solution
+
+
+def test_sft_learns_and_greedy_decoding_stops_at_eos():
+    torch.manual_seed(0)
+    model = Decoder(tiny(ARCHITECTURES["mqa"]))
+    losses = sft(model, UppercaseConfig(max_len=4).build(), steps=60, batch_size=16, lr=1e-2)
+    assert sum(losses[-5:]) / 5 < 0.75 * sum(losses[:5]) / 5  # 4.3 -> 2.7 at this seed
+    responses = greedy_responses(model, ["up ab=", "up abc=", "up xy="], max_new_tokens=8)
+    assert len(responses) == 3 and all(len(r) <= 8 for r in responses)
+
+
+def test_build_teachers_saves_a_loadable_heterogeneous_zoo(tmp_path):
+    archs = {k: tiny(v) for k, v in ARCHITECTURES.items()}
+    cfg, reports = build_teachers(tmp_path, num_teachers=3, num_trained=1, steps=3, batch_size=8,
+                                  architectures=archs, eval_problems=4, log=lambda _s: None)
+    assert [r.architecture for r in reports] == list(archs)[:3]
+    assert reports[0].heldout_accuracy is not None and reports[0].dataset == "reverse"
+    assert reports[1].heldout_accuracy is None and cfg.teachers[1].datasets == []
+    assert TeacherPoolConfig.model_validate_json((tmp_path / "teachers.json").read_text()) == cfg
+    assert len({load_checkpoint(s.checkpoint).config for s in cfg.teachers}) == 3
+    pool = cfg.build()
+    outs = pool.hidden_states({s.name: _ids() for s in cfg.teachers})
+    assert len(outs) == 3 and pool.stats().loads == 3
+    with pytest.raises(ValueError, match="each trained teacher serves its own dataset"):
+        build_teachers(tmp_path / "x", num_teachers=2, num_trained=3, steps=1)
