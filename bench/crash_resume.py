@@ -65,7 +65,7 @@ class Proc:
     def __init__(self, args: list[str], env: dict | None = None):
         self.t0 = time.monotonic()
         self.p = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                  env={**os.environ, **(env or {})}, cwd=ROOT)
+                                  env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=ROOT)
         self.lines: list[tuple[float, str]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -103,6 +103,31 @@ def final_acc(p: Proc) -> float | None:
     return float(m.group(1)) if m else None
 
 
+def sigterm_only(recipe: Path, work: Path, sets: list[str]) -> None:
+    """SIGTERM after the first GRPO step, then resume until the first new token (then stop it)."""
+    run_dir = work / "sigterm"
+    p = Proc(["train", str(recipe), "--run-dir", str(run_dir), *sets])
+    while grpo_steps(run_dir) < 1 and p.p.poll() is None:
+        time.sleep(0.05)
+    t_sig = time.monotonic()
+    p.p.send_signal(signal.SIGTERM)
+    rc = p.wait()
+    exit_s = time.monotonic() - t_sig
+    hit = p.first(r"written ([0-9.]+) s after the signal")
+    written = float(re.search(r"written ([0-9.]+) s", hit[1]).group(1)) if hit else float("nan")
+    states = sum(1 for _ in (run_dir / "checkpoints").glob("step-*/inflight-w*.msgpack"))
+    q = Proc(["resume", str(run_dir), *sets])
+    while q.first(r"^resume: first new token") is None and q.p.poll() is None:
+        time.sleep(0.02)
+    tok = q.first(r"^resume: first new token")
+    q.p.send_signal(signal.SIGKILL)
+    q.wait()
+    for _, line in p.lines[-3:] + q.lines[:6]:
+        print(line)
+    print(f"RESULT sigterm_exit_s={exit_s:.2f} sigterm_checkpoint_s={written} sigterm_rc={rc} "
+          f"resume_first_token_s={tok[0] if tok else float('nan'):.2f} inflight_files={states}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny recipe, 10 kills (under a minute on CPU)")
@@ -113,6 +138,8 @@ def main() -> None:
     ap.add_argument("--max-delay", type=float, default=None,
                     help="latest external kill, seconds after start-up (default: 2, or half the reference run)")
     ap.add_argument("--out", help="write the figures as JSON here")
+    ap.add_argument("--sigterm-only", action="store_true",
+                    help="only measure SIGTERM-to-exit and resume-to-first-token (e.g. on the quickstart recipe)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="crash_resume-"))
@@ -120,6 +147,8 @@ def main() -> None:
     if not args.recipe:
         recipe.write_text(yaml.safe_dump(TINY))
     sets = [x for kv in args.overrides for x in ("--set", kv)]
+    if args.sigterm_only:
+        return sigterm_only(recipe, work, sets)
 
     # 1. the uninterrupted reference
     ref_dir = work / "reference"

@@ -32,7 +32,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from rewards.arithmetic import Problem
-from rl.config import GRPOStage
+from rl import reconfigure
+from rl.config import GRPOStage, OPDStage
 from rl.dispatch import Dispatcher, FinishedMeta, Ticket
 from rl.faults import fault_point
 from rl.losses import group_advantages
@@ -93,6 +94,12 @@ class AsyncGRPO:
         self.effort_of: dict[str, int | None] = {}  # sample_id -> effort level, while in flight
         self.clock = RolloutClock()
         self.step = 0  # train steps of this stage so far
+        opd = stage.teachers if isinstance(stage, OPDStage) else None
+        self.live = reconfigure.LiveConfig(
+            version=0, mixture=dict(stage.dispatch.mixture), caps=dict(stage.dispatch.dataset_max_inflight),
+            assignment={d: opd.teacher_for(d) for d in ctx.tasks if opd and opd.teacher_for(d)},
+            teachers={t.name: t for t in opd.teachers} if opd else {})
+        self.teacher_of: dict[str, str | None] = {}  # prompt_id -> teacher assigned at dispatch
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -102,7 +109,8 @@ class AsyncGRPO:
         return {"dispatcher": self.disp.state_dict(), "streams": {d: c.drawn for d, c in self.streams.items()},
                 "prompts": {pid: self.prompts[pid] for pid in live},
                 "finished": {pid: [s.sample_id for s in ss] for pid, ss in self.finished.items()},
-                "effort_of": dict(self.effort_of), "clock": self.clock, "step": self.step}
+                "effort_of": dict(self.effort_of), "clock": self.clock, "step": self.step, "live": self.live,
+                "teacher_of": {pid: self.teacher_of.get(pid) for pid in live}}
 
     def load_state_dict(self, state: dict, inflight_ids: list[list[str]]) -> None:
         self.disp.load_state_dict(state["dispatcher"])
@@ -113,6 +121,12 @@ class AsyncGRPO:
                                            for pid, ids in state["finished"].items()})
         self.effort_of, self.clock, self.step = dict(state["effort_of"]), state["clock"], state["step"]
         self.load = [len(ids) for ids in inflight_ids]
+        self.teacher_of = dict(state["teacher_of"])
+        self.use_live(state["live"])
+        # patches applied after this checkpoint (answered, so out of the inbox) are applied again, in order
+        for answer in sorted(reconfigure.answers(self.ctx.run_dir), key=lambda a: a.get("version") or 0):
+            if answer.get("status") == "applied" and answer.get("stage") == self.stage_idx and answer["version"] > self.live.version:
+                self.apply_patch(reconfigure.ReconfigPatch.model_validate(answer["patch"]), pid=None)
 
     # -- the phases ------------------------------------------------------------------------------------
     def release(self, tickets: list[Ticket]) -> None:
@@ -121,7 +135,8 @@ class AsyncGRPO:
         for t in tickets:
             problem = next(self.streams[t.dataset])
             prompt = Prompt(t.prompt_id, t.dataset, problem.prompt, ctx.prompt_tokens(problem), problem.answer,
-                            t.group_size, t.version)
+                            t.group_size, t.version, self.live.version)
+            self.teacher_of[t.prompt_id] = self.live.teacher_for(t.dataset)
             self.prompts[t.prompt_id] = (prompt, problem)
             ctx.store.add_prompts([prompt])
             # With effort conditioning the group is M_b samples at each level b (one group to the dispatcher).
@@ -144,7 +159,8 @@ class AsyncGRPO:
             fut, gens = self.pending_rewards.pop(0)
             samples = [self.ctx.to_sample(*self.prompts[prompt_id_of(g.sample_id)], g, verdict,
                                           status="discarded" if self.disp.is_discarded(prompt_id_of(g.sample_id)) else "finished",
-                                          effort=self.effort_of.pop(g.sample_id))
+                                          effort=self.effort_of.pop(g.sample_id),
+                                          teacher=self.teacher_of.get(prompt_id_of(g.sample_id)))
                        for g, verdict in zip(gens, rewards.get(fut))]
             self.ctx.store.add_samples(samples)
             for s in samples:
@@ -164,6 +180,43 @@ class AsyncGRPO:
         ss = self.finished[pid]
         return sum(s.num_response_tokens for s in ss), sum(v < self.disp.version for s in ss for v in s.policy_versions_T)
 
+    # -- live reconfiguration (rl/reconfigure.py) --------------------------------------------------------
+    def use_live(self, live: reconfigure.LiveConfig) -> None:
+        self.live = live
+        self.disp.cfg = self.disp.cfg.model_copy(update={"mixture": dict(live.mixture),
+                                                          "dataset_max_inflight": dict(live.caps)})
+
+    def apply_patch(self, patch: reconfigure.ReconfigPatch, pid: str | None) -> dict:
+        """Apply (new config version) or refuse one patch; `pid`: answer that inbox entry."""
+        ctx = self.ctx
+        try:
+            new = reconfigure.apply_patch(self.live, patch, list(ctx.tasks), ctx.recipe.model.vocab_size, ctx.global_step)
+        except reconfigure.ReconfigError as e:
+            result = {"status": "refused", "reason": str(e), "patch": patch.model_dump(mode="json", exclude_defaults=True)}
+            ctx.store.add_config_version(None, "refused", result["patch"], ctx.global_step, reason=str(e))
+        else:
+            if patch.add_teachers:
+                self.policy.call_all("add_teachers", patch.add_teachers)
+            self.use_live(new)
+            result = {"status": "applied", "version": new.version, "train_step": ctx.global_step, "stage": self.stage_idx,
+                      "patch": new.history[-1]["patch"]}
+            ctx.store.add_config_version(new.version, "applied", result["patch"], ctx.global_step)
+            ctx.say(f"reconfigure: config version {new.version} at train step {ctx.global_step}: {result['patch']}")
+            ctx.logger.log({"config/version": new.version}, step=ctx.global_step)
+        if pid is not None:
+            reconfigure.answer(ctx.run_dir, pid, result)
+        return result
+
+    def poll_control(self) -> None:
+        for pid, path in reconfigure.pending(self.ctx.run_dir):
+            try:
+                patch = reconfigure.parse_patch(path.read_text(), source=path.name)
+            except reconfigure.ReconfigError as e:
+                reconfigure.answer(self.ctx.run_dir, pid, {"status": "refused", "reason": str(e)})
+                self.ctx.store.add_config_version(None, "refused", {}, self.ctx.global_step, reason=str(e))
+                continue
+            self.apply_patch(patch, pid)
+
     def checkpoint_point(self, force: bool = False) -> None:
         """A token boundary where the job may checkpoint (periodically, at the stage's end, or on
         SIGTERM: then exit)."""
@@ -179,6 +232,7 @@ class AsyncGRPO:
         """ROLLOUT until the dispatcher's train-batch condition holds; returns the batch's prompt ids."""
         disp, policy, clock, stage = self.disp, self.policy, self.clock, self.stage
         while True:
+            self.poll_control()
             self.checkpoint_point()
             tickets = disp.dispatch()
             self.release(tickets)
@@ -224,8 +278,21 @@ class AsyncGRPO:
         num_tokens = float(sum(s.num_response_tokens for s in samples))
         shards = [[s for g in groups[w :: self.n_workers] for s in g] for w in range(self.n_workers)]
         temperature = ctx.recipe.engine.sampling.temperature or 1.0
-        per_rank = policy.get([policy.submit(w, "grpo_step", shard, [adv[s.sample_id] for s in shard], num_tokens,
-                                             stage, temperature) for w, shard in enumerate(shards)])
+        if isinstance(stage, OPDStage):  # each sample's teacher; a removed teacher's samples go to the new one
+            teacher = {s.sample_id: s.teacher if s.teacher in self.live.active_teachers else self.live.teacher_for(s.dataset)
+                       for s in samples}
+            moved: dict[str, list[str]] = defaultdict(list)
+            for s in samples:
+                if teacher[s.sample_id] != s.teacher:
+                    moved[teacher[s.sample_id]].append(s.sample_id)
+            for name, ids in moved.items():
+                ctx.store.set_teacher(ids, name)
+            per_rank = policy.get([policy.submit(w, "opd_step", shard, [teacher[s.sample_id] for s in shard],
+                                                 [adv[s.sample_id] for s in shard], num_tokens, stage, temperature)
+                                   for w, shard in enumerate(shards)])
+        else:
+            per_rank = policy.get([policy.submit(w, "grpo_step", shard, [adv[s.sample_id] for s in shard], num_tokens,
+                                                 stage, temperature) for w, shard in enumerate(shards)])
         metrics = _merge_rank_metrics(per_rank, [sum(s.num_response_tokens for s in sh) for sh in shards])
         fault_point("train")
         ctx.global_step += 1
@@ -235,6 +302,7 @@ class AsyncGRPO:
         ctx.store.set_outcome(batch, "trained")
         for pid in batch:
             self.prompts.pop(pid, None)
+            self.teacher_of.pop(pid, None)
         clock.train_s += time.perf_counter() - t_train
 
         trained_version = ctx.global_step - 1  # the weights this step's gradient was taken at
@@ -256,6 +324,7 @@ class AsyncGRPO:
             "dispatch/dropped_stale_groups": disp.stats.dropped_stale_groups,
             "dispatch/lag_waits": disp.stats.lag_waits,
             "train/policy_version": ctx.global_step,
+            "config/version": self.live.version,
             "time/rollout_s": clock.rollout_s,
             "time/train_s": clock.train_s,
         })

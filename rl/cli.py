@@ -3,6 +3,7 @@
     rl validate RECIPE [--set a.b=c ...]
     rl train RECIPE [--run-dir DIR] [--resume RUN_DIR] [--set a.b=c ...]
     rl resume RUN_DIR [--set a.b=c ...]       continue a preempted or killed run from its checkpoint
+    rl reconfigure RUN_DIR [PATCH.yaml] [--set mixture.arith=2 ...]   change a running job live
     rl traj ls RUN_DIR [filters]      rl traj show RUN_DIR SAMPLE_ID
     rl eval RUN_DIR [--effort 10,25,50,75,90,100]
 
@@ -64,6 +65,42 @@ def _train(recipe, run_dir: Path, resume: bool) -> int:
     return 0
 
 
+def cmd_reconfigure(args: argparse.Namespace) -> int:
+    """Validate a patch against the run's recipe, hand it to the running job, print its answer."""
+    from rl import reconfigure as rc
+    from rl.config import OPDStage
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "recipe.yaml").is_file():
+        raise RecipeError(str(run_dir), "not a run directory (no recipe.yaml)")
+    text = ""
+    if args.patch:
+        try:
+            text = Path(args.patch).read_text()
+        except OSError as e:
+            raise RecipeError(args.patch, f"cannot read the patch ({e.strerror})") from None
+    try:
+        patch = rc.parse_patch(text, source=args.patch or "--set", overrides=args.overrides)
+        recipe = load_recipe(run_dir / "recipe.yaml")
+        teachers = {t.name: t for st in recipe.stages if isinstance(st, OPDStage) for t in st.teachers.teachers}
+        known = rc.LiveConfig(0, {}, {}, {}, teachers)
+        rc.check_patch(known, patch, [d.name for d in recipe.datasets], recipe.model.vocab_size)
+    except rc.ReconfigError as e:
+        print(f"rl: bad patch: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    pid = rc.submit(run_dir, patch)
+    answer = rc.wait_answer(run_dir, pid, args.wait)
+    if answer is None:
+        print(f"queued: patch {pid} waits in {rc.inbox(run_dir)}; the job applies it at its next token boundary "
+              f"(no answer within {args.wait:g} s: is the job running, or in an SFT stage?)")
+        return 0
+    if answer["status"] != "applied":
+        print(f"rl: patch refused by the running job: {answer['reason']}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"applied: config version {answer['version']} at train step {answer['train_step']}: {answer['patch']}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rl", description="asyncrl: asynchronous RL and OPD post-training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field (compatible changes only: budgets, logging, lr, ...)")
     p.set_defaults(func=cmd_resume)
+    p = sub.add_parser("reconfigure", help="change a running job's dataset mixture, caps or teachers")
+    p.add_argument("run_dir", help="run directory of the running job")
+    p.add_argument("patch", nargs="?", help="YAML patch: mixture, dataset_max_inflight, teachers, add_teachers")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="patch field, e.g. --set mixture.reverse=3 --set teachers.reverse=t07 (repeatable)")
+    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the job's answer")
+    p.set_defaults(func=cmd_reconfigure)
     add_traj_parser(sub)
     add_eval_parser(sub)
     return parser

@@ -14,10 +14,11 @@ from pydantic import Field, field_validator, model_validator
 
 from model.config import ModelConfig, StrictConfig
 from model.tokenizer import CharTokenizer
-from rewards.config import ArithmeticConfig
+from rewards.config import PROCEDURAL_DOMAIN_CONFIGS, ArithmeticConfig
 from rewards.effort import EffortConfig
 from rewards.longtail import LongTailConfig
 from rl.dispatch import DispatchConfig
+from teachers.config import TeacherPoolConfig
 from rollout.config import EngineConfig
 
 
@@ -142,8 +143,27 @@ class GRPOStage(StrictConfig):
     """Recompute each decoder layer in the backward pass (replayed routing is reused, not re-drawn)."""
 
 
-Stage = Annotated[Union[SFTStage, GRPOStage], Field(discriminator="type")]
-DatasetConfig = Annotated[Union[ArithmeticConfig, LongTailConfig], Field(discriminator="type")]
+class OPDStage(GRPOStage):
+    """On-policy distillation (seed §5.2.4) on the asynchronous runtime: the student samples, each
+    sample's dataset teacher scores every response position, and the loss is the full-vocabulary
+    reverse KL  Σ_v π_s(v) (log π_s(v) − log π_t(v)), optionally mixed with the GRPO loss."""
+
+    type: Literal["opd"] = "opd"  # type: ignore[assignment]
+    """Discriminator: an OPD stage (every GRPO field applies: dispatch, staleness, clipping)."""
+    teachers: TeacherPoolConfig
+    """The teachers (checkpoints, the datasets each scores) and the device pool that serves them."""
+    kl_weight: float = Field(1.0, ge=0)
+    """Weight of the reverse-KL term (per response token, normalised like the GRPO loss)."""
+    rl_weight: float = Field(0.0, ge=0)
+    """Weight of the GRPO term on verifier rewards (0: pure distillation)."""
+    kl_chunk_size: int = Field(256, gt=0)
+    """Response positions per chunk of the KL: no [tokens, vocab] float32 tensor for the batch."""
+    kl_impl: Literal["auto", "triton", "torch"] = "auto"
+    """Fused Triton kernel (auto: on CUDA) or the chunked PyTorch path."""
+
+
+Stage = Annotated[Union[SFTStage, OPDStage, GRPOStage], Field(discriminator="type")]
+DatasetConfig = Annotated[Union[(ArithmeticConfig, LongTailConfig, *PROCEDURAL_DOMAIN_CONFIGS)], Field(discriminator="type")]
 
 
 class RuntimeConfig(StrictConfig):
@@ -267,6 +287,23 @@ class Recipe(StrictConfig):
                 unknown = sorted((set(stage.dispatch.dataset_max_inflight) | set(stage.dispatch.mixture)) - set(names))
                 if unknown:
                     raise ValueError(f"stages.{i}.dispatch names unknown datasets {unknown}; datasets are {names}")
+        return self
+
+    @model_validator(mode="after")
+    def validate_teachers(self) -> "Recipe":
+        names = [d.name for d in self.datasets]
+        for i, stage in enumerate(self.stages):
+            if isinstance(stage, OPDStage):
+                pool = stage.teachers
+                for t in pool.teachers:
+                    unknown = sorted(set(t.datasets) - set(names))
+                    if unknown:
+                        raise ValueError(f"stages.{i}.teachers: teacher {t.name!r} serves unknown datasets {unknown}; "
+                                         f"datasets are {names}")
+                unserved = [d for d in names if pool.teacher_for(d) is None]
+                if unserved and stage.kl_weight > 0:
+                    raise ValueError(f"stages.{i}.teachers: no teacher serves datasets {unserved}")
+                pool.validate_vocab(self.model.vocab_size)  # reads each teacher's config.json
         return self
 
     @model_validator(mode="after")

@@ -137,7 +137,7 @@ class RunContext:
         return CheckpointManager.controller_state(self.restore_from)["stage_state"]
 
     def to_sample(self, prompt: Prompt, problem: Problem, g: Generation, verdict: Verdict, status: str = "finished",
-                  effort: int | None = None) -> Sample:
+                  effort: int | None = None, teacher: str | None = None) -> Sample:
         """A rewarded trajectory; with effort, the subgroup is (prompt, effort) and the reward adds
         the effort-dependent length penalty (seed §5.1.4)."""
         text = self.tokenizer.decode(g.response_tokens)
@@ -152,6 +152,7 @@ class RunContext:
             policy_versions_T=g.policy_versions, reward=reward, correct=verdict.correct,
             finish_reason=g.finish_reason, status=status, routing_trace=g.routing_trace,
             timings={"finished_at": time.time(), "generate_s": g.generate_s},
+            teacher=teacher, config_version=prompt.config_version,
         )
 
     def after_train_step(self, stage: SFTStage | GRPOStage, step: int, metrics: dict) -> None:
@@ -238,7 +239,7 @@ def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
     checkpoint(step + 1)  # stage end: a resume with a larger budget continues from here
 
 
-STAGE_RUNNERS = {"sft": run_sft, "grpo": run_async_grpo}
+STAGE_RUNNERS = {"sft": run_sft, "grpo": run_async_grpo, "opd": run_async_grpo}
 
 
 INCOMPATIBLE = ("model", "tokenizer", "datasets", "effort")

@@ -16,6 +16,8 @@ Tables:
 - `train_steps` one row per (run, step) with the step's metrics as JSON.
 - `trained`     one row per (sample, train step that consumed it): an audit of `samples.train_step`
                 kept as a separate record; a sample trained twice would show as two rows.
+- `config_versions` one row per live reconfiguration (applied or refused): the patch, the reason,
+                the train step it took effect at (rl/reconfigure.py).
 - `restarts`    one row per resume: the checkpoint it restarted from and what the rollback removed.
 
 Resume (rl/checkpoint.py): every prompt, sample and outcome write takes the next number of one
@@ -108,6 +110,7 @@ class PromptTable(Base):
     dispatched_at: Mapped[float] = mapped_column(Float)
     seq: Mapped[int] = mapped_column(index=True)
     """Write order within the run (the resume watermark compares against it)."""
+    config_version: Mapped[int] = mapped_column(default=0)
     outcome: Mapped[str | None] = mapped_column(String(32))
     """NULL while open; trained | discarded | dropped_stale | dropped_stage_end."""
     outcome_seq: Mapped[int | None]
@@ -140,6 +143,8 @@ class SampleTable(Base):
     finished_at: Mapped[float | None] = mapped_column(Float)
     generate_s: Mapped[float | None] = mapped_column(Float)
     train_step: Mapped[int | None] = mapped_column(index=True)
+    teacher: Mapped[str | None] = mapped_column(_ID, index=True)
+    config_version: Mapped[int] = mapped_column(default=0)
     seq: Mapped[int] = mapped_column(index=True)
     """Write order within the run (the resume watermark compares against it)."""
 
@@ -166,6 +171,20 @@ class TrainedTable(Base):
     run_id: Mapped[str] = mapped_column(_ID, primary_key=True)
     sample_id: Mapped[str] = mapped_column(_ID, primary_key=True)
     step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+
+
+class ConfigVersionTable(Base):
+    __tablename__ = "config_versions"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_ID, index=True)
+    version: Mapped[int | None]
+    """The version an applied patch created; NULL for a refused one."""
+    status: Mapped[str] = mapped_column(String(16))
+    patch_json: Mapped[str] = mapped_column(Text)
+    reason: Mapped[str | None] = mapped_column(Text)
+    train_step: Mapped[int]
+    created_at: Mapped[float] = mapped_column(Float)
+    seq: Mapped[int] = mapped_column(index=True)
 
 
 class RestartTable(Base):
@@ -229,7 +248,7 @@ class TrajectoryStore:
         Base.metadata.create_all(self._engine)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._seq = max(self._max(PromptTable.seq, PromptTable), self._max(PromptTable.outcome_seq, PromptTable),
-                        self._max(SampleTable.seq, SampleTable))
+                        self._max(SampleTable.seq, SampleTable), self._max(ConfigVersionTable.seq, ConfigVersionTable))
 
     def _max(self, column, table) -> int:
         with self._sessions() as s:
@@ -263,7 +282,8 @@ class TrajectoryStore:
         rows = [
             dict(prompt_id=p.prompt_id, run_id=self.run_id, dataset=p.dataset, text=p.text,
                  tokens=encode_array(p.tokens, TOKEN_DTYPE), answer=p.answer, group_size=int(p.group_size),
-                 policy_version=int(p.policy_version), dispatched_at=now, seq=self._seq + 1 + i)
+                 policy_version=int(p.policy_version), dispatched_at=now, seq=self._seq + 1 + i,
+                 config_version=int(p.config_version))
             for i, p in enumerate(prompts)
         ]
         with self._sessions.begin() as s:
@@ -305,6 +325,7 @@ class TrajectoryStore:
                 routing_trace=None if trace is None else encode_array(trace, ROUTING_DTYPE),
                 routing_shape=None if trace is None else ",".join(str(d) for d in trace.shape),
                 num_response_tokens=x.num_response_tokens, seq=self._seq + 1 + len(sample_rows),
+                teacher=x.teacher, config_version=int(x.config_version),
                 min_version=int(min(x.policy_versions_T)) if x.policy_versions_T else None,
                 max_version=int(max(x.policy_versions_T)) if x.policy_versions_T else None,
                 **{k: None if x.timings.get(k) is None else float(x.timings[k]) for k in _TIMING_KEYS},
@@ -345,6 +366,26 @@ class TrajectoryStore:
             row = TrainStepTable(run_id=self.run_id, step=int(step), created_at=time.time(), metrics_json=metrics_json)
             s.merge(row)
 
+    def add_config_version(self, version: int | None, status: str, patch: dict, train_step: int,
+                           reason: str | None = None) -> None:
+        """Record a live reconfiguration (applied: the version it created; refused: why)."""
+        self._seq += 1
+        with self._sessions.begin() as s:
+            s.add(ConfigVersionTable(run_id=self.run_id, version=version, status=status, patch_json=json.dumps(patch),
+                                     reason=reason, train_step=int(train_step), created_at=time.time(), seq=self._seq))
+
+    def config_versions(self) -> list[dict]:
+        with self._sessions() as s:
+            rows = s.scalars(select(ConfigVersionTable).where(ConfigVersionTable.run_id == self.run_id)
+                             .order_by(ConfigVersionTable.id))
+            return [{"version": r.version, "status": r.status, "patch": json.loads(r.patch_json), "reason": r.reason,
+                     "train_step": r.train_step} for r in rows]
+
+    def set_teacher(self, sample_ids: Sequence[str], teacher: str) -> None:
+        """Re-assign samples to the teacher that actually scores them (their own one was removed)."""
+        with self._sessions.begin() as s:
+            s.execute(update(SampleTable).where(SampleTable.sample_id.in_(list(sample_ids))).values(teacher=teacher))
+
     def watermark(self, train_step: int) -> Watermark:
         return Watermark(self._seq, int(train_step))
 
@@ -363,6 +404,7 @@ class TrajectoryStore:
                 train_steps_rolled_back=s.execute(delete(t).where(t.run_id == self.run_id, t.step > wm.train_step)).rowcount,
             )
             s.execute(delete(TrainedTable).where(TrainedTable.run_id == self.run_id, TrainedTable.step > wm.train_step))
+            s.execute(delete(ConfigVersionTable).where(ConfigVersionTable.run_id == self.run_id, ConfigVersionTable.seq > wm.seq))
             s.execute(update(P).where(P.run_id == self.run_id, P.outcome_seq > wm.seq).values(outcome=None, outcome_seq=None))
             s.add(RestartTable(run_id=self.run_id, restarted_at=time.time(), checkpoint=checkpoint,
                                train_step=wm.train_step, **counts))
@@ -390,7 +432,7 @@ class TrajectoryStore:
             behavior_logprobs_T=tuple(decode_array(r.behavior_logprobs, LOGPROB_DTYPE).tolist()),
             policy_versions_T=tuple(decode_array(r.policy_versions, VERSION_DTYPE).tolist()),
             reward=r.reward, correct=r.correct, finish_reason=r.finish_reason, status=r.status,
-            timings=timings, routing_trace=trace,
+            timings=timings, routing_trace=trace, teacher=r.teacher, config_version=r.config_version,
         )
 
     def sample_train_step(self, sample_id: str) -> int | None:

@@ -24,6 +24,8 @@ class Prompt:
     group_size: int
     policy_version: int
     """Policy version at dispatch."""
+    config_version: int = 0
+    """Live-config version at dispatch (rl/reconfigure.py)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,11 @@ class Sample:
     """running | interrupted | finished | discarded | failed."""
     timings: dict[str, float] = field(default_factory=dict)
     """Wall-clock seconds: 'dispatched_at', 'finished_at' (epoch), 'generate_s'."""
+    teacher: str | None = None
+    """OPD: the teacher that scores this sample (its dataset's teacher at dispatch, or the new one if
+    that teacher was removed before training)."""
+    config_version: int = 0
+    """Live-config version the sample was dispatched under."""
     routing_trace: np.ndarray | None = None
     """MoE only: int16 [prompt_len + response_len - 1, num_layers, top_k], the experts chosen for
     every token fed to the model (the last sampled token is never fed), concatenated over segments."""

@@ -21,10 +21,13 @@ import msgpack
 from model.checkpoint import load_checkpoint, load_weights_into, save_checkpoint, write_weights
 from model.decoder import Decoder
 from model.tokenizer import CharTokenizer
-from rl.config import GRPOStage, Recipe, SFTStage
+from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
+from rl.opd import opd_step
 from rl.trainer import Trainer
 from rl.types import Sample
 from rollout.engine import Engine
+from teachers.config import TeacherSpec
+from teachers.pool import TeacherPool
 from rollout.types import Generation, GenerationRequest, RolloutState
 
 
@@ -62,6 +65,7 @@ class PolicyWorker:
         self.model = build_policy(recipe)  # same seed on every rank: identical initial weights
         self.engine = Engine(self.model, recipe.engine, eos_id=CharTokenizer.eos_id, device=recipe.run.device)
         self.trainer: Trainer | None = None
+        self.pool: TeacherPool | None = None  # OPD stages: the teachers (teachers/pool.py)
         self._held: list[RolloutState] = []  # in-flight states parked in host memory during TRAIN
 
     # -- ROLLOUT -------------------------------------------------------------------------------------
@@ -119,6 +123,20 @@ class PolicyWorker:
     # -- TRAIN ---------------------------------------------------------------------------------------
     def begin_stage(self, stage: SFTStage | GRPOStage) -> None:
         self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device)
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        if isinstance(stage, OPDStage):  # teacher weights in host memory, an LRU set on the device
+            self.pool = stage.teachers.build(device=self.recipe.run.device)
+
+    def add_teachers(self, specs: Sequence[TeacherSpec]) -> None:
+        for spec in specs:
+            self.pool.add(spec)
+
+    def opd_step(self, samples: Sequence[Sample], teachers_B: Sequence[str], advantages_B: Sequence[float],
+                 num_tokens: float, stage: OPDStage, temperature: float) -> dict:
+        return opd_step(self.trainer, self.pool, samples, teachers_B, stage, advantages_B=advantages_B,
+                        num_tokens=num_tokens, temperature=temperature, current_version=self.engine.policy_version)
 
     def sft_step(self, prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]], num_tokens: float) -> dict:
         return self.trainer.sft_step(prompts_B, responses_B, num_tokens)

@@ -399,7 +399,9 @@ class TeacherPool:
             ids = input_ids.to(self.device, non_blocking=True)
             pos = None if positions is None else positions.to(self.device, non_blocking=True)
             out = entry.module.forward_hidden(ids, pos)
-            result = fn(name, TeacherOutput(out.hidden, entry.module.lm_head.weight, out.routing))
+        # outside no_grad: `fn` is typically the student's loss, which needs its graph (the teacher's
+        # tensors were made under no_grad, so no gradient can reach the teacher)
+        result = fn(name, TeacherOutput(out.hidden, entry.module.lm_head.weight.detach(), out.routing))
         with self._lock:
             self._pending["compute_s"].append((start, self._clock.mark(stream)))
         self._stats.teachers += 1

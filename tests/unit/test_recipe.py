@@ -208,7 +208,7 @@ def test_checkpoint_of_another_shape_is_refused(in_tmp):
 def test_bad_union_tag_points_at_type(in_tmp):
     text = edit("type: grpo", "type: bogus")
     assert error_of(text) == (f"r.yaml:{line_of(text, 'bogus')}: stages.1.type: Input tag 'bogus' found using 'type' "
-                              "does not match any of the expected tags: 'sft', 'grpo'")
+                              "does not match any of the expected tags: 'sft', 'opd', 'grpo'")
 
 
 def test_missing_union_tag(in_tmp):
