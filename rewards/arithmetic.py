@@ -30,6 +30,7 @@ the seeds. Both are `random.Random` streams seeded from the config: same seed, s
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -76,6 +77,13 @@ def _stable_int(text: str) -> int:
 def is_heldout(a: int, b: int) -> bool:
     """Split rule: the pair belongs to the held-out set (ordered: (a, b) and (b, a) are separate)."""
     return _stable_int(f"{a}+{b}") % HELDOUT_MODULUS == 0
+
+
+def partial_scratchpad(worked: str, reasoning_frac: float) -> str:
+    """The first round-half-up(reasoning_frac · n) of a worked solution's n lines, then its answer line."""
+    *lines, answer = worked.split("\n")
+    keep = min(len(lines), math.floor(reasoning_frac * len(lines) + 0.5))
+    return "\n".join([*lines[:keep], answer])
 
 
 def worked_solution(a: int, b: int, slip: Callable[[int], bool] | None = None) -> str:
@@ -186,12 +194,18 @@ class ArithmeticTask:
         """Forced response length of sample j, for forced-length tasks; None: stop at EOS."""
         return None
 
-    def demonstration(self, problem: Problem, rng: random.Random, direct_answer_rate: float | None = None) -> str:
+    def demonstration(self, problem: Problem, rng: random.Random, direct_answer_rate: float | None = None,
+                      reasoning_frac: float | None = None) -> str:
         """SFT target: the worked solution with a slip in each cascading column at cfg.slip_rate; with
-        probability direct_answer_rate (default cfg.direct_answer_rate) only the answer line."""
+        probability direct_answer_rate (default cfg.direct_answer_rate) only the answer line.
+        reasoning_frac: keep only that share of the worked lines (rounded half up; the least
+        significant columns, whose carries the rest depend on), then the answer line: a partial
+        scratchpad whose length grows with the share (the graded effort cold start)."""
         rate = self.cfg.slip_rate
         slip = (lambda _column: rng.random() < rate) if rate > 0 else None
         worked = worked_solution(problem.a, problem.b, slip)
+        if reasoning_frac is not None:
+            return partial_scratchpad(worked, reasoning_frac)
         direct = self.cfg.direct_answer_rate if direct_answer_rate is None else direct_answer_rate
         if direct and rng.random() < direct:
             return worked.rsplit("\n", 1)[-1]  # the answer line alone (slips included)

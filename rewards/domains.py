@@ -37,7 +37,7 @@ import string
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
-from rewards.arithmetic import ArithmeticTask, Problem, Verdict, _stable_int
+from rewards.arithmetic import ArithmeticTask, Problem, Verdict, _stable_int, partial_scratchpad
 from rewards.config import (
     BaseConversionConfig,
     CountCharConfig,
@@ -142,9 +142,13 @@ class ProceduralTask:
         """Procedural domains stop at EOS: no forced length."""
         return None
 
-    def demonstration(self, problem: Problem, rng: random.Random, direct_answer_rate: float | None = None) -> str:
+    def demonstration(self, problem: Problem, rng: random.Random, direct_answer_rate: float | None = None,
+                      reasoning_frac: float | None = None) -> str:
         """SFT target: the worked solution; with probability direct_answer_rate (default
-        cfg.direct_answer_rate) the answer line alone."""
+        cfg.direct_answer_rate) the answer line alone; reasoning_frac keeps that share of the worked
+        lines (rewards.arithmetic.partial_scratchpad)."""
+        if reasoning_frac is not None:
+            return partial_scratchpad(problem.solution, reasoning_frac)
         direct = self.cfg.direct_answer_rate if direct_answer_rate is None else direct_answer_rate
         if direct and rng.random() < direct:
             return problem.answer

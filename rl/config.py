@@ -76,9 +76,12 @@ class SFTStage(StrictConfig):
     """With effort conditioning on: share of demonstrations whose prompt carries the effort prefix
     (a random training level). The rest have none."""
     effort_cold_start: bool = False
-    """A demonstration prefixed with level b skips the scratchpad with probability 1 − b/100: a tiny
-    model has no language prior to read the prefix's meaning from, so SFT shows it once; RL with the
-    length penalty then sets the trade-off. False: demonstrations ignore the level."""
+    """Demonstrations prefixed with level b show reasoning that grows with b (see cold_start_style): a
+    tiny model has no language prior to read the prefix's meaning from, so SFT shows it once; RL with
+    the length penalty then sets the trade-off. False: demonstrations ignore the level."""
+    cold_start_style: Literal["direct", "partial"] = "direct"
+    """`direct`: at level b skip the scratchpad with probability 1 − b/100 (all or nothing);
+    `partial`: keep the first round(b/100 · n) of the n worked lines (graded length)."""
     log_every: int = Field(20, gt=0)
     """Log metrics every this many steps."""
 

@@ -195,6 +195,15 @@ def evaluate(ctx: RunContext, effort: int | None = None) -> dict[str, float]:
     return metrics
 
 
+def cold_start(stage: SFTStage, effort: int | None) -> dict:
+    """Demonstration options at effort level b for the effort cold start (seed §5.1.4, App. C)."""
+    if not stage.effort_cold_start or effort is None:
+        return {}
+    if stage.cold_start_style == "partial":
+        return {"reasoning_frac": effort / 100}
+    return {"direct_answer_rate": 1 - effort / 100}
+
+
 def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
     policy = ctx.runtime.policy
     policy.call_all("begin_stage", stage)
@@ -225,9 +234,8 @@ def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
         levels = ctx.recipe.effort.levels if ctx.recipe.effort else None
         efforts = [rng.choice(levels) if levels and rng.random() < stage.effort_prefix_frac else None for _ in batch]
         prompts = [ctx.prompt_tokens(p, b) for p, b in zip(batch, efforts)]
-        responses = [ctx.tokenizer.encode(ctx.tasks[p.dataset].demonstration(
-            p, rng, direct_answer_rate=1 - b / 100 if stage.effort_cold_start and b is not None else None), eos=True)
-            for p, b in zip(batch, efforts)]
+        responses = [ctx.tokenizer.encode(ctx.tasks[p.dataset].demonstration(p, rng, **cold_start(stage, b)), eos=True)
+                     for p, b in zip(batch, efforts)]
         num_tokens = float(sum(len(r) for r in responses))
         futs = [policy.submit(w, "sft_step", p, r, num_tokens)
                 for w, (p, r) in enumerate(zip(_split(prompts, len(policy)), _split(responses, len(policy))))]

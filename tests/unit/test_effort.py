@@ -1,6 +1,7 @@
 """Effort conditioning (seed §5.1.4): prefix text, length penalty values, subgroups."""
 
 import math
+import random
 
 import pytest
 
@@ -73,3 +74,15 @@ def test_demonstration_direct_answer_override():
     p = task.make_problem(372, 589)
     assert all(task.demonstration(p, random.Random(i), direct_answer_rate=1.0) == "961" for i in range(20))
     assert all(task.demonstration(p, random.Random(i), direct_answer_rate=0.0) == p.solution for i in range(20))
+
+
+def test_partial_scratchpad_keeps_a_growing_share_of_the_worked_lines():
+    from rewards.arithmetic import partial_scratchpad
+
+    task = ArithmeticTask(ArithmeticConfig(slip_rate=0.0))
+    p = task.make_problem(4567, 5678)  # 4 columns: 4 worked lines, then the answer
+    lens = [task.reasoning_tokens(task.demonstration(p, random.Random(0), reasoning_frac=f)) for f in (0, 0.25, 0.5, 0.75, 1)]
+    assert lens == sorted(lens) and lens[0] == 0 and len(set(lens)) == 5
+    assert task.demonstration(p, random.Random(0), reasoning_frac=1.0) == p.solution
+    assert partial_scratchpad("1+2=3\n4+5=9\n93", 0.5).splitlines() == ["1+2=3", "93"]
+    assert partial_scratchpad("1+2=3\n4+5=9\n93", 0.75).splitlines() == ["1+2=3", "4+5=9", "93"]  # 1.5 rounds up
