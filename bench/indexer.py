@@ -1,6 +1,6 @@
 """CSA2 indexer cost per decode query: flat vs Hierarchical Sparse Indexer (seed §2.3.2; issue #5).
 
-    python bench/indexer.py [--quick] [--device cuda] [--eager] [--json out.json]
+    python bench/indexer.py [--quick] [--device cuda] [--eager] [--no-pool-kernel] [--json out.json]
 
 For each context length C, a batch of decode queries (one per sequence, at position C-1) runs the
 indexer of a Full layer and of a Reindex layer (`CSA2Attention.index`: indexer Q/w projection, scores
@@ -9,7 +9,10 @@ C/m compressed entries of random indexer K. Reported per query: positions scored
 score tensor the layer actually computed) and indexer time, flat vs hierarchical. The expectation
 (seed §2.3.2): a Reindex layer's scored count stops growing with C once the pool is full, while the
 first Full layer still scans everything and pays a little extra for the block selection.
-Pure PyTorch (no fused kernel), top-k by a stable sort: absolute times are those of this reference.
+PyTorch reference code, top-k by a stable sort, except that on CUDA a hierarchical Reindex layer scores
+its pool with the fused Triton kernel of model/kernels/indexer.py (one read of each pool row of indexer
+K; the flat indexer's dense einsum has no per-query gather to fuse away); --no-pool-kernel times the
+PyTorch pool path instead (an index_select of the pool rows, then the same einsums as the flat path).
 On CUDA each call is timed as a CUDA-graph replay (GPU time; --eager times Python dispatch too).
 On CPU it runs single-threaded (shared cores time erratically with more); --quick takes a few seconds.
 Last line: RESULT scored_flat=<Reindex, flat> scored_hier=<Reindex, hierarchical> scored_full=..
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from model import sparse_attention
 from model.config import ModelConfig, SparseAttentionConfig
 from model.sparse_attention import CSA2Attention, SharedState
 
@@ -76,9 +80,11 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=None, help="decode queries per call, default 64 (quick 4)")
     ap.add_argument("--iters", type=int, default=None, help="calls per timed block, fastest of 5 blocks; default 20 (quick 10)")
     ap.add_argument("--eager", action="store_true", help="on CUDA, time eager calls instead of CUDA-graph replays")
+    ap.add_argument("--no-pool-kernel", action="store_true", help="score hierarchical pools with the PyTorch path")
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     a = ap.parse_args()
     q = a.quick
+    sparse_attention.POOL_KERNEL = not a.no_pool_kernel
     pick = lambda v, full, quick: v if v is not None else (quick if q else full)  # noqa: E731
     topk, num_blocks = pick(a.topk, 512, 64), pick(a.num_blocks, 512, 64)
     heads, dim, hidden = pick(a.index_heads, 64, 16), pick(a.index_dim, 128, 64), pick(a.hidden, 2048, 256)
@@ -105,7 +111,8 @@ def main() -> None:
     dev_name = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)"
     print(f"device {dev_name}, {dtype}; m={m} topk={topk} pool={num_blocks}x{a.block_size}={pool} "
           f"index_heads={heads} index_dim={dim} hidden={hidden}; {B} decode queries per call, {iters} iters, "
-          f"{'CUDA-graph replays' if graphs else 'eager calls'}")
+          f"{'CUDA-graph replays' if graphs else 'eager calls'}; pool kernel "
+          f"{'on' if sparse_attention.POOL_KERNEL and a.device.startswith('cuda') else 'off'}")
     print(f"{'context':>8} {'entries':>8} | {'scored/query: Full flat':>23} {'hier':>7} {'Reindex flat':>12} {'hier':>6} | "
           f"{'us/query: Full flat':>19} {'hier':>8} {'Reindex flat':>12} {'hier':>8} | {'Reindex flat/hier':>17}")
     rows = []
@@ -139,6 +146,13 @@ def main() -> None:
                     t_full = _time(run_full, iters, a.device)
                     run_full()  # leaves this variant's candidate pool (hier) in `shared` for the Reindex layer
                     t_reindex = _time(run_reindex, iters, a.device)
+                if name == "hier" and sparse_attention.POOL_KERNEL and a.device.startswith("cuda"):
+                    sel = run_reindex()[0]  # the kernel's picks vs the PyTorch pool path's, same pool
+                    sparse_attention.POOL_KERNEL = False
+                    ref = run_reindex()[0]
+                    sparse_attention.POOL_KERNEL = True
+                    same = (sel.ids.sort(-1).values == ref.ids.sort(-1).values).all(-1)
+                    row["pool_kernel_same_picks"] = f"{int(same.sum())}/{same.numel()}"
                 row[f"scored_full_{name}"] = shared.scored[0]
                 row[f"scored_reindex_{name}"] = shared.scored[1]
                 row[f"us_full_{name}"] = t_full / B * 1e6
@@ -149,11 +163,15 @@ def main() -> None:
             print(f"{C:>8} {N:>8} | {row['scored_full_flat']:>23} {row['scored_full_hier']:>7} "
                   f"{row['scored_reindex_flat']:>12} {row['scored_reindex_hier']:>6} | {row['us_full_flat']:>19.2f} "
                   f"{row['us_full_hier']:>8.2f} {row['us_reindex_flat']:>12.2f} {row['us_reindex_hier']:>8.2f} | "
-                  f"{row['reindex_time_flat_over_hier']:>17.2f}")
+                  f"{row['reindex_time_flat_over_hier']:>17.2f}"
+                  + (f"  (kernel picks == PyTorch picks: {row['pool_kernel_same_picks']} queries)"
+                     if "pool_kernel_same_picks" in row else ""))
     if a.json:
         a.json.write_text(json.dumps(dict(device=dev_name, dtype=str(dtype), compress_ratio=m, topk=topk,
                                           block_size=a.block_size, num_blocks=num_blocks, index_heads=heads,
-                                          index_dim=dim, hidden=hidden, queries=B, cuda_graphs=graphs, rows=rows), indent=2))
+                                          index_dim=dim, hidden=hidden, queries=B, cuda_graphs=graphs,
+                                          pool_kernel=sparse_attention.POOL_KERNEL and a.device.startswith("cuda"),
+                                          rows=rows), indent=2))
     r = rows[-1]
     print(f"RESULT scored_flat={r['scored_reindex_flat']} scored_hier={r['scored_reindex_hier']} "
           f"scored_full={r['scored_full_flat']} reindex_time_flat_over_hier={r['reindex_time_flat_over_hier']:.2f} "

@@ -5,16 +5,18 @@
 Builds `--teachers` random-init teachers cycling over the five architectures of
 teachers/architectures.py (dense narrow-deep, dense wide-shallow, MoE, MQA, no-qk-norm tied), scaled
 by `--width`, and a stream of train steps each scoring one batch for `--per-step` teachers drawn at
-random (the OPD batch grouped by teacher). The same step stream runs in three modes, interleaved over
+random (the OPD batch grouped by teacher). The same step stream runs in four modes, interleaved over
 `--repeats` rounds:
 
     resident    every teacher already on the device (budget = all): teacher compute alone
     sync        budget = `--resident` teachers, loads on demand, no prefetch
     prefetch    same budget, the next teacher copied in while the current one computes
+    lookahead   prefetch, and the driver passes each step the next step's teachers
+                (`run(..., next_teachers=...)`), so a step's first load starts during the previous step
 
 switch_overhead = median over rounds of (step time of a mode / step time of `resident` - 1), each
 round's modes running the same steps side by side. The pool's own counters (loads per step, load wait / compute) are printed too.
-Last line: RESULT teachers=<n> switch_overhead=<prefetch mode's fraction>
+Last line: RESULT teachers=<n> switch_overhead=<prefetch mode's fraction> switch_overhead_lookahead=<lookahead's>
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ def step_stream(names: list[str], steps: int, per_step: int, seed: int) -> list[
     return [rng.sample(names, per_step) for _ in range(steps)]
 
 
-def run_steps(pool: TeacherPool, steps: list[list[str]], batch: torch.Tensor) -> float:
-    """Seconds for the steps; each teacher's `fn` reduces its logits' max like an OPD loss would touch them."""
+def run_steps(pool: TeacherPool, steps: list[list[str]], batch: torch.Tensor, lookahead: bool = False,
+              then: list[str] | None = None) -> float:
+    """Seconds for the steps; each teacher's `fn` reduces its logits' max like an OPD loss would touch them.
+    lookahead: each step is told the next one's teachers (the last step: `then`)."""
     sink = []
 
     def score(_name, out):
@@ -76,8 +80,9 @@ def run_steps(pool: TeacherPool, steps: list[list[str]], batch: torch.Tensor) ->
     sync = torch.cuda.synchronize if batch.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    for names in steps:
-        pool.run({n: batch for n in names}, score)
+    for i, names in enumerate(steps):
+        nxt = (steps[i + 1] if i + 1 < len(steps) else then or []) if lookahead else []
+        pool.run({n: batch for n in names}, score, next_teachers=nxt)
     sync()
     return time.perf_counter() - t0
 
@@ -117,7 +122,8 @@ def main() -> None:
     for name, cfg, state in zoo:
         pool.add_weights(name, cfg, state)
     del zoo
-    modes = {"resident": (all_mib, False), "sync": (budget_mib, False), "prefetch": (budget_mib, True)}
+    modes = {"resident": (all_mib, False), "sync": (budget_mib, False), "prefetch": (budget_mib, True),
+             "lookahead": (budget_mib, True)}
     names = pool.names
     params = [pool.config(n) for n in names]
     print(f"{len(names)} teachers on {a.device} ({dtype}): {sizes[0] / 2**20:.1f}-{sizes[-1] / 2**20:.1f} MiB each "
@@ -129,13 +135,14 @@ def main() -> None:
     batch = torch.randint(3, 99, (batch_size, seq), device=a.device)
     all_at_once = [names[i:i + a.per_step] for i in range(0, len(names), a.per_step)]
 
-    def enter(mode: str) -> None:
-        """Switch the one pool to a mode and warm it: every teacher resident, or a steady LRU state."""
+    def enter(mode: str, first: list[str] | None = None) -> None:
+        """Switch the one pool to a mode and warm it: every teacher resident, or a steady LRU state
+        (lookahead: the last warm step announces `first`, the first timed step, as a running loop would)."""
         mib, prefetch = modes[mode]
         pool.set_budget(mib)
         pool.set_prefetch(prefetch)
         warm = all_at_once if mode == "resident" else step_stream(names, 2 if a.quick else 4, a.per_step, a.seed + 1)
-        run_steps(pool, warm, batch)
+        run_steps(pool, warm, batch, lookahead=mode == "lookahead", then=first)
         pool.stats()
 
     enter("resident")
@@ -145,8 +152,8 @@ def main() -> None:
     for r in range(a.repeats):
         steps = step_stream(names, steps_n, a.per_step, a.seed + 100 + r)
         for mode in modes:
-            enter(mode)
-            times[mode].append(run_steps(pool, steps, batch) / steps_n)
+            enter(mode, steps[0])
+            times[mode].append(run_steps(pool, steps, batch, lookahead=mode == "lookahead") / steps_n)
             counters[mode].append(pool.stats())
     rows = {}
     print(f"\n{'mode':10s} {'step ms':>9s} {'overhead':>9s} {'compute ms':>11s} {'loads/step':>11s} {'prefetched':>11s} "
@@ -171,7 +178,8 @@ def main() -> None:
         Path(a.json).write_text(json.dumps(dict(args=vars(a), device=a.device, width=width, batch=batch_size, seq=seq,
                                                 budget_mib=budget_mib, teacher_mib=[s / 2**20 for s in sizes],
                                                 modes=rows), indent=2))
-    print(f"RESULT teachers={len(names)} switch_overhead={rows['prefetch']['overhead']:.4f}")
+    print(f"RESULT teachers={len(names)} switch_overhead={rows['prefetch']['overhead']:.4f} "
+          f"switch_overhead_lookahead={rows['lookahead']['overhead']:.4f}")
 
 
 if __name__ == "__main__":

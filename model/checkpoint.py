@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.config import ModelConfig
+from model.config import ModelConfig, same_weights
 from model.decoder import Decoder
 
 
@@ -31,7 +31,7 @@ def write_weights(model: Decoder, directory: str | Path) -> None:
 def load_weights_into(model: Decoder, directory: str | Path) -> None:
     """Copy a checkpoint's weights into `model` in place (same config), keeping its device."""
     path = Path(directory)
-    if load_config(path) != model.config:
+    if not same_weights(load_config(path), model.config):
         raise ValueError(f"checkpoint {path} was saved with a different model config")
     device = next(model.parameters()).device
     state = load_file(str(path / "model.safetensors"), device=str(device))

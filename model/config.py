@@ -54,6 +54,25 @@ class MoEFFNConfig(StrictConfig):
 
 FFNConfig = Annotated[Union[DenseFFNConfig, MoEFFNConfig], Field(discriminator="type")]
 
+KVCacheDType = Literal["bf16", "fp8", "fp4"]
+
+
+class KVCacheConfig(StrictConfig):
+    """Storage format of the attention KV cache (seed §2.4.4) and quantisation-aware training.
+
+    `bf16` is the unquantised cache: K/V kept in the model's parameter dtype (bf16 on the GPU, float32
+    in CPU tests), today's behaviour. `fp8`: E4M3 values with one power-of-two scale per row (one token
+    of one KV head; `model.fp8`), the SWA format. `fp4`: E2M1 values with one E4M3 scale per 16 channels,
+    two values per byte (`model.fp4`), the main-KV format. Quantisation happens after RoPE. In the
+    dense decoder there is one KV per layer and it takes this format; with CSA2 the format applies to
+    the compressed main KV entries (seed §2.4.4)."""
+
+    dtype: KVCacheDType = "bf16"
+    """Storage format: bf16 (unquantised, the model's dtype), fp8 (E4M3 + per-row scale) or fp4."""
+    qat: bool = False
+    """Training forward passes K/V through the cache's quantise->dequantise (straight-through gradient),
+    bit-identical to the engine's round trip, so the trained policy is the sampled one. No-op for bf16."""
+
 
 class ModelConfig(StrictConfig):
     """Decoder shape. Dense form maps onto Llama/Qwen3, MoE form onto Qwen3-MoE/DeepSeekMoE."""
@@ -84,6 +103,10 @@ class ModelConfig(StrictConfig):
     """Standard deviation of the normal initialisation of linear and embedding weights."""
     ffn: FFNConfig = Field(default_factory=MoEFFNConfig)
     """Feed-forward block of every layer: `type: dense` or `type: moe`."""
+    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
+    """KV-cache storage format (bf16 | fp8 | fp4) and QAT; default: unquantised, no QAT."""
+    sparse_attention: "SparseAttentionConfig | None" = None
+    """CSA2 sparse attention in every layer (seed §2.3); None = dense GQA attention."""
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelConfig":
@@ -91,11 +114,17 @@ class ModelConfig(StrictConfig):
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.kv_cache.dtype == "fp4" and self.head_dim % 16:
+            raise ValueError(f"kv_cache.dtype=fp4 needs head_dim a multiple of 16 (one E4M3 scale per 16 channels); got {self.head_dim}")
         return self
 
     @property
     def is_moe(self) -> bool:
         return isinstance(self.ffn, MoEFFNConfig)
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.sparse_attention is not None
 
 
 CSA2Mode = Literal["full", "reindex", "reuse"]
@@ -152,3 +181,13 @@ class SparseAttentionConfig(StrictConfig):
 
     def mode_of(self, layer_idx: int) -> CSA2Mode:
         return self.layer_modes[layer_idx % len(self.layer_modes)]
+
+
+ModelConfig.model_rebuild()
+
+
+def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
+    """Configs whose weights are interchangeable: equal up to the KV-cache storage format and QAT,
+    which change how K/V are stored, not which parameters exist (a QAT fine-tune starts from a bf16
+    checkpoint)."""
+    return a.model_copy(update={"kv_cache": b.kv_cache}) == b

@@ -6,7 +6,10 @@ One departure: routed experts are stored stacked, `mlp.experts.{gate,up,down}_pr
 [num_experts, out, in]; an HF checkpoint's per-expert `mlp.experts.{j}.gate_proj.weight` maps onto row j.
 
 The same forward serves training (dense causal attention over a right-padded batch) and the engine
-(a paged KV cache, see `model.kv_cache`). MoE layers return the expert ids they chose for every token
+(a paged KV cache, see `model.kv_cache`). With `sparse_attention` set every layer's attention is a
+CSA2 layer (`model.sparse_attention`, seed §2.3): one `SharedState` per forward carries main KV,
+indexer K and top-k from layer to layer, and the engine passes a per-sequence `CSA2Cache` instead of a
+paged batch. MoE layers return the expert ids they chose for every token
 and accept recorded ids back (routing replay): with replay, the gate weights still come from the
 current router's scores gathered at the replayed ids, so the router keeps its gradient.
 """
@@ -21,7 +24,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from model.config import ModelConfig, MoEFFNConfig
-from model.kv_cache import PagedBatch
+from model.kv_cache import PagedBatch, fake_quant, kv_format
+from model.sparse_attention import CSA2Attention, CSA2Cache, SharedState
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +56,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """GQA attention with optional qk-norm. K/V are written to the paged cache after RoPE."""
+    """GQA attention with optional qk-norm. K/V are written to the paged cache after RoPE.
+
+    With a quantised KV cache (`kv_cache.dtype` fp8 / fp4, seed §2.4.4) every path attends over the
+    dequantised K/V: decode reads them back from the cache, prefill uses what the cache write returns,
+    and the training forward with `kv_cache.qat` applies the same round trip (`fake_quant`, straight-
+    through gradient), so training, prefill and decode see bit-identical K/V."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -65,6 +74,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qat_format = kv_format(cfg.kv_cache.dtype) if cfg.kv_cache.qat else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -78,7 +88,9 @@ class Attention(nn.Module):
         if batch is None or batch.is_prefill:
             # Training and prefill: causal attention over the (right-padded) tokens themselves.
             if batch is not None:
-                batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
+                k, v = batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
+            elif self.qat_format is not None:
+                k, v = fake_quant(k, self.qat_format), fake_quant(v, self.qat_format)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
             )
@@ -178,13 +190,15 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx)
+        self.is_sparse = cfg.is_sparse
+        self.self_attn = CSA2Attention(cfg, cfg.sparse_attention, layer_idx) if cfg.is_sparse else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.is_moe = cfg.is_moe
         self.mlp = MoE(cfg.hidden_size, cfg.ffn) if cfg.is_moe else SwiGLU(cfg.hidden_size, cfg.ffn.intermediate_size)
 
-    def forward(self, h, cos, sin, batch, replay_ids):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
+    def forward(self, h, cos, sin, batch, replay_ids, shared=None, csa2_cache=None):
+        x = self.input_layernorm(h)
+        h = h + (self.self_attn(x, shared, csa2_cache) if self.is_sparse else self.self_attn(x, cos, sin, batch))
         x = self.post_attention_layernorm(h)
         if not self.is_moe:
             return h + self.mlp(x), None
@@ -209,6 +223,8 @@ class DecoderOutput:
     """Final normed hidden states [B, T, hidden]."""
     routing: torch.Tensor | None
     """MoE: expert ids chosen (or replayed) [B, T, num_layers, top_k] int64; None for dense."""
+    indexer_loss: torch.Tensor | None = None
+    """CSA2 with compute_indexer_loss: mean indexer KL over indexing layers (seed §3.1.2), a scalar."""
 
 
 class Decoder(nn.Module):
@@ -238,35 +254,62 @@ class Decoder(nn.Module):
         batch: PagedBatch | None = None,
         routing_replay: torch.Tensor | None = None,
         checkpoint_layers: bool = False,
+        csa2_cache: CSA2Cache | None = None,
+        compute_indexer_loss: bool = False,
     ) -> DecoderOutput:
         """input_ids, positions [B, T]; routing_replay [B, T, num_layers, top_k] or None.
 
         checkpoint_layers: recompute each layer in the backward pass (training only). A layer's
         replayed expert ids are an argument of that layer, so the recomputation reuses exactly the
-        record the first pass used; nothing is consumed twice.
+        record the first pass used; nothing is consumed twice. Not for CSA2: its layers hand state
+        to each other through the forward's SharedState, which a recomputation would see changed, so
+        sparse models run without layer recomputation.
+
+        CSA2 (`config.sparse_attention`): positions are implicit (0..T-1, or continuing from
+        `csa2_cache`, whose B sequences advance in lockstep: equal lengths, no padding); `batch` must be
+        None. compute_indexer_loss: fill `DecoderOutput.indexer_loss` (training).
         """
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        sparse = self.config.is_sparse
+        if sparse and (batch is not None or positions is not None):
+            raise ValueError("a CSA2 model takes csa2_cache (positions continue from it), not a paged batch or positions")
+        if not sparse and (csa2_cache is not None or compute_indexer_loss):
+            raise ValueError("csa2_cache / compute_indexer_loss need config.sparse_attention")
+        cos = sin = shared = None
+        if sparse:
+            shared = SharedState(compute_indexer_loss=compute_indexer_loss)
+        else:
+            if positions is None:
+                positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+            cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
         h = self.model.embed_tokens(input_ids)
         routing = []
-        recompute = checkpoint_layers and batch is None and torch.is_grad_enabled()
+        recompute = checkpoint_layers and batch is None and not sparse and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers):
             replay_i = None if routing_replay is None else routing_replay[:, :, i]
             if recompute:
                 h, ids = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, None, replay_i, use_reentrant=False)
             else:
-                h, ids = layer(h, cos, sin, batch, replay_i)
+                h, ids = layer(h, cos, sin, batch, replay_i, shared, csa2_cache)
             if ids is not None:
                 routing.append(ids)
-        return DecoderOutput(self.model.norm(h), torch.stack(routing, dim=2) if routing else None)
+        return DecoderOutput(self.model.norm(h), torch.stack(routing, dim=2) if routing else None,
+                             shared.indexer_loss() if compute_indexer_loss else None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden [B, T, hidden] -> logits [B, T, vocab] float32."""
+        return self.lm_head(hidden).float()
 
     def forward(self, input_ids, positions=None, *, batch=None, routing_replay=None,
-                checkpoint_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                checkpoint_layers: bool = False, csa2_cache: CSA2Cache | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (logits [B, T, vocab] float32, routing or None)."""
         out = self.forward_hidden(input_ids, positions, batch=batch, routing_replay=routing_replay,
-                                  checkpoint_layers=checkpoint_layers)
-        return self.lm_head(out.hidden).float(), out.routing
+                                  checkpoint_layers=checkpoint_layers, csa2_cache=csa2_cache)
+        return self.logits(out.hidden), out.routing
+
+    def indexer_parameters(self) -> list[nn.Parameter]:
+        """CSA2 indexer parameters (trained only by the indexer loss); empty for dense attention."""
+        return [p for layer in self.model.layers if layer.is_sparse for p in layer.self_attn.indexer_parameters()]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

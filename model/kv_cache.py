@@ -1,9 +1,21 @@
-"""Paged KV cache: a pool of fixed-size blocks shared by all sequences.
+"""Paged KV cache in bf16 | fp8 | fp4 storage formats, and the QAT fake-quant that mirrors it.
 
 A sequence owns a list of blocks; token j of the sequence lives in slot
 `blocks[j // block_size] * block_size + j % block_size` of every layer's pool. Persisting a
 sequence copies its slots to host memory, resuming writes them into freshly allocated blocks, and a
 finished sequence returns its blocks at once (sample-grained GC, seed §5.2.3). K is stored after RoPE.
+
+Storage formats (`KVFormat`; seed §2.4.4, formats documented in `model.fp4` / `model.fp8`). A cached
+row is one token of one KV head, D channels; K and V rows are stored alike:
+
+    bf16  data [.., KVH, D] in the model dtype (unquantised)          2·D bytes per row in bf16
+    fp8   data [.., KVH, D] uint8 (E4M3 bits) + scale [.., KVH] uint8  D + 1 bytes per row (E8M0 scale)
+    fp4   data [.., KVH, D/2] uint8 (E2M1 pairs) + scale [.., KVH, D/16] uint8 (E4M3)
+                                                                     D/2 + D/16 = D·4.5/8 bytes per row
+
+The pool quantises on `write` and dequantises on `gather`; `export` / `load` move the stored bytes
+untouched, so a persisted sequence resumes bit-exactly. `fake_quant` is the training side: the same
+quantise -> dequantise (bit-identical to a cache write + read) with a straight-through gradient.
 """
 
 from __future__ import annotations
@@ -12,9 +24,165 @@ from dataclasses import dataclass
 
 import torch
 
+from model import fp4, fp8
+
 
 class CacheFullError(RuntimeError):
     pass
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Storage formats
+# ---------------------------------------------------------------------------------------------------------
+
+
+class KVFormat:
+    """How a K or V row [.., D] is stored: a data tensor plus (quantised formats) a scale tensor."""
+
+    name: str = ""
+    quantised: bool = True
+
+    def data_shape(self, head_dim: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def scale_shape(self, head_dim: int) -> tuple[int, ...] | None:
+        raise NotImplementedError
+
+    def storage_dtype(self, compute_dtype: torch.dtype) -> torch.dtype:
+        return torch.uint8
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [.., D] -> (data, scale or None) in storage dtypes."""
+        raise NotImplementedError
+
+    def decode(self, data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """decode(encode(x)) in x's dtype: exactly what a cache write followed by a read returns."""
+        return self.decode(*self.encode(x), x.dtype)
+
+    def bytes_per_row(self, head_dim: int, compute_dtype: torch.dtype) -> float:
+        raise NotImplementedError
+
+    def bytes_per_token_per_layer(self, num_kv_heads: int, head_dim: int, compute_dtype: torch.dtype) -> float:
+        """K and V of one token in one layer: 2 · KVH · bytes_per_row(D)."""
+        return 2 * num_kv_heads * self.bytes_per_row(head_dim, compute_dtype)
+
+
+class UnquantisedFormat(KVFormat):
+    """`bf16`: K/V kept in the model's dtype, 2 · KVH · D · element size bytes per token per layer."""
+
+    name, quantised = "bf16", False
+
+    def data_shape(self, head_dim):
+        return (head_dim,)
+
+    def scale_shape(self, head_dim):
+        return None
+
+    def storage_dtype(self, compute_dtype):
+        return compute_dtype
+
+    def encode(self, x):
+        return x, None
+
+    def decode(self, data, scale, dtype):
+        return data.to(dtype)
+
+    def round_trip(self, x):
+        return x
+
+    def bytes_per_row(self, head_dim, compute_dtype):
+        return head_dim * torch.empty((), dtype=compute_dtype).element_size()
+
+
+class FP8Format(KVFormat):
+    """`fp8` (model.fp8): D E4M3 values + one E8M0 scale byte per row: 2 · KVH · (D + 1) bytes."""
+
+    name = "fp8"
+
+    def data_shape(self, head_dim):
+        return (head_dim,)
+
+    def scale_shape(self, head_dim):
+        return ()
+
+    def encode(self, x):
+        values, scale_bits = fp8.quantize(x)
+        return values.view(torch.uint8), scale_bits
+
+    def decode(self, data, scale, dtype):
+        return fp8.dequantize(data.view(torch.float8_e4m3fn), scale, dtype)
+
+    def bytes_per_row(self, head_dim, compute_dtype):
+        return fp8.bytes_per_row(head_dim)
+
+
+def _fp4_impl(x: torch.Tensor):
+    """The Triton kernels on CUDA (bit-exact against the reference), the PyTorch reference elsewhere."""
+    if x.is_cuda:
+        from model.kernels import fp4 as kernels  # triton only where it runs compiled
+
+        return kernels
+    return fp4
+
+
+class FP4Format(KVFormat):
+    """`fp4` (model.fp4): E2M1 pairs + one E4M3 scale per 16 channels: 4.5 bits per value, so
+    2 · KVH · D · 4.5 / 8 bytes per token per layer (seed §2.4.4)."""
+
+    name = "fp4"
+
+    def data_shape(self, head_dim):
+        return (head_dim // 2,)
+
+    def scale_shape(self, head_dim):
+        return (head_dim // fp4.BLOCK,)
+
+    def encode(self, x):
+        packed, scales = _fp4_impl(x).quantize(x)
+        return packed, scales.view(torch.uint8)
+
+    def decode(self, data, scale, dtype):
+        return _fp4_impl(data).dequantize(data, scale.view(torch.float8_e4m3fn), dtype)
+
+    def bytes_per_row(self, head_dim, compute_dtype):
+        return head_dim * fp4.BITS_PER_VALUE / 8
+
+
+KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (UnquantisedFormat(), FP8Format(), FP4Format())}
+
+
+def kv_format(name: str) -> KVFormat:
+    if name not in KV_FORMATS:
+        raise ValueError(f"unknown KV cache dtype {name!r}; known: {sorted(KV_FORMATS)}")
+    return KV_FORMATS[name]
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the cache's quantise -> dequantise; backward: identity (straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+        return fmt.round_trip(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def fake_quant(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """QAT (seed §2.4.4): the values a cache of format `fmt` would return for x, bit for bit, with the
+    gradient passed straight through (d out / d x = I)."""
+    if not fmt.quantised:
+        return x
+    return _StraightThrough.apply(x, fmt)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The paged pool
+# ---------------------------------------------------------------------------------------------------------
 
 
 class PagedKVCache:
@@ -28,14 +196,22 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        kv_dtype: str = "bf16",
     ):
+        """dtype: the model's compute dtype (what `gather` returns); kv_dtype: the storage format."""
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.format = kv_format(kv_dtype)
         # One slot past the pool is a scratch slot: padding writes land there, so `write` never needs
         # to look at the mask on the host (no sync in the token loop).
         self._scratch = num_blocks * block_size
-        shape = (num_layers, num_blocks * block_size + 1, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        lead = (num_layers, num_blocks * block_size + 1, num_kv_heads)
+        sdt = self.format.storage_dtype(dtype)
+        self.k = torch.zeros(lead + self.format.data_shape(head_dim), dtype=sdt, device=device)
+        self.v = torch.zeros(lead + self.format.data_shape(head_dim), dtype=sdt, device=device)
+        scale = self.format.scale_shape(head_dim)
+        self.k_scale = None if scale is None else torch.zeros(lead + scale, dtype=torch.uint8, device=device)
+        self.v_scale = None if scale is None else torch.zeros(lead + scale, dtype=torch.uint8, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))
 
     # -- block bookkeeping -------------------------------------------------------------------------
@@ -59,32 +235,65 @@ class PagedKVCache:
         return [blocks[j // bs] * bs + j % bs for j in range(start, end)]
 
     @property
-    def bytes_per_token_per_layer(self) -> int:
-        """K and V of one token in one layer: 2 · kv_heads · head_dim · element size."""
-        return 2 * self.k.shape[2] * self.k.shape[3] * self.k.element_size()
+    def bytes_per_token_per_layer(self) -> float:
+        """K and V of one token in one layer (seed §2.4.4), by format, KVH kv heads of D channels:
+        bf16: 2·KVH·D·elem;  fp8: 2·KVH·(D + 1);  fp4: 2·KVH·D·4.5/8 (4 bits + one 8-bit scale per 16)."""
+        return self.format.bytes_per_token_per_layer(self.num_kv_heads, self.head_dim, self.dtype)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        t = {"k": self.k, "v": self.v}
+        if self.k_scale is not None:
+            t["k_scale"], t["v_scale"] = self.k_scale, self.v_scale
+        return t
+
+    @property
+    def pool_bytes_per_slot_per_layer(self) -> float:
+        """Actual bytes the pool's tensors hold per (slot, layer); equals bytes_per_token_per_layer."""
+        total = sum(t.numel() * t.element_size() for t in self._tensors().values())
+        return total / (self.k.shape[0] * self.k.shape[1])
 
     # -- data movement -----------------------------------------------------------------------------
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """slot_mapping [B, T] (−1 = padding, sent to the scratch slot); k, v [B, T, KVH, D]."""
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """slot_mapping [B, T] (−1 = padding, sent to the scratch slot); k, v [B, T, KVH, D].
+        Returns K, V as the cache will give them back (dequantised; k, v themselves for bf16)."""
         flat = slot_mapping.reshape(-1)
         flat = torch.where(flat < 0, torch.full_like(flat, self._scratch), flat)
-        kf, vf = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
-        self.k[layer].index_copy_(0, flat, kf.to(self.k.dtype))
-        self.v[layer].index_copy_(0, flat, vf.to(self.v.dtype))
+        out = []
+        for x, data, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
+            if not self.format.quantised:
+                data[layer].index_copy_(0, flat, x.reshape(-1, *x.shape[2:]).to(data.dtype))
+                out.append(x)
+                continue
+            q, s = self.format.encode(x)
+            data[layer].index_copy_(0, flat, q.reshape(-1, *q.shape[2:]))
+            scale[layer].index_copy_(0, flat, s.reshape(-1, *s.shape[2:]))
+            out.append(self.format.decode(q, s, x.dtype))
+        return out[0], out[1]
 
     def gather(self, layer: int, context_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """context_slots [B, S] -> K, V [B, S, KVH, D]."""
-        return self.k[layer][context_slots], self.v[layer][context_slots]
+        """context_slots [B, S] -> K, V [B, S, KVH, D] in the compute dtype (dequantised)."""
+        if not self.format.quantised:
+            return self.k[layer][context_slots], self.v[layer][context_slots]
+        return tuple(
+            self.format.decode(data[layer][context_slots], scale[layer][context_slots], self.dtype)
+            for data, scale in ((self.k, self.k_scale), (self.v, self.v_scale))
+        )
 
-    def export(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copy the given slots of every layer to host memory: [L, n, KVH, D] each."""
+    def export(self, slots: list[int]) -> dict[str, torch.Tensor]:
+        """Copy the given slots of every layer to host memory, in the storage format:
+        {"k", "v"} [L, n, KVH, ...] (+ {"k_scale", "v_scale"} for quantised formats)."""
         idx = torch.tensor(slots, dtype=torch.long, device=self.k.device)
-        return self.k[:, idx].to("cpu", copy=True), self.v[:, idx].to("cpu", copy=True)
+        return {n: t[:, idx].to("cpu", copy=True) for n, t in self._tensors().items()}
 
-    def load(self, slots: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+    def load(self, slots: list[int], tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `export`: write stored bytes back into the given slots, untouched."""
+        mine = self._tensors()
+        if tensors.keys() != mine.keys():
+            raise ValueError(f"KV state has {sorted(tensors)}; a {self.format.name} cache stores {sorted(mine)}")
         idx = torch.tensor(slots, dtype=torch.long, device=self.k.device)
-        self.k[:, idx] = k.to(self.k.device, self.k.dtype)
-        self.v[:, idx] = v.to(self.v.device, self.v.dtype)
+        for n, t in mine.items():
+            t[:, idx] = tensors[n].to(t.device, t.dtype)
 
 
 @dataclass

@@ -26,6 +26,13 @@ inputs are detached from the main graph, so only `indexer_loss` (seed §3.1.2) t
 reaches no main-attention parameter. Top-k uses a stable sort (ties go to the earlier entry), so the
 full forward, the decode step and a covering candidate pool select identical sets.
 
+KV formats (seed §2.4.4, `ModelConfig.kv_cache`): the compressed main KV entries take `kv_cache.dtype`
+(fp4 in DeepSeek-V4.1-Flash) and, when that is quantised, the SWA KV is kept in FP8 ("due to its
+sensitivity to quantization"); both are quantised after RoPE. With a cache the layer stores the packed
+bytes (`CSA2LayerCache.*_scale` hold the scales) and attends over their dequantised values; the
+training forward with `kv_cache.qat` applies the bit-identical round trip (`model.kv_cache.fake_quant`,
+straight-through gradient). Indexer K stays unquantised.
+
 Reference implementation in plain PyTorch: the training path gathers [B, T, topk + window] keys per
 query, which is fine for unit tests and small models; a fused kernel replaces it at scale.
 """
@@ -40,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig, SparseAttentionConfig
+from model.kv_cache import KVFormat, fake_quant, kv_format
 
 NEG_INF = float("-inf")
 
@@ -145,6 +153,33 @@ def build_candidate_pool(
     return torch.where(pool_valid, pool, 0), pool_valid
 
 
+POOL_KERNEL = True
+"""Score candidate pools with the fused Triton kernel (`model.kernels.indexer`) where it applies: CUDA,
+bf16/fp16/fp32, no gradient needed (decode, eval). bench/indexer.py --no-pool-kernel turns it off."""
+
+
+def pool_index_scores(q_index: torch.Tensor, w_index: torch.Tensor, k_index: torch.Tensor,
+                      pool: torch.Tensor, pool_valid: torch.Tensor) -> torch.Tensor:
+    """q_index [B, T, HI, DI], w_index [B, T, HI], k_index [B, N, DI], candidate pool [B, T, P] entry ids
+    and pool_valid [B, T, P] -> scores [B, T, P] (-inf where not valid): `index_scores` of each query's
+    pool entries. The fused kernel reads each pool row of indexer K once (no [B, T, P, DI] gather, no
+    [B, T, HI, P] intermediates) and matches this reference up to float32 summation order; the reference
+    runs where a gradient is needed (indexer loss) and off CUDA, gathering rows with one index_select."""
+    needs_grad = torch.is_grad_enabled() and (q_index.requires_grad or w_index.requires_grad or k_index.requires_grad)
+    if POOL_KERNEL and q_index.is_cuda and not needs_grad:
+        from model.kernels import indexer as _kern  # lazy: Triton is only needed on CUDA
+
+        if _kern.supports(q_index, w_index, k_index):
+            return _kern.pool_scores(q_index, w_index, k_index, pool, pool_valid)
+    B, N, DI = k_index.shape
+    if N == 0:
+        k = k_index.new_zeros(*pool.shape, DI)
+    else:  # rows b·N + id of the flattened store: one contiguous-row gather (the same values as k[b, id])
+        rows = (pool + torch.arange(B, device=pool.device).view(B, 1, 1) * N).flatten()
+        k = k_index.reshape(B * N, DI).index_select(0, rows).view(*pool.shape, DI)
+    return index_scores(q_index, w_index, k).masked_fill(~pool_valid, NEG_INF)
+
+
 def _gather_per_query(entries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """entries [B, N, ...], ids [B, T, K] -> [B, T, K, ...] (zeros when N = 0)."""
     B, N = entries.shape[:2]
@@ -211,13 +246,21 @@ class CSA2LayerCache:
     length: int
     """Tokens this layer has consumed (the next token's position)."""
     swa_k: torch.Tensor
-    """[B, <= window-1, KVH, D] the layer's own most recent raw SWA keys (after RoPE)."""
+    """[B, <= window-1, KVH, D] the layer's own most recent raw SWA keys (after RoPE), in the SWA format's
+    storage (compute dtype unquantised; FP8 bytes when the KV cache is quantised)."""
     swa_v: torch.Tensor
     """[B, <= window-1, KVH, D] and values."""
     entries_k: torch.Tensor | None = None
-    """Full layers: [B, N, KVH, D] compressed main K (after RoPE); None for Reindex / Reuse."""
+    """Full layers: [B, N, KVH, D] compressed main K (after RoPE) in the main format's storage
+    ([B, N, KVH, D/2] uint8 for fp4); None for Reindex / Reuse."""
     entries_v: torch.Tensor | None = None
     """Full layers: [B, N, KVH, D] compressed main V."""
+    swa_k_scale: torch.Tensor | None = None
+    """Quantised SWA format: scales of swa_k (`model.kv_cache` layouts); None unquantised."""
+    swa_v_scale: torch.Tensor | None = None
+    entries_k_scale: torch.Tensor | None = None
+    """Quantised main format: scales of entries_k; None unquantised."""
+    entries_v_scale: torch.Tensor | None = None
     index_k: torch.Tensor | None = None
     """Full layers: [B, N, DI] indexer K (after RoPE)."""
     pending: torch.Tensor | None = None
@@ -225,18 +268,25 @@ class CSA2LayerCache:
     pending_gate: torch.Tensor | None = None
     """Full layers: [B, < m, KVH] their pooling logits."""
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every stored tensor by field name (None fields left out)."""
+        return {f: t for f in CACHE_FIELDS if (t := getattr(self, f)) is not None}
+
     def nbytes(self) -> int:
-        ts = (self.swa_k, self.swa_v, self.entries_k, self.entries_v, self.index_k, self.pending, self.pending_gate)
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+CACHE_FIELDS = ("swa_k", "swa_v", "swa_k_scale", "swa_v_scale", "entries_k", "entries_v", "entries_k_scale",
+                "entries_v_scale", "index_k", "pending", "pending_gate")
 
 
 @dataclass
 class CSA2Cache:
     """Per-sequence (or lockstep batch) CSA2 cache: layer index -> `CSA2LayerCache`, filled on first use.
 
-    Bytes per token, asymptotically: Σ over Full layers of (2·KVH·D + DI)·elem_bytes / m; Reindex and
-    Reuse layers add nothing per token. Every layer also holds a constant (window-1)·2·KVH·D window and a
-    Full layer at most m-1 pending raw tokens."""
+    Bytes per token, asymptotically: Σ over Full layers of (2·KVH·row_bytes(D) + DI·elem_bytes) / m
+    (`bytes_per_token`); Reindex and Reuse layers add nothing per token. Every layer also holds a
+    constant (window-1)-row SWA window and a Full layer at most m-1 pending raw tokens."""
 
     layers: dict[int, CSA2LayerCache] = field(default_factory=dict)
 
@@ -246,6 +296,79 @@ class CSA2Cache:
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers.values())
+
+    # -- persistence and lockstep batching (the engine's per-sequence caches) ---------------------------
+    def to_tensors(self) -> dict[str, torch.Tensor]:
+        """Flat named tensors `"{layer}.{field}"` (a RolloutState carries them as raw bytes)."""
+        return {f"{i}.{f}": t for i, lc in self.layers.items() for f, t in lc.tensors().items()}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], length: int, device: str | torch.device = "cpu") -> "CSA2Cache":
+        cache = cls()
+        for name, t in tensors.items():
+            i, f = name.split(".", 1)
+            if f not in CACHE_FIELDS:
+                raise ValueError(f"unknown CSA2 cache field {name!r}")
+            lc = cache.layers.setdefault(int(i), CSA2LayerCache(length, None, None))
+            setattr(lc, f, t.to(device))
+        cache.layers = dict(sorted(cache.layers.items()))
+        return cache
+
+    @classmethod
+    def stack(cls, caches: list["CSA2Cache"]) -> "CSA2Cache":
+        """Sequences of equal length -> one lockstep batch (concatenated along B)."""
+        if len({c.length for c in caches}) != 1:
+            raise ValueError(f"only caches of equal length advance in lockstep: {[c.length for c in caches]}")
+        out = cls()
+        for i, lc in caches[0].layers.items():
+            st = CSA2LayerCache(lc.length, None, None)
+            for f in lc.tensors():
+                setattr(st, f, torch.cat([getattr(c.layers[i], f) for c in caches], 0))
+            out.layers[i] = st
+        return out
+
+    def split(self) -> list["CSA2Cache"]:
+        """Inverse of `stack`: one B=1 cache per batch row."""
+        B = next(iter(self.layers.values())).swa_k.shape[0]
+        outs = [CSA2Cache() for _ in range(B)]
+        for i, lc in self.layers.items():
+            for b in range(B):
+                one = CSA2LayerCache(lc.length, None, None)
+                for f, t in lc.tensors().items():
+                    setattr(one, f, t[b : b + 1])
+                outs[b].layers[i] = one
+        return outs
+
+
+def bytes_per_token(model_cfg: ModelConfig, elem_bytes: int) -> float:
+    """Asymptotic CSA2 cache growth per token over all layers (seed §2.3, §2.4.4): each Full layer adds
+    one main entry (K and V rows of KVH heads in the main KV format) plus one indexer K row (DI values in
+    the compute dtype) per m tokens: Σ_Full (2·KVH·row_bytes(D) + DI·elem_bytes) / m."""
+    sc = model_cfg.sparse_attention
+    fmt = kv_format(model_cfg.kv_cache.dtype)
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[elem_bytes]
+    per_entry = 2 * model_cfg.num_kv_heads * fmt.bytes_per_row(model_cfg.head_dim, dtype) + sc.index_dim * elem_bytes
+    n_full = sum(sc.mode_of(i) == "full" for i in range(model_cfg.num_layers))
+    return n_full * per_entry / sc.compress_ratio
+
+
+def _extend(fmt: KVFormat, data: torch.Tensor, scale: torch.Tensor | None, new: torch.Tensor,
+            keep_last: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Cache mode: append rows new [B, T, KVH, D] to stored (data, scale) in `fmt` along dim 1.
+    -> (every row dequantised [B, S + T, KVH, D], stored data, stored scale), the stored ones trimmed to
+    the last `keep_last` rows. Quantised formats store the bytes of `new` once, so what later steps read
+    back is exactly what this step attends over."""
+    if not fmt.quantised:
+        rows = torch.cat([data, new], 1)
+        kept = rows if keep_last is None else rows[:, rows.shape[1] - min(keep_last, rows.shape[1]) :]
+        return rows, kept.detach(), None
+    q, sc = fmt.encode(new.detach())
+    data, scale = torch.cat([data, q], 1), torch.cat([scale, sc], 1)
+    rows = fmt.decode(data, scale, new.dtype)
+    if keep_last is not None:
+        keep = data.shape[1] - min(keep_last, data.shape[1])
+        data, scale = data[:, keep:], scale[:, keep:]
+    return rows, data, scale
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -266,6 +389,10 @@ class CSA2Attention(nn.Module):
         self.cfg, self.layer_idx, self.mode = cfg, layer_idx, cfg.mode_of(layer_idx)
         self.num_heads, self.num_kv_heads, self.head_dim = model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim
         self.rope_theta = model_cfg.rope_theta
+        # seed §2.4.4: main KV in the configured format; a quantised cache keeps the SWA KV in FP8
+        self.main_format = kv_format(model_cfg.kv_cache.dtype)
+        self.swa_format = kv_format("fp8") if self.main_format.quantised else self.main_format
+        self.qat = model_cfg.kv_cache.qat
         d, kv = model_cfg.hidden_size, model_cfg.num_kv_heads * model_cfg.head_dim
         self.q_proj = nn.Linear(d, model_cfg.num_heads * model_cfg.head_dim, bias=False)
         self.swa_kv_proj = nn.Linear(d, 2 * kv, bias=False)
@@ -291,10 +418,18 @@ class CSA2Attention(nn.Module):
     def _layer_cache(self, cache: CSA2Cache, x: torch.Tensor) -> CSA2LayerCache:
         if self.layer_idx not in cache.layers:
             B, KVH, D = x.shape[0], self.num_kv_heads, self.head_dim
-            empty = lambda *s: x.new_zeros(B, 0, *s)  # noqa: E731
-            lc = CSA2LayerCache(0, empty(KVH, D), empty(KVH, D))
+            empty = lambda *s, dtype=x.dtype: x.new_zeros(B, 0, *s, dtype=dtype)  # noqa: E731
+
+            def stored(fmt):  # (data, scale) of an empty row store in fmt
+                data = empty(KVH, *fmt.data_shape(D), dtype=fmt.storage_dtype(x.dtype))
+                sc = fmt.scale_shape(D)
+                return data, None if sc is None else empty(KVH, *sc, dtype=torch.uint8)
+
+            (swa_k, swa_k_scale), (swa_v, swa_v_scale) = stored(self.swa_format), stored(self.swa_format)
+            lc = CSA2LayerCache(0, swa_k, swa_v, swa_k_scale=swa_k_scale, swa_v_scale=swa_v_scale)
             if self.mode == "full":
-                lc.entries_k, lc.entries_v, lc.index_k = empty(KVH, D), empty(KVH, D), empty(self.cfg.index_dim)
+                (lc.entries_k, lc.entries_k_scale), (lc.entries_v, lc.entries_v_scale) = stored(self.main_format), stored(self.main_format)
+                lc.index_k = empty(self.cfg.index_dim)
                 lc.pending, lc.pending_gate = empty(KVH, 2 * D), empty(KVH)
             cache.layers[self.layer_idx] = lc
         return cache.layers[self.layer_idx]
@@ -308,7 +443,7 @@ class CSA2Attention(nn.Module):
         n_old = 0
         if lc is not None:
             raw, gate = torch.cat([lc.pending, raw], 1), torch.cat([lc.pending_gate, gate], 1)
-            n_old = lc.entries_k.shape[1]
+            n_old = lc.index_k.shape[1]
             assert n_old * m + raw.shape[1] == start + T, "cache pending/entries out of step"
         entries = compress(raw, gate, m)  # [B, n_new, KVH, 2D]
         n_new = entries.shape[1]
@@ -320,10 +455,12 @@ class CSA2Attention(nn.Module):
         ik_new = rope(ik_new, pos, self.rope_theta).squeeze(2)
         if lc is not None:
             lc.pending, lc.pending_gate = raw[:, n_new * m :].detach(), gate[:, n_new * m :].detach()
-            lc.entries_k = torch.cat([lc.entries_k, k_new.detach()], 1)
-            lc.entries_v = torch.cat([lc.entries_v, v_new.detach()], 1)
+            k_new, lc.entries_k, lc.entries_k_scale = _extend(self.main_format, lc.entries_k, lc.entries_k_scale, k_new.detach())
+            v_new, lc.entries_v, lc.entries_v_scale = _extend(self.main_format, lc.entries_v, lc.entries_v_scale, v_new.detach())
             lc.index_k = torch.cat([lc.index_k, ik_new.detach()], 1)
-            k_new, v_new, ik_new = lc.entries_k, lc.entries_v, lc.index_k
+            ik_new = lc.index_k
+        elif self.qat:  # seed §2.4.4 QAT: the cache's round trip after RoPE, straight-through gradient
+            k_new, v_new = fake_quant(k_new, self.main_format), fake_quant(v_new, self.main_format)
         shared.main_k, shared.main_v, shared.index_k, shared.source_layer = k_new, v_new, ik_new, self.layer_idx
         shared.topk = None
 
@@ -340,7 +477,7 @@ class CSA2Attention(nn.Module):
         pool = shared.candidate_pool if (self.mode == "reindex" and self.hierarchical) else None
         if pool is not None:  # seed §2.3.2: a later Reindex layer scores only the candidate pool
             ids, ok = pool
-            scores = index_scores(q_index, w_index, _gather_per_query(k_index, ids)).masked_fill(~ok, NEG_INF)
+            scores = pool_index_scores(q_index, w_index, k_index, ids, ok)
         else:
             ids = None
             scores = index_scores(q_index, w_index, k_index)
@@ -368,9 +505,10 @@ class CSA2Attention(nn.Module):
         swa = self.swa_kv_proj(x).view(B, T, KVH, 2 * D)
         swa_k, swa_v = rope(swa[..., :D], positions, self.rope_theta), swa[..., D:]
         if lc is not None:
-            swa_k, swa_v = torch.cat([lc.swa_k, swa_k], 1), torch.cat([lc.swa_v, swa_v], 1)
-            keep = swa_k.shape[1] - min(W - 1, swa_k.shape[1])
-            lc.swa_k, lc.swa_v = swa_k[:, keep:].detach(), swa_v[:, keep:].detach()
+            swa_k, lc.swa_k, lc.swa_k_scale = _extend(self.swa_format, lc.swa_k, lc.swa_k_scale, swa_k, W - 1)
+            swa_v, lc.swa_v, lc.swa_v_scale = _extend(self.swa_format, lc.swa_v, lc.swa_v_scale, swa_v, W - 1)
+        elif self.qat:
+            swa_k, swa_v = fake_quant(swa_k, self.swa_format), fake_quant(swa_v, self.swa_format)
         win_k, win_valid = _windows(swa_k, T, W)
         win_v, _ = _windows(swa_v, T, W)
 

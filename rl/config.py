@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from model.config import ModelConfig, StrictConfig
+from model.config import ModelConfig, StrictConfig, same_weights
 from model.tokenizer import CharTokenizer
 from rewards.config import PROCEDURAL_DOMAIN_CONFIGS, ArithmeticConfig
 from rewards.effort import EffortConfig
@@ -275,8 +275,8 @@ class Recipe(StrictConfig):
             if not config_file.is_file():
                 raise ValueError(f"run.init_checkpoint {str(ckpt)!r} has no config.json")
             theirs = ModelConfig.model_validate_json(config_file.read_text())
-            if theirs != self.model:
-                diff = [k for k in ModelConfig.model_fields if getattr(theirs, k) != getattr(self.model, k)]
+            if not same_weights(theirs, self.model):  # the KV-cache format may differ (e.g. a QAT fine-tune)
+                diff = [k for k in ModelConfig.model_fields if getattr(theirs, k) != getattr(self.model, k) and k != "kv_cache"]
                 raise ValueError(f"run.init_checkpoint {str(ckpt)!r} was saved with a different model (differs in: {', '.join(diff)})")
         return self
 

@@ -5,6 +5,11 @@ module (colocated), so after a step the next rollout token already uses the new 
 torch.distributed process group (several PolicyWorkers) each rank computes its shard's loss
 normalised by the *global* token count and gradients are summed across ranks before clipping, so
 every rank applies the same update as one big batch would.
+
+CSA2 models (seed §2.3) add the indexer KL (seed §3.1.2) to each micro-batch's loss, weighted by
+`sparse_attention.aux_loss_weight` and by the micro-batch's share of the global response tokens, so the
+added term is the token-weighted mean over the batch (summed across ranks, like the policy loss). Its
+gradient reaches only the indexer; it is logged as `train/indexer_kl`.
 """
 
 from __future__ import annotations
@@ -80,6 +85,20 @@ class Trainer:
         self.model, self.optim_cfg, self.device = model, optim, device
         self.opt, self.sched = build_optimizer(model, optim)
 
+    def _forward(self, input_ids: torch.Tensor, routing_replay: torch.Tensor | None = None,
+                 checkpoint_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (logits [B, T, V] float32, indexer KL scalar for CSA2 models else None)."""
+        out = self.model.forward_hidden(input_ids, routing_replay=routing_replay, checkpoint_layers=checkpoint_layers,
+                                        compute_indexer_loss=self.model.config.is_sparse)
+        return self.model.logits(out.hidden), out.indexer_loss
+
+    def _with_indexer_loss(self, loss: torch.Tensor, indexer_kl: torch.Tensor | None, share: float) -> torch.Tensor:
+        """loss + aux_loss_weight · share · indexer_kl; share = this micro-batch's fraction of the global
+        response tokens (so the shares of all micro-batches on all ranks sum to 1)."""
+        if indexer_kl is None:
+            return loss
+        return loss + self.model.config.sparse_attention.aux_loss_weight * share * indexer_kl
+
     def _apply(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
         if _distributed():  # one flat all-reduce instead of one per parameter
@@ -103,8 +122,12 @@ class Trainer:
         """num_tokens: response tokens of the whole (global) batch; default this shard's."""
         self.model.train()
         b = pack(prompts_B, responses_B, device=self.device)
-        logits, _ = self.model(b.input_ids)
+        logits, indexer_kl = self._forward(b.input_ids)
         loss, metrics = sft_loss(logits, b.targets, b.mask, num_tokens)
+        n_mb = float(b.mask.sum())
+        loss = self._with_indexer_loss(loss, indexer_kl, n_mb / (num_tokens if num_tokens is not None else max(n_mb, 1.0)))
+        if indexer_kl is not None:
+            metrics["train/indexer_kl"] = float(indexer_kl.detach())
         loss.backward()
         metrics["train/grad_norm"] = self._apply()
         metrics["train/lr"] = self.sched.get_last_lr()[0]
@@ -140,8 +163,8 @@ class Trainer:
                      versions_B=[s.policy_versions_T for s in mb], device=self.device)
             if replay and b.routing is None:
                 raise ValueError("routing_replay is on but the samples carry no routing trace")
-            logits, _ = self.model(b.input_ids, routing_replay=b.routing,
-                                   checkpoint_layers=cfg.activation_checkpointing)
+            logits, indexer_kl = self._forward(b.input_ids, routing_replay=b.routing,
+                                               checkpoint_layers=cfg.activation_checkpointing)
             x = PolicyLossInputs(
                 logprobs=token_logprobs(logits, b.targets, temperature),
                 behavior_logprobs=b.behavior_logprobs,
@@ -152,11 +175,14 @@ class Trainer:
             )
             loss, metrics = grpo_loss(x, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                       ratio=cfg.importance.ratio, tis_cap=cfg.importance.tis_cap)
+            totals["rl/loss"] = totals.get("rl/loss", 0.0) + float(loss.detach())
+            if indexer_kl is not None:
+                metrics["train/indexer_kl"] = float(indexer_kl.detach())
+            loss = self._with_indexer_loss(loss, indexer_kl, float(b.mask.sum()) / max(num_tokens, 1.0))
             loss.backward()
             w = float(b.mask.sum()) / max(local_tokens, 1.0)  # token-weighted mean over micro-batches
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0.0) + w * v
-            totals["rl/loss"] = totals.get("rl/loss", 0.0) + float(loss.detach())
         totals["train/grad_norm"] = self._apply()
         totals["train/lr"] = self.sched.get_last_lr()[0]
         totals["rl/adv_abs_mean"] = sum(abs(a) for a in advantages_B) / max(len(advantages_B), 1)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import msgpack
 
-from model.checkpoint import load_checkpoint, load_weights_into, save_checkpoint, write_weights
+from model.checkpoint import load_weights_into, save_checkpoint, write_weights
 from model.decoder import Decoder
 from model.tokenizer import CharTokenizer
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
@@ -50,9 +50,10 @@ class StepResult:
 
 def build_policy(recipe: Recipe) -> Decoder:
     torch.manual_seed(recipe.run.seed)
-    if recipe.run.init_checkpoint is not None:
-        return load_checkpoint(recipe.run.init_checkpoint, device=recipe.run.device)  # shape checked by Recipe
-    return Decoder(recipe.model).to(recipe.run.device)
+    model = Decoder(recipe.model).to(recipe.run.device)
+    if recipe.run.init_checkpoint is not None:  # shape checked by Recipe; the KV format may differ (QAT)
+        load_weights_into(model, recipe.run.init_checkpoint)
+    return model
 
 
 class PolicyWorker:

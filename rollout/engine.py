@@ -7,6 +7,13 @@ token) and the others decode one token. Between two steps every sequence sits at
 versions move to host memory as a `RolloutState` and its blocks return to the pool. `resume(states)`
 writes the KV back into fresh blocks and continues decoding with no prefill (seed §5.2.3). Finished
 sequences free their blocks at once.
+
+CSA2 models (`ModelConfig.sparse_attention`, seed §2.3): each sequence holds its own `CSA2Cache`
+(compressed main KV entries, indexer K, SWA window, pending group; not paged). The block pool then has
+no layers and only keeps the admission budget. Sequences whose caches have the same length advance
+together as one lockstep batch (a GRPO group shares its prompt, so its members usually do); others
+run in separate forwards. interrupt() exports each cache's tensors in their storage format into the
+RolloutState; resume() rebuilds the cache, again with no prefill.
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import torch
 
 from model.decoder import Decoder
 from model.kv_cache import CacheFullError, PagedBatch, PagedKVCache
+from model.sparse_attention import CSA2Cache
+from model.sparse_attention import bytes_per_token as csa2_bytes_per_token
 from rollout.config import EngineConfig
 from rollout.sampling import sample_tokens
 from rollout.types import Generation, GenerationRequest, RolloutState
@@ -37,6 +46,8 @@ class _Seq:
     """Per forward: [num_fed_tokens, L, k] expert ids."""
     generate_s: float = 0.0
     needs_prefill: bool = True
+    csa2: CSA2Cache | None = None
+    """CSA2 models: this sequence's cache (B = 1)."""
 
     @property
     def num_cached(self) -> int:  # every token but the last sampled one has its KV in the cache
@@ -65,10 +76,11 @@ class Engine:
         self.device = torch.device(device)
         mcfg = model.config
         num_blocks = cfg.num_blocks or cfg.max_batch_size * -(-cfg.max_seq_len // cfg.block_size)
-        self.cache = PagedKVCache(
-            num_layers=mcfg.num_layers, num_blocks=num_blocks, block_size=cfg.block_size,
+        self.sparse = mcfg.is_sparse
+        self.cache = PagedKVCache(  # CSA2: no paged layers, block bookkeeping only (admission budget)
+            num_layers=0 if self.sparse else mcfg.num_layers, num_blocks=num_blocks, block_size=cfg.block_size,
             num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
-            dtype=next(model.parameters()).dtype, device=self.device,
+            dtype=next(model.parameters()).dtype, device=self.device, kv_dtype=mcfg.kv_cache.dtype,
         )
         self.policy_version = 0
         self.stats = EngineStats()
@@ -81,6 +93,25 @@ class Engine:
             if len(r.prompt_tokens) + 1 > self.cfg.max_seq_len:
                 raise ValueError(f"prompt of {r.sample_id} has {len(r.prompt_tokens)} tokens; max_seq_len is {self.cfg.max_seq_len}")
             self._waiting.append(RolloutState(request=r, tokens=list(r.prompt_tokens)))
+
+    @property
+    def kv_bytes_per_token_per_layer(self) -> float:
+        """KV-cache bytes one token costs in one layer, K and V together (seed §2.4.4), for KVH kv heads
+        of D channels: bf16 (unquantised) 2·KVH·D·elem; fp8 2·KVH·(D + 1) (E4M3 values + one E8M0
+        scale per row); fp4 2·KVH·D·4.5/8 (E2M1, 4 bits, + one 8-bit E4M3 scale per 16 values).
+        CSA2: `kv_bytes_per_token` / num_layers (the per-layer average of the compressed cache)."""
+        if self.sparse:
+            return self.kv_bytes_per_token / self.model.config.num_layers
+        return self.cache.bytes_per_token_per_layer
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV-cache bytes per token over all layers. Dense: num_layers · the per-layer figure. CSA2
+        (asymptotic, `model.sparse_attention.bytes_per_token`): Σ_Full (2·KVH·row_bytes(D) + DI·elem) / m;
+        the constant SWA window and pending group are excluded."""
+        if self.sparse:
+            return csa2_bytes_per_token(self.model.config, self.cache.dtype.itemsize)
+        return self.model.config.num_layers * self.cache.bytes_per_token_per_layer
 
     @property
     def num_active(self) -> int:
@@ -109,11 +140,11 @@ class Engine:
         resumed = [s for s in new if not s.needs_prefill]
         logits_parts, seqs = [], []
         if fresh:
-            logits_parts.append(self._prefill(fresh))
+            logits_parts.append(self._forward_csa2(fresh, prefill=True) if self.sparse else self._prefill(fresh))
             seqs += fresh
         decoding = old + resumed
         if decoding:
-            logits_parts.append(self._decode(decoding))
+            logits_parts.append(self._forward_csa2(decoding, prefill=False) if self.sparse else self._decode(decoding))
             seqs += decoding
         if not seqs:
             return []
@@ -141,17 +172,29 @@ class Engine:
         its blocks are freed; waiting requests are returned too (with no KV)."""
         states = []
         for s in self._active:
-            slots = self.cache.slots(s.blocks, 0, s.num_cached)
-            k, v = self.cache.export(slots)
             routing = torch.cat(s.routing).to(torch.int16).cpu().numpy() if s.routing else None
-            states.append(RolloutState(s.request, list(s.tokens), list(s.logprobs), list(s.versions), k, v, routing, s.generate_s))
+            if self.sparse:
+                csa2 = {n: t.to("cpu", copy=True) for n, t in s.csa2.to_tensors().items()}
+                states.append(RolloutState(s.request, list(s.tokens), list(s.logprobs), list(s.versions), None, None,
+                                           routing, s.generate_s, kv_format=self.cache.format.name, csa2=csa2))
+            else:
+                kv = self.cache.export(self.cache.slots(s.blocks, 0, s.num_cached))
+                states.append(RolloutState(
+                    s.request, list(s.tokens), list(s.logprobs), list(s.versions), kv["k"], kv["v"], routing,
+                    s.generate_s, kv_format=self.cache.format.name, k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale")))
             self.cache.free(s.blocks)
         states += self._waiting
         self._active, self._waiting = [], []
         return states
 
     def resume(self, states: list[RolloutState]) -> None:
-        """Queue interrupted states; they rejoin at the next step with their KV restored (no prefill)."""
+        """Queue interrupted states; they rejoin at the next step with their KV restored (no prefill).
+        A state whose KV is in another storage format or layout (paged vs CSA2) is refused here."""
+        mine = f"{self.cache.format.name} {'CSA2' if self.sparse else 'paged'}"
+        for st in states:
+            theirs = f"{st.kv_format} {'CSA2' if st.csa2 is not None else 'paged'}"
+            if st.has_kv and theirs != mine:
+                raise ValueError(f"{st.request.sample_id}: state holds a {theirs} KV cache; this engine stores {mine}")
         self._waiting.extend(states)
 
     # -- internals -------------------------------------------------------------------------------
@@ -169,13 +212,18 @@ class Engine:
                 break
             self._waiting.pop(0)
             seq = _Seq(st.request, list(st.tokens), self.cache.allocate(need), list(st.logprobs), list(st.policy_versions),
-                       generate_s=st.generate_s, needs_prefill=st.k is None)
-            if st.k is not None:  # resumed: restore KV of every cached token; no prefill
-                n = st.k.shape[1]
-                self.cache.load(self.cache.slots(seq.blocks, 0, n), st.k, st.v)
+                       generate_s=st.generate_s, needs_prefill=not st.has_kv)
+            if st.has_kv:  # resumed: restore KV of every cached token; no prefill
+                n = len(st.tokens) - 1
+                if self.sparse:
+                    seq.csa2 = CSA2Cache.from_tensors(st.csa2, n, self.device)
+                else:
+                    self.cache.load(self.cache.slots(seq.blocks, 0, n), st.kv_tensors())
                 if st.routing is not None:
                     seq.routing.append(torch.from_numpy(st.routing.astype(np.int64)))
                 self.stats.resumed_tokens += n
+            if self.sparse and seq.csa2 is None:
+                seq.csa2 = CSA2Cache()
             self._active.append(seq)
             admitted.append(seq)
         return admitted
@@ -220,6 +268,35 @@ class Engine:
             for i, s in enumerate(seqs):
                 s.routing.append(r[i : i + 1])
         return logits[:, 0]
+
+    def _forward_csa2(self, seqs: list[_Seq], prefill: bool) -> torch.Tensor:
+        """CSA2: feed each sequence's prompt (prefill) or last sampled token (decode) through its own
+        CSA2Cache; returns next-token logits [B, V]. Sequences with equal cache and feed lengths run as
+        one lockstep batch (their caches stacked, then split back); the rest in separate forwards."""
+        feeds = [s.tokens if prefill else s.tokens[-1:] for s in seqs]
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, (s, f) in enumerate(zip(seqs, feeds)):
+            groups.setdefault((s.csa2.length, len(f)), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        for idx in groups.values():
+            cache = seqs[idx[0]].csa2 if len(idx) == 1 else CSA2Cache.stack([seqs[i].csa2 for i in idx])
+            ids = torch.tensor([feeds[i] for i in idx], dtype=torch.long, device=self.device)
+            logits, routing = self.model(ids, csa2_cache=cache)
+            if len(idx) > 1:
+                for i, c in zip(idx, cache.split()):
+                    seqs[i].csa2 = c
+            for j, i in enumerate(idx):
+                out[i] = logits[j, -1]
+                if routing is not None:
+                    seqs[i].routing.append(routing[j].cpu())
+        if prefill:
+            lens = [len(f) for f in feeds]
+            self.stats.prefill_calls += 1
+            self.stats.prefill_tokens += sum(lens)
+            self.stats.reprefill_tokens += sum(s.num_response for s in seqs)
+        else:
+            self.stats.decode_steps += 1
+        return torch.stack(out)
 
     def _sample_and_append(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         dev = logits.device

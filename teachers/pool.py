@@ -13,7 +13,9 @@ Seed §5.2.4 trains the final OPD stage with over 40 architecturally heterogeneo
   GQA, qk-norm, dense or MoE; only the vocabulary is shared (full-vocabulary OPD).
 - Prefetch. `run(groups, fn)` visits a step's teachers once each (resident ones first) and, while one
   computes, copies the next non-resident one in: on a side CUDA stream from a worker thread on the
-  GPU (the compute stream waits on an event, so ordering is exact), on a worker thread on CPU.
+  GPU (the compute stream waits on an event, so ordering is exact), on a worker thread on CPU. A
+  driver that knows the next step's teachers passes them (`run(..., next_teachers=...)`), and the
+  next step's first load then starts as soon as this step has nothing left to load.
 
 Counters (`stats()`, reset per step): loads, prefetched loads, hits, evictions, seconds the compute
 stream waited for weights (`load_wait_s`), seconds spent copying whether hidden or not (`load_s`),
@@ -284,17 +286,26 @@ class TeacherPool:
         return sum(r.nbytes for r in self._resident.values())
 
     # ---- the API a train step uses ----------------------------------------------------------------
-    def run(self, groups: Mapping[str, torch.Tensor], fn: Callable[[str, TeacherOutput], R]) -> dict[str, R]:
+    def run(self, groups: Mapping[str, torch.Tensor], fn: Callable[[str, TeacherOutput], R],
+            next_teachers: Iterable[str] = ()) -> dict[str, R]:
         """Score each teacher's batch: `groups` maps teacher name -> input_ids [B, T] (right-padded);
         `fn(name, output)` runs while that teacher is resident (e.g. the chunked OPD loss's teacher
         log-probs) and its result is returned per name. Each teacher is loaded at most once: resident
-        teachers go first, teachers still needed in this call are never evicted, and the next
-        non-resident one is prefetched while the current one computes."""
+        teachers go first (then one already being prefetched), teachers still needed in this call are
+        never evicted, and the next non-resident one is prefetched while the current one computes.
+
+        `next_teachers`: the next call's teachers, when the driver already knows them (the next batch's
+        groups). Once nothing of this call is left to load, the first of them that is not resident is
+        prefetched, evicting neither a teacher this call still needs nor a resident one of the next
+        call, so the next call's first load overlaps this call's last computes instead of stalling."""
         unknown = [n for n in groups if n not in self._host]
         if unknown:
             raise KeyError(f"unknown teachers {unknown}; the pool has {self.names}")
-        order = [n for n in self._resident if n in groups] + [n for n in groups if n not in self._resident]
+        landing = self._inflight[0] if self._inflight is not None else None
+        cold = sorted((n for n in groups if n not in self._resident), key=lambda n: n != landing)  # stable
+        order = [n for n in self._resident if n in groups] + cold
         needed = set(order)
+        ahead = [n for n in next_teachers if n in self._host]
         results: dict[str, R] = {}
         for i, name in enumerate(order):
             entry = self._acquire(name, protect=needed)
@@ -302,6 +313,10 @@ class TeacherPool:
                 upcoming = next((n for n in order[i + 1:] if n not in self._resident), None)
                 if upcoming is not None:
                     self._start_prefetch(upcoming, protect=needed)
+                else:  # this call's loads are done: start on the next call's first one
+                    first = next((n for n in ahead if n not in self._resident and n not in needed), None)
+                    if first is not None:
+                        self._start_prefetch(first, protect=needed | set(ahead))
             results[name] = self._compute(name, entry, groups[name], None, fn)
             needed.discard(name)
         return results

@@ -179,6 +179,45 @@ def test_prefetch_needs_room_for_two_and_never_evicts_a_teacher_still_needed(zoo
     two.close()
 
 
+def test_next_teachers_prefetch_the_next_calls_first_load(zoo):
+    size = _one_size(zoo)
+    ids = {n: _ids() for n in "ABC"}
+    pool = TeacherPool(zoo["same"], _budget_mib(size, 3.5), prefetch=True)
+    pool.run({"A": ids["A"]}, lambda n, o: None)
+    pool.stats()
+    # A resident; this call needs B (a cold load: nothing else to overlap it with), the next one A and C:
+    # once B is in, C is prefetched while B computes.
+    out = pool.run({"B": ids["B"]}, lambda n, o: o.hidden.shape, next_teachers=["A", "C"])
+    assert set(out) == {"B"}
+    s = pool.stats()
+    assert (s.loads, s.prefetched, s.evictions) == (1, 0, 0)
+    assert pool._inflight is not None and pool._inflight[0] == "C"  # in flight, settled on use
+    pool.run({"C": ids["C"], "A": ids["A"]}, lambda n, o: None)
+    s = pool.stats()
+    assert (s.loads, s.prefetched, s.hits) == (1, 1, 1)  # C landed from the lookahead, A hit
+    pool.close()
+
+    # Two fit: the lookahead evicts neither a teacher this call needs nor a resident one the next needs.
+    two = TeacherPool(zoo["same"], _budget_mib(size, 2.5), prefetch=True)
+    two.run({"A": ids["A"]}, lambda n, o: None)
+    two.run({"A": ids["A"]}, lambda n, o: None, next_teachers=["B", "nope"])  # unknown names are ignored
+    assert two._inflight[0] == "B"
+    two.stats()
+    two.run({"B": ids["B"], "A": ids["A"]}, lambda n, o: None, next_teachers=["A", "C"])
+    s = two.stats()
+    assert (s.loads, s.prefetched, s.hits) == (1, 1, 1)
+    assert two._inflight is None  # C would have to evict A (needed next) or B (needed now)
+    two.run({"B": ids["B"]}, lambda n, o: None, next_teachers=["C"])  # now A may go
+    assert two._inflight[0] == "C"
+    two.run({"C": ids["C"]}, lambda n, o: None)
+    s = two.stats()
+    assert (s.loads, s.prefetched, s.evictions) == (1, 1, 1) and two.peak_resident_bytes <= two.budget_bytes
+    two.set_prefetch(False)
+    two.run({"C": ids["C"]}, lambda n, o: None, next_teachers=["A"])
+    assert two._inflight is None
+    two.close()
+
+
 def test_add_and_remove_teachers_live(zoo):
     size = _one_size(zoo)
     pool = TeacherPool(zoo["same"][:2], _budget_mib(size, 3.5), prefetch=False)
