@@ -37,8 +37,10 @@ def opd_step(trainer: Trainer, pool, samples: Sequence[Sample], teachers_B: Sequ
     totals: dict[str, float] = defaultdict(float)
     kl_by_teacher: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # name -> [Σ KL, tokens]
     head = model.lm_head.weight
-    for lo in range(0, len(order), cfg.micro_batch_size):
-        idx = order[lo : lo + cfg.micro_batch_size]
+    micro = [order[lo : lo + cfg.micro_batch_size] for lo in range(0, len(order), cfg.micro_batch_size)]
+    for k, idx in enumerate(micro):
+        # the pool starts copying the next micro-batch's first missing teacher once this one's are in
+        upcoming = list(dict.fromkeys(teachers_B[i] for i in micro[k + 1])) if k + 1 < len(micro) else []
         mb = [samples[i] for i in idx]
         replay = cfg.routing_replay and model.config.is_moe
         b = pack([s.prompt_tokens for s in mb], [s.response_tokens for s in mb], [s.behavior_logprobs_T for s in mb],
@@ -64,7 +66,7 @@ def opd_step(trainer: Trainer, pool, samples: Sequence[Sample], teachers_B: Sequ
                 acc[1] += float(weights[r].sum())
                 return kl_loss
 
-            kl_terms = pool.run({name: b.input_ids[r] for name, r in rows_t.items()}, score)
+            kl_terms = pool.run({name: b.input_ids[r] for name, r in rows_t.items()}, score, next_teachers=upcoming)
             kl = sum(kl_terms.values())
             loss = loss + cfg.kl_weight * kl
             totals["opd/kl_loss"] += float(kl.detach())
