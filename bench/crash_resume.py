@@ -216,11 +216,15 @@ def main() -> None:
     lost = sum(1 for k in ref_trained if k not in got)
     differ = sum(1 for k in ref_trained if k in got and got[k] != ref_trained[k])
     acc_ref, acc_crashed = final_acc(ref), final_acc(final)
+    # staleness bound right after every recovery: no train step (before or after a restart) trained a
+    # token older than max_version_lag versions
+    lags = [json.loads(l).get("async/max_version_lag") for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    max_lag = max((x for x in lags if x is not None), default=0)
 
     figures = {"kills": kills, "lost": lost, "trained_twice": audit["trained_twice"], "sigterm_exit_s": round(sigterm_exit_s, 2),
                "sigterm_checkpoint_s": written_s, "sigterm_rc": rc_term, "resume_first_token_s": round(first_token_s, 2), "differing_samples": differ,
                "link_mismatch": audit["link_mismatch"], "prompts_without_outcome": audit["prompts_open"],
-               "steps_monotone": int(monotone), "acc_uninterrupted": acc_ref, "acc_crashed": acc_crashed,
+               "steps_monotone": int(monotone), "max_version_lag_seen": max_lag, "acc_uninterrupted": acc_ref, "acc_crashed": acc_crashed,
                "problems": len(problems)}
     for line in problems:
         print("PROBLEM", line)
