@@ -39,7 +39,6 @@ query, which is fine for unit tests and small models; a fused kernel replaces it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch

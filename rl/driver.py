@@ -31,7 +31,7 @@ from model.tokenizer import CharTokenizer
 from rewards.arithmetic import ArithmeticTask, Problem, Verdict
 from rewards.effort import with_effort
 from rl.async_grpo import run_async_grpo
-from rl.checkpoint import CheckpointError, CheckpointManager, inflight_file
+from rl.checkpoint import CheckpointError, CheckpointManager
 from rl.config import GRPOStage, Recipe, SFTStage
 from rl.metrics import MetricsLogger
 from rl.preempt import Preempted, PreemptionGuard
@@ -279,7 +279,7 @@ def _first_diff(a, b, path: str) -> str:
     return f"{path}: {a!r} -> {b!r}"
 
 
-def _find_resume_point(recipe: Recipe, run_dir: Path, store: TrajectoryStore, ckpt: CheckpointManager,
+def _find_resume_point(recipe: Recipe, store: TrajectoryStore, ckpt: CheckpointManager,
                        say: Callable[[str], None]) -> tuple[Path | None, dict | None]:
     path = ckpt.latest()
     if path is None:
@@ -304,7 +304,7 @@ def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, res
     recipe_yaml = recipe_to_yaml(recipe)
     store = TrajectoryStore.for_run_dir(run_dir, url=recipe.store.url)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, warn=say)
-    restore_from, state = _find_resume_point(recipe, run_dir, store, ckpt, say) if resume else (None, None)
+    restore_from, state = _find_resume_point(recipe, store, ckpt, say) if resume else (None, None)
     (run_dir / "recipe.yaml").write_text(recipe_yaml)
     store.add_run(recipe.run.name, recipe_yaml)
     logger = MetricsLogger(run_dir, recipe.logging, run_name=recipe.run.name, config=recipe.model_dump(mode="json"))

@@ -26,7 +26,8 @@ Arithmetic: scores and the output accumulate in float32. The products run on ten
              E2M1(c) · 2^-14 exactly (E2M1's exponent and mantissa bits land in fp16's, its subnormal
              0.5 in fp16's subnormal range), times the E4M3 scale in fp16 is still exact (all products
              are multiples of 2^-24 below 2688 · 2^-14), and 2^14 comes back in float32 after the
-             dots. The dequantised K and V are therefore exact; q (|q| < 65504) and the softmax
+             dots (on CUDA the bit placement and the scale multiply are inline PTX, `_E2M1X8_F16_ASM`:
+             ~2.4 instructions per value). The dequantised K and V are therefore exact; q (|q| < 65504) and the softmax
              probabilities are rounded to fp16 / bf16 as in any half-precision attention kernel.
 """
 
@@ -48,7 +49,15 @@ KVFormat = Literal["dense", "fp8", "fp4"]
 KVTensors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 _FMT = {"dense": 0, "fp8": 1, "fp4": 2}
 LOG2E = 1.4426950408889634
-FP4_TILE_2D = True  # fp4 tile shape (see _load_fp4_halves); the bench's --sweep times both
+# fp4 tile load and decode (see _load_fp4_halves): 0 / 1 Triton ops on a 2-D / 3-D tile, 2 / 3 the same
+# tiles decoded by inline PTX (CUDA only; the interpreter and other devices run 0 / 1 instead); the
+# bench's --sweep times them all
+FP4_DECODE = 2
+FP4_SC_WORDS = True  # decode 2 / 3: fp4 scales loaded as int32 words where aligned (_load_scale_bytes)
+# default fp4 split count: the decode-2 kernel at block_n 128, 4 warps takes 128 registers and ~60 KB of
+# shared memory, so 3 programs fit an H200 SM; a grid of one full wave of them (B=8, KVH=8: 6 splits) was
+# the fastest in the H200 sweep (bench/fp4_kv.py --sweep): 2-3 programs per SM in two waves lose ~15%
+FP4_PROGRAMS_PER_SM = 3
 # default tokens per tile (H200 sweep at 32K context, bench/fp4_kv.py --sweep): dense 64, fp4 128
 BLOCK_N = {"dense": 64, "fp8": 64, "fp4": 128}
 
@@ -118,32 +127,98 @@ def _mm_nn(a, b, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
         return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
+# E2M1 -> fp16 in PTX, 4 bytes (8 values) per call: $4 holds bytes b0..b3, $5 / $6 the fp16 scales of
+# elements (0, 1) / (2, 3); out $0 / $1 = low nibbles of (b0, b1) / (b2, b3), $2 / $3 = high nibbles,
+# each an f16x2. A nibble is moved to the top of a zeroed byte by `and` (+ `shl` for the low ones), then
+# `prmt` spreads two bytes into the upper bytes of the halves: the sign lands on bit 15 and the
+# magnitude's bits (12..14) are copied down to 9..11 by one shift and one `lop3` ((y | y >> 3) & mask),
+# which gives the fp16 bits (c & 7) << 9 | (c & 8) << 12 of _e2m1_f16_bits; then one mul.f16x2 per pair.
+_E2M1X8_F16_ASM = tl.constexpr("""
+{
+.reg .b32 xh, xl, y, z;
+and.b32 xh, $4, 0xF0F0F0F0;
+shl.b32 xl, $4, 4;
+and.b32 xl, xl, 0xF0F0F0F0;
+prmt.b32 y, xl, 0, 0x1404;
+shr.b32 z, y, 3;
+lop3.b32 $0, y, z, 0x8E008E00, 0xA8;
+prmt.b32 y, xl, 0, 0x3424;
+shr.b32 z, y, 3;
+lop3.b32 $1, y, z, 0x8E008E00, 0xA8;
+prmt.b32 y, xh, 0, 0x1404;
+shr.b32 z, y, 3;
+lop3.b32 $2, y, z, 0x8E008E00, 0xA8;
+prmt.b32 y, xh, 0, 0x3424;
+shr.b32 z, y, 3;
+lop3.b32 $3, y, z, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $0, $0, $5;
+mul.rn.f16x2 $1, $1, $6;
+mul.rn.f16x2 $2, $2, $5;
+mul.rn.f16x2 $3, $3, $6;
+}
+""")
+
+
+@triton.jit
+def _e2m1_scaled_f16(p, sc, ASM: tl.constexpr):
+    """Packed bytes p (uint8) and fp16 scales sc (same shape) -> (low nibbles, high nibbles) as fp16
+    E2M1 · 2^-14 · scale. ASM: the PTX above (GPU only: inline asm has no interpreter fallback)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_E2M1X8_F16_ASM, "=r,=r,=r,=r,r,r,r", [p, sc],
+                                         dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        p = p.to(tl.int32)
+        return _e2m1_f16_bits(p) * sc, _e2m1_f16_bits(p >> 4) * sc
+
+
+@triton.jit
+def _load_scale_bytes(sc_ptr, sc_row, valid, NB: tl.constexpr, BLOCK_N: tl.constexpr, SC_WORDS: tl.constexpr):
+    """[BLOCK_N, NB] scale bytes of the rows at byte offsets sc_row. SC_WORDS (rows 4-byte aligned, NB a
+    multiple of 4): load them as int32 words and split the bytes in registers, so that the load is wide
+    enough for the compiler to make it asynchronous (pipelined like the values) instead of NB byte loads."""
+    if SC_WORDS:
+        NW: tl.constexpr = NB // 4
+        w = tl.load(sc_ptr.to(tl.pointer_type(tl.int32)) + (sc_row // 4)[:, None] + tl.arange(0, NW)[None, :],
+                    mask=valid[:, None], other=0)
+        b = (w[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
+        return tl.reshape(b, (BLOCK_N, NB)).to(tl.uint8)
+    else:
+        return tl.load(sc_ptr + sc_row[:, None] + tl.arange(0, NB)[None, :], mask=valid[:, None], other=0)
+
+
 @triton.jit
 def _load_fp4_halves(ptr, sc_ptr, row, sc_row, valid, DH: tl.constexpr, BLOCK_N: tl.constexpr, CD: tl.constexpr,
-                     TILE_2D: tl.constexpr):
+                     DECODE: tl.constexpr, SC_WORDS: tl.constexpr):
     """FP4 rows -> (even channels, odd channels), each [BLOCK_N, D / 2] in CD, times 2^-14 (exact).
 
     Byte i of a row holds channels 2i (low nibble) and 2i + 1 (high nibble), both in scale block i // 8.
-    TILE_2D (default, faster on the H200 at block_n 128): load [BLOCK_N, D / 2] bytes and gather each
-    byte's scale (repeated addresses, served by L1); else load [BLOCK_N, D / 16, 8] bytes against
-    [BLOCK_N, D / 16] scales (a broadcast) and flatten."""
-    if TILE_2D:
+    DECODE 0: load [BLOCK_N, D / 2] bytes and gather each byte's scale (repeated addresses, served by
+    L1); 1: load [BLOCK_N, D / 16, 8] bytes against [BLOCK_N, D / 16] scales (a broadcast) and flatten;
+    2 / 3: as 0 / 1 but the scales are loaded once per block ([BLOCK_N, D / 16], contiguous) and
+    broadcast, and the nibbles are decoded by inline PTX (`_E2M1X8_F16_ASM`, CUDA only)."""
+    NB: tl.constexpr = DH // 8
+    if DECODE == 0:
         i = tl.arange(0, DH)
-        p = tl.load(ptr + row[:, None] + i[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        p = tl.load(ptr + row[:, None] + i[None, :], mask=valid[:, None], other=0)
         sb = tl.load(sc_ptr + sc_row[:, None] + (i // 8)[None, :], mask=valid[:, None], other=0)
         sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        lo = _e2m1_f16_bits(p) * sc
-        hi = _e2m1_f16_bits(p >> 4) * sc
+        lo, hi = _e2m1_scaled_f16(p, sc, False)
+    elif DECODE == 2:
+        i = tl.arange(0, DH)
+        p = tl.load(ptr + row[:, None] + i[None, :], mask=valid[:, None], other=0)
+        sb = _load_scale_bytes(sc_ptr, sc_row, valid, NB, BLOCK_N, SC_WORDS)
+        sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (BLOCK_N, NB, 8)), (BLOCK_N, DH))
+        lo, hi = _e2m1_scaled_f16(p, sc, True)
     else:
-        NB: tl.constexpr = DH // 8
         jb = tl.arange(0, NB)
         e = tl.arange(0, 8)
         p = tl.load(ptr + row[:, None, None] + (jb[None, :, None] * 8 + e[None, None, :]), mask=valid[:, None, None], other=0)
-        p = p.to(tl.int32)
-        sb = tl.load(sc_ptr + sc_row[:, None] + jb[None, :], mask=valid[:, None], other=0)
+        sb = _load_scale_bytes(sc_ptr, sc_row, valid, NB, BLOCK_N, SC_WORDS and DECODE == 3)
         sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None]
-        lo = tl.reshape(_e2m1_f16_bits(p) * sc, (BLOCK_N, DH))
-        hi = tl.reshape(_e2m1_f16_bits(p >> 4) * sc, (BLOCK_N, DH))
+        lo, hi = _e2m1_scaled_f16(p, tl.broadcast_to(sc, (BLOCK_N, NB, 8)), DECODE == 3)
+        lo = tl.reshape(lo, (BLOCK_N, DH))
+        hi = tl.reshape(hi, (BLOCK_N, DH))
     return lo.to(CD), hi.to(CD)
 
 
@@ -162,7 +237,7 @@ def _decode_partial_kernel(
     chunk, n_splits,
     H: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, FMT: tl.constexpr, CD: tl.constexpr, IEEE: tl.constexpr, USE_DOT: tl.constexpr,
-    TILE_2D: tl.constexpr,
+    FP4_DECODE: tl.constexpr, SC_WORDS: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -203,7 +278,7 @@ def _decode_partial_kernel(
             ksc = _e8m0_value(tl.load(ks_ptr + slot * s_kst + kvh * s_ksh, mask=valid, other=127).to(tl.int32))
             s = _mm_nt(q, kt, USE_DOT, IEEE) * ksc[None, :]
         else:
-            k_lo, k_hi = _load_fp4_halves(k_ptr, ks_ptr, k_row, slot * s_kst + kvh * s_ksh, valid, DH, BLOCK_N, CD, TILE_2D)
+            k_lo, k_hi = _load_fp4_halves(k_ptr, ks_ptr, k_row, slot * s_kst + kvh * s_ksh, valid, DH, BLOCK_N, CD, FP4_DECODE, SC_WORDS)
             s = _mm_nt(q_lo, k_lo, USE_DOT, IEEE) + _mm_nt(q_hi, k_hi, USE_DOT, IEEE)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))  # log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
@@ -220,7 +295,7 @@ def _decode_partial_kernel(
             vsc = _e8m0_value(tl.load(vs_ptr + slot * s_vst + kvh * s_vsh, mask=valid, other=127).to(tl.int32))
             acc = acc * alpha[:, None] + _mm_nn((p * vsc[None, :]).to(CD), vt, USE_DOT, IEEE)
         else:
-            v_lo, v_hi = _load_fp4_halves(v_ptr, vs_ptr, v_row, slot * s_vst + kvh * s_vsh, valid, DH, BLOCK_N, CD, TILE_2D)
+            v_lo, v_hi = _load_fp4_halves(v_ptr, vs_ptr, v_row, slot * s_vst + kvh * s_vsh, valid, DH, BLOCK_N, CD, FP4_DECODE, SC_WORDS)
             pc = p.to(CD)
             acc_lo = acc_lo * alpha[:, None] + _mm_nn(pc, v_lo, USE_DOT, IEEE)
             acc_hi = acc_hi * alpha[:, None] + _mm_nn(pc, v_hi, USE_DOT, IEEE)
@@ -271,6 +346,7 @@ def decode_attention(
     q: torch.Tensor, k: KVTensors, v: KVTensors, block_table: torch.Tensor, context_lens: torch.Tensor,
     block_size: int, *, kv_format: KVFormat = "dense", sm_scale: float | None = None,
     max_context_len: int | None = None, num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
+    num_stages: int | None = None, fp4_decode: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per sequence) -> attention output [B, H, D] in q.dtype.
 
@@ -307,7 +383,10 @@ def decode_attention(
     max_len = block_table.shape[1] * block_size if max_context_len is None else max_context_len
     n_tiles = max(1, triton.cdiv(max_len, block_n))
     if num_splits is None:
-        num_splits = min(n_tiles, max(1, triton.cdiv(2 * _num_sms(q.device), B * KVH)))
+        if fmt == 2:  # one full wave of FP4_PROGRAMS_PER_SM programs per SM
+            num_splits = min(n_tiles, max(1, FP4_PROGRAMS_PER_SM * _num_sms(q.device) // (B * KVH)))
+        else:
+            num_splits = min(n_tiles, max(1, triton.cdiv(2 * _num_sms(q.device), B * KVH)))
     chunk = triton.cdiv(n_tiles, num_splits) * block_n
     num_splits = max(1, triton.cdiv(max_len, chunk))
     o_part = torch.empty(B * H * num_splits, D, dtype=torch.float32, device=q.device)
@@ -319,13 +398,19 @@ def decode_attention(
     sk = (ks_t.stride(0), ks_t.stride(1)) if ks is not None else (0, 0)
     sv = (vs_t.stride(0), vs_t.stride(1)) if vs is not None else (0, 0)
     use_dot = min(G_PAD, block_n, width) >= 16
+    fp4_decode = FP4_DECODE if fp4_decode is None else fp4_decode
+    if interpreted or q.device.type != "cuda":
+        fp4_decode %= 2  # inline PTX runs compiled on CUDA only
+    launch = {} if num_stages is None else {"num_stages": num_stages}
+    sc_words = fmt == 2 and FP4_SC_WORDS and D % 64 == 0 and all(
+        t.data_ptr() % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 for t in (ks, vs))
     _decode_partial_kernel[(B, KVH, num_splits)](
         q, kd, ks_t, vd, vs_t, block_table, context_lens, o_part, lse,
         sm_scale * LOG2E * fp4_gain, fp4_gain,
         q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), *sk, vd.stride(0), vd.stride(1), *sv,
         block_table.stride(0), chunk, num_splits,
         H=H, G=G, G_PAD=G_PAD, D=D, PAGE=block_size, BLOCK_N=block_n, FMT=fmt, CD=cd_tl, IEEE=ieee or interpreted,
-        USE_DOT=use_dot, TILE_2D=FP4_TILE_2D, num_warps=num_warps,
+        USE_DOT=use_dot, FP4_DECODE=fp4_decode, SC_WORDS=sc_words, num_warps=num_warps, **launch,
     )
     _merge_splits_kernel[(B * H,)](o_part, lse, out, num_splits, D=D, S_PAD=triton.next_power_of_2(num_splits))
     return out

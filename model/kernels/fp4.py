@@ -5,7 +5,8 @@ are 16 contiguous values, so the tensor is processed as a flat sequence of block
 program, whatever the row width; a program handles the 8 channel pairs of a block, one output byte
 each. bf16 tensors move as int32 words (a channel pair per word), so widening, amax and the NaN test
 are bit operations and a dequantised pair is one 32-bit store. The E2M1 encode is a three-comparison
-binary search against exact midpoint products (no division); the decode places E2M1's bits in an fp16
+binary search against exact midpoint products (no division; for bf16 input on CUDA it runs in PTX on
+bf16x2 channel pairs, `_E2M1X2_ENCODE_ASM`); the decode places E2M1's bits in an fp16
 (exact, see `_e2m1_f16_bits`). Exactness tricks: no float8 casts (the interpreter's fp32 -> fp8 is not
 round-to-nearest-even) and no approximate division / log2 / exp2: the one division is `div_rn`, the
 E4M3 round-up works on float32 bits. On a machine without a GPU, tests run them with
@@ -13,6 +14,8 @@ TRITON_INTERPRET=1. Callers choose this module or the reference (same contract);
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -50,8 +53,45 @@ def _e2m1_code(x, sc):
     return tl.where((x < 0) & (idx > 0), idx + 8, idx)
 
 
+# E2M1 encode of a bf16 channel pair in PTX ($1: the int32 word, channel 2j in the low half): the same
+# binary search as _e2m1_code, on both halves at once with bf16x2 comparisons (`set` gives 0xFFFF / 0 per
+# half; the midpoint products m·s have <= 7 significant bits, so they are exact in bf16 and so is every
+# comparison); $2..$8 are the thresholds 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 times the scale as bf16x2
+# (both halves equal). lop3 0xCA is a ? b : c. Returns the packed byte (low code | high code << 4).
+_E2M1X2_ENCODE_ASM = tl.constexpr("""
+{
+.reg .b32 m, m1, m2, m3, t, u, v, s;
+and.b32 m, $1, 0x7FFF7FFF;
+set.ge.u32.bf16x2 m1, m, $5;
+lop3.b32 t, m1, $7, $3, 0xCA;
+set.ge.u32.bf16x2 m2, m, t;
+lop3.b32 u, m2, $8, $6, 0xCA;
+lop3.b32 v, m2, $4, $2, 0xCA;
+lop3.b32 t, m1, u, v, 0xCA;
+set.gt.u32.bf16x2 m3, m, t;
+and.b32 u, m2, 0x00020002;
+lop3.b32 u, m1, u, 0x00040004, 0xEC;
+lop3.b32 u, m3, u, 0x00010001, 0xEC;
+lop3.b32 v, m1, m2, m3, 0xFE;
+shr.b32 s, $1, 12;
+lop3.b32 s, s, v, 0x00080008, 0x80;
+or.b32 u, u, s;
+shr.b32 v, u, 12;
+lop3.b32 $0, u, v, 0xFF, 0xA8;
+}
+""")
+
+
 @triton.jit
-def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr, BF16_WORDS: tl.constexpr):
+def _bf16x2_dup(f):
+    """float32 f that is exact in bf16 -> int32 holding its bf16 bits in both halves."""
+    b = f.to(tl.int32, bitcast=True)
+    return (b & -65536) | ((b >> 16) & 0xFFFF)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr, BF16_WORDS: tl.constexpr,
+                     ASM: tl.constexpr = False):
     # 64-bit arithmetic once per program (the base pointers); per-element offsets are int32
     first = tl.program_id(0).to(tl.int64) * NBP
     if BF16_WORDS:
@@ -92,7 +132,14 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr, 
     bits = tl.where(has_nan, 0x7F, bits)  # E4M3 NaN: the block dequantises to NaN
     tl.store(scale_ptr + blk, bits.to(tl.uint8), mask=live)
     sc = tl.where(has_nan, float("nan"), scale)[:, None]  # NaN block: every code 0, as in the reference
-    packed = (_e2m1_code(lo, sc) | (_e2m1_code(hi, sc) << 4)).to(tl.uint8)
+    if ASM:  # bf16 words only
+        packed = tl.inline_asm_elementwise(
+            _E2M1X2_ENCODE_ASM, "=r,r,r,r,r,r,r,r,r",
+            [w, _bf16x2_dup(0.25 * sc), _bf16x2_dup(0.75 * sc), _bf16x2_dup(1.25 * sc), _bf16x2_dup(1.75 * sc),
+             _bf16x2_dup(2.5 * sc), _bf16x2_dup(3.5 * sc), _bf16x2_dup(5.0 * sc)],
+            dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
+    else:
+        packed = (_e2m1_code(lo, sc) | (_e2m1_code(hi, sc) << 4)).to(tl.uint8)
     tl.store(packed_ptr + blk[:, None] * 8 + pair[None, :], packed, mask=live[:, None])
 
 
@@ -165,7 +212,8 @@ def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, n_blocks, NBP: tl.constex
 
 
 # Launch shape: scale blocks (of 16 values) per program and warps; the bench's --sweep varies them.
-QUANT_NBP, QUANT_WARPS = 128, 4
+QUANT_NBP, QUANT_WARPS = 256, 4
+QUANT_ASM = True  # bf16 input on CUDA: the E2M1 encode in PTX (_E2M1X2_ENCODE_ASM); the interpreter never
 DEQUANT_NBP, DEQUANT_WARPS = 128, 4
 DEQUANT_F16_DECODE = True  # E2M1 via fp16 bit placement (False: the float32 bit pattern path)
 
@@ -183,8 +231,9 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     packed = torch.empty(n_blocks * 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
     if n_blocks:
+        asm = QUANT_ASM and words and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
         _quantize_kernel[(triton.cdiv(n_blocks, QUANT_NBP),)](flat, packed, scales, n_blocks, NBP=QUANT_NBP,
-                                                               BF16_WORDS=words, num_warps=QUANT_WARPS)
+                                                               BF16_WORDS=words, ASM=asm, num_warps=QUANT_WARPS)
     return packed.view(*x.shape[:-1], C // 2), scales.view(torch.float8_e4m3fn).view(*x.shape[:-1], C // ref.BLOCK)
 
 

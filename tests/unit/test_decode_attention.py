@@ -106,3 +106,19 @@ def test_splits_agree_and_bad_shapes_are_refused():
         kern.decode_attention(q[:, :3].to(DEVICE), kc, vc, table.to(DEVICE), lens.to(DEVICE), 16, kv_format="fp4")
     with pytest.raises(TypeError, match="pair"):
         kern.decode_attention(*args[:1], k.to(DEVICE), v.to(DEVICE), *args[3:], kv_format="fp4")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="decode 2 / 3 (inline PTX) run compiled on CUDA only")
+@pytest.mark.parametrize("decode,words", [(2, False), (3, False), (3, True)])  # (2, True): the default
+def test_fp4_decode_variants_match_reference(decode, words, monkeypatch):
+    monkeypatch.setattr(kern, "FP4_SC_WORDS", words)
+    for qdt, lens, H, KVH, D, bs, bn in [(torch.bfloat16, [37, 0, 300, 5], 8, 2, 64, 16, 64),
+                                         (torch.float32, [200, 77], 8, 2, 128, 16, 128)]:
+        q, k, v, table, lens_t = _paged_case(lens, H=H, KVH=KVH, D=D, block_size=bs, seed=decode)
+        q = q.to(qdt)
+        kc, vc = fp4.quantize(k), fp4.quantize(v)
+        ref = kern.decode_attention_ref(q, kc, vc, table, lens_t, bs, kv_format="fp4")
+        out = kern.decode_attention(q.to(DEVICE), _to(kc, DEVICE), _to(vc, DEVICE), table.to(DEVICE),
+                                    lens_t.to(DEVICE), bs, kv_format="fp4", block_n=bn, fp4_decode=decode).cpu()
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out.float(), ref.float(), **TOL[qdt])

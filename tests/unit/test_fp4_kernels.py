@@ -80,3 +80,22 @@ def test_every_midpoint_at_every_scale_bit_exact(dtype):
     y = kernels.dequantize(p, sc, dtype)
     y_ref = ref.dequantize(p, sc, dtype)
     assert torch.equal(torch.nan_to_num(y, nan=7.0), torch.nan_to_num(y_ref, nan=7.0))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the PTX encode runs compiled on CUDA only")
+@pytest.mark.parametrize("asm", [False, True])
+def test_quantize_encode_paths_bit_exact(asm, monkeypatch):
+    """Both E2M1 encodes (Triton ops, PTX on bf16 words) against the reference, ties and every scale."""
+    monkeypatch.setattr(kernels, "QUANT_ASM", asm)
+    s = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    row = torch.cat([torch.tensor([6.0]), mids, -mids[:4], torch.tensor([0.5, -1.5, 4.0, -0.0])])
+    grid = (row[None, :] * s[:, None]).to(torch.bfloat16)
+    torch.manual_seed(3)
+    rnd = (torch.randn(512, 128) * torch.logspace(-6, 6, 512)[:, None]).to(torch.bfloat16)
+    rnd[0, 3], rnd[1, 7], rnd[2, 100] = float("inf"), float("-inf"), float("nan")
+    for x in (grid, rnd, _cases().to(torch.bfloat16)):
+        x = x.to(DEVICE)
+        p_ref, s_ref = ref.quantize(x)
+        p, sc = kernels.quantize(x)
+        assert torch.equal(p, p_ref) and torch.equal(sc.view(torch.uint8), s_ref.view(torch.uint8))
