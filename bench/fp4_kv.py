@@ -59,6 +59,10 @@ def bench_quant(x: torch.Tensor, packed, scales, sweep: bool) -> dict:
 
     fp4_bytes = packed.numel() + scales.numel()
     p, s = kern.quantize(x)
+    if kern.QUANT_V2 and not (torch.equal(p, packed) and torch.equal(s.view(torch.uint8), scales.view(torch.uint8))):
+        print("WARNING: QUANT_V2 path not bit-exact, timing the previous PTX path")
+        kern.QUANT_V2 = False
+        p, s = kern.quantize(x)
     if kern.QUANT_ASM and not (torch.equal(p, packed) and torch.equal(s.view(torch.uint8), scales.view(torch.uint8))):
         print("WARNING: PTX encode not bit-exact, timing the Triton encode")
         kern.QUANT_ASM = False
@@ -78,19 +82,20 @@ def bench_quant(x: torch.Tensor, packed, scales, sweep: bool) -> dict:
     res = {"copy_TBps": bw_copy / 1e12}
     if sweep:
         default = (kern.QUANT_NBP, kern.QUANT_WARPS, kern.DEQUANT_NBP, kern.DEQUANT_WARPS, kern.DEQUANT_F16_DECODE,
-                   kern.QUANT_ASM)
-        for nbp, w in [(128, 4), (256, 4), (512, 4)]:  # quantise only (dequantise: goal met)
+                   kern.QUANT_ASM, kern.QUANT_V2)
+        for nbp, w in [(128, 4), (256, 4), (512, 4), (256, 8)]:  # quantise only (dequantise: goal met)
             kern.QUANT_NBP, kern.QUANT_WARPS = nbp, w
             fqs = []
-            for qasm in (False, True):
-                kern.QUANT_ASM = qasm
+            for qasm, v2 in ((False, False), (True, False), (True, True)):
+                kern.QUANT_ASM, kern.QUANT_V2 = qasm, v2
                 p2, s2 = kern.quantize(x)
                 exact = torch.equal(p2, packed) and torch.equal(s2.view(torch.uint8), scales.view(torch.uint8))
                 fqs.append(frac(lambda: kern.quantize(x)) if exact else float("nan"))  # nan: not bit-exact
-            print(f"  sweep NBP={nbp:4d} warps={w}: quantise {fqs[0]:.3f} (Triton encode) {fqs[1]:.3f} (PTX encode) of copy")
+            print(f"  sweep NBP={nbp:4d} warps={w}: quantise {fqs[0]:.3f} (Triton encode) {fqs[1]:.3f} (PTX encode) "
+                  f"{fqs[2]:.3f} (PTX V2) of copy")
             res[f"sweep_quant_nbp{nbp}_w{w}"] = fqs
         (kern.QUANT_NBP, kern.QUANT_WARPS, kern.DEQUANT_NBP, kern.DEQUANT_WARPS, kern.DEQUANT_F16_DECODE,
-         kern.QUANT_ASM) = default
+         kern.QUANT_ASM, kern.QUANT_V2) = default
     res["quant_frac_of_copy"] = frac(lambda: kern.quantize(x))
     res["dequant_frac_of_copy"] = frac(lambda: kern.dequantize(packed, scales, torch.bfloat16))
     print(f"copy {bw_copy / 1e12:.2f} TB/s (read + write); quantise {res['quant_frac_of_copy']:.3f} of copy, "
@@ -186,6 +191,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time other launch shapes (GPU)")
     ap.add_argument("--sweep-contexts", default=None, help="contexts the attention sweep runs at (comma list)")
     ap.add_argument("--no-quant", action="store_true", help="skip the quantise / dequantise figures")
+    ap.add_argument("--no-attn", action="store_true", help="skip the decode attention figures")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     gpu = a.device == "cuda"
@@ -220,8 +226,11 @@ def main() -> None:
     else:  # interpreter smoke run: small shapes
         contexts, B, H, kvh, d, page, iters = [128, 512], 2, 8, 2, 64, 16, 1
     sweep_ctx = tuple(int(c) for c in a.sweep_contexts.split(",")) if a.sweep_contexts else (contexts[len(contexts) // 2],)
-    attn = bench_attention(contexts, B, H, kvh, d, page, a.device, iters, a.sweep and gpu, sweep_ctx)
+    attn = {} if a.no_attn else bench_attention(contexts, B, H, kvh, d, page, a.device, iters, a.sweep and gpu,
+                                                sweep_ctx)
     out["attention"] = attn
+    if a.no_attn:
+        contexts = []
     extra += "".join(f" attn_speedup_fp4_over_bf16_{c // 1024 if c >= 1024 else c}{'k' if c >= 1024 else ''}="
                      f"{attn[str(c)]['speedup']:.2f}" for c in contexts)
     if a.json:

@@ -83,10 +83,11 @@ def test_every_midpoint_at_every_scale_bit_exact(dtype):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the PTX encode runs compiled on CUDA only")
-@pytest.mark.parametrize("asm", [False, True])
-def test_quantize_encode_paths_bit_exact(asm, monkeypatch):
-    """Both E2M1 encodes (Triton ops, PTX on bf16 words) against the reference, ties and every scale."""
+@pytest.mark.parametrize("asm,v2", [(False, False), (True, False), (True, True)])
+def test_quantize_encode_paths_bit_exact(asm, v2, monkeypatch):
+    """Every E2M1 encode (Triton ops, PTX on bf16 words, the leaner PTX path) against the reference."""
     monkeypatch.setattr(kernels, "QUANT_ASM", asm)
+    monkeypatch.setattr(kernels, "QUANT_V2", v2)
     s = torch.arange(1, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     row = torch.cat([torch.tensor([6.0]), mids, -mids[:4], torch.tensor([0.5, -1.5, 4.0, -0.0])])
@@ -99,3 +100,20 @@ def test_quantize_encode_paths_bit_exact(asm, monkeypatch):
         p_ref, s_ref = ref.quantize(x)
         p, sc = kernels.quantize(x)
         assert torch.equal(p, p_ref) and torch.equal(sc.view(torch.uint8), s_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("v2", [False, True])
+def test_every_bf16_amax_bit_exact(v2, monkeypatch):
+    """Every non-negative bf16 magnitude (0 .. max finite, inf) as a block's amax, with random signs and
+    smaller values: the scale rule (zeros, subnormals, saturation, inf) and the encode, exhaustively."""
+    monkeypatch.setattr(kernels, "QUANT_V2", v2)
+    amax = torch.arange(0, 0x7F81, dtype=torch.int16).view(torch.bfloat16).float()  # 32641 magnitudes
+    g = torch.Generator().manual_seed(5)
+    frac = torch.rand(amax.numel(), 15, generator=g)
+    frac[:, :4] = torch.tensor([1.0, 0.5, 0.25, 0.125])
+    x = torch.cat([amax[:, None], amax[:, None] * frac], 1)
+    x = x * torch.where(torch.rand(x.shape, generator=g) < 0.5, -1.0, 1.0)
+    x = x.to(torch.bfloat16).to(DEVICE)
+    p_ref, s_ref = ref.quantize(x)
+    p, sc = kernels.quantize(x)
+    assert torch.equal(p, p_ref) and torch.equal(sc.view(torch.uint8), s_ref.view(torch.uint8))
