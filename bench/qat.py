@@ -54,12 +54,14 @@ def with_kv(model: Decoder, dtype: str, qat: bool = False) -> Decoder:
     return out
 
 
-def fine_tune(recipe_path: Path, ckpt: Path, run_dir: Path, kv: str, minutes: float, extra: list[str]) -> Path:
+def fine_tune(recipe_path: Path, ckpt: Path, run_dir: Path, kv: str, minutes: float | None, extra: list[str],
+              steps: int = 100000) -> Path:
     from rl.driver import train
 
     overrides = [f"run.init_checkpoint={ckpt}", f"model.kv_cache.dtype={kv}", f"model.kv_cache.qat={kv != 'bf16'}",
                  "runtime.ray=false", "logging.wandb=false", "logging.progress_bar=false",
-                 f"stages=[{{type: grpo, max_steps: 100000, max_minutes: {minutes}, prompts_per_step: 16, group_size: 8, "
+                 f"stages=[{{type: grpo, max_steps: {steps}, max_minutes: {'null' if minutes is None else minutes}, "
+                 "prompts_per_step: 16, group_size: 8, "
                  f"optim: {{lr: 5.0e-5}}, dispatch: {{policy: sample, max_inflight: 128, max_version_lag: 4}}}}]", *extra]
     recipe = load_recipe(recipe_path, overrides)
     train(recipe, run_dir, say=lambda m: print("   ", m, flush=True))
@@ -70,12 +72,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", help="trained checkpoint (default with --quick: a tiny model trained here)")
     ap.add_argument("--recipe", default=str(ROOT / "configs" / "quickstart.yaml"))
-    ap.add_argument("--minutes", type=float, default=3.0, help="GRPO fine-tune per arm")
+    ap.add_argument("--minutes", type=float, default=3.0, help="GRPO fine-tune per arm (wall clock)")
+    ap.add_argument("--steps", type=int, default=None, help="GRPO fine-tune per arm in steps (overrides --minutes)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--arms", default="fp4,bf16", help="fine-tune arms: fp4 (QAT) and/or bf16 (control)")
     ap.add_argument("--problems", type=int, default=256)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     work = Path(tempfile.mkdtemp(prefix="qat-"))
     extra: list[str] = []
     recipe_path = Path(args.recipe)
@@ -98,14 +103,17 @@ def main() -> None:
            "acc_fp4_noqat": accuracy(with_kv(base, "fp4"), recipe, problems),
            "acc_fp8_noqat": accuracy(with_kv(base, "fp8"), recipe, problems)}
     print(res, flush=True)
-    for kv, key in (("fp4", "acc_fp4_qat"), ("bf16", "acc_bf16_ft")):
-        out = fine_tune(recipe_path, ckpt, work / f"ft_{kv}", kv, args.minutes, extra)
+    arms = [a for a in (("fp4", "acc_fp4_qat"), ("bf16", "acc_bf16_ft")) if a[0] in args.arms.split(",")]
+    for kv, key in arms:
+        out = fine_tune(recipe_path, ckpt, work / f"ft_{kv}", kv, None if args.steps else args.minutes,
+                        [*extra, f"run.num_threads={args.threads}"], steps=args.steps or 100000)
         model = Decoder(base.config.model_copy(update={"kv_cache": base.config.kv_cache.model_copy(update={"dtype": kv})}))
         load_weights_into(model, out)
         res[key] = accuracy(model, recipe, problems)
         print(key, res[key], flush=True)
     res["qat_gap_points"] = round(100 * (res["acc_bf16"] - res["acc_fp4_qat"]), 2)
-    res["problems"], res["minutes_per_arm"] = len(problems), args.minutes
+    res["problems"] = len(problems)
+    res["per_arm"] = f"{args.steps}steps" if args.steps else f"{args.minutes}min"
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
     print("RESULT " + " ".join(f"{k}={round(v, 4) if isinstance(v, float) else v}" for k, v in res.items()))
