@@ -57,6 +57,14 @@ def _steps(run_dir) -> int:
         return 0
 
 
+def _count(run_dir, where: str) -> int:
+    try:
+        with sqlite3.connect(f"file:{run_dir}/trajectories.db?mode=ro", uri=True) as c:
+            return c.execute(f"select count(*) from samples where {where}").fetchone()[0]
+    except sqlite3.OperationalError:
+        return 0
+
+
 def test_vocab_mismatch_is_refused_at_validate(teachers, tmp_path):
     bad = tmp_path / "bad-teacher"
     bad.mkdir()
@@ -96,8 +104,10 @@ def test_live_reconfiguration_of_a_running_opd_job(teachers, tmp_path):
         assert good.returncode == 0, good.stderr
         assert good.stdout.startswith("applied: config version 1 at train step ")
         applied_at = int(good.stdout.split("train step ")[1].split(":")[0])
-        while _steps(run_dir) < applied_at + 4:
+        deadline = time.monotonic() + 180
+        while _steps(run_dir) < applied_at + 4 or _count(run_dir, "dataset = 'upper' and config_version = 1") < 2:
             assert job.poll() is None, job.stdout.read()[-2000:]  # the job never stopped
+            assert time.monotonic() < deadline
             time.sleep(0.1)
     finally:
         job.send_signal(signal.SIGTERM)
