@@ -117,9 +117,9 @@ def sigterm_only(recipe: Path, work: Path, sets: list[str]) -> None:
     written = float(re.search(r"written ([0-9.]+) s", hit[1]).group(1)) if hit else float("nan")
     states = sum(1 for _ in (run_dir / "checkpoints").glob("step-*/inflight-w*.msgpack"))
     q = Proc(["resume", str(run_dir), *sets])
-    while q.first(r"^resume: first new token") is None and q.p.poll() is None:
+    while q.first(r"resume: first new token") is None and q.p.poll() is None:
         time.sleep(0.02)
-    tok = q.first(r"^resume: first new token")
+    tok = q.first(r"resume: first new token")
     q.p.send_signal(signal.SIGKILL)
     q.wait()
     for _, line in p.lines[-3:] + q.lines[:6]:
@@ -200,9 +200,9 @@ def main() -> None:
     rc_term = None
     if not completed:
         p = Proc(["resume", str(run_dir), *sets])
-        while p.first(r"^resume: first new token") is None and p.p.poll() is None:
+        while p.first(r"resume: first new token") is None and p.p.poll() is None:
             time.sleep(0.02)
-        first_token_s = p.first(r"^resume: first new token")[0] if p.first(r"^resume: first new token") else first_token_s
+        first_token_s = p.first(r"resume: first new token")[0] if p.first(r"resume: first new token") else first_token_s
         t_sig = time.monotonic()
         p.p.send_signal(signal.SIGTERM)
         rc_term = p.wait()
