@@ -123,6 +123,11 @@ class AsyncGRPO:
         self.load = [len(ids) for ids in inflight_ids]
         self.teacher_of = dict(state["teacher_of"])
         self.use_live(state["live"])
+        # teachers added live before this checkpoint are not in the recipe the workers' pools came from
+        original = {t.name for t in self.stage.teachers.teachers} if isinstance(self.stage, OPDStage) else set()
+        added = [t for name, t in self.live.teachers.items() if name not in original]
+        if added:
+            self.policy.call_all("add_teachers", added)
         # patches applied after this checkpoint (answered, so out of the inbox) are applied again, in order
         for answer in sorted(reconfigure.answers(self.ctx.run_dir), key=lambda a: a.get("version") or 0):
             if answer.get("status") == "applied" and answer.get("stage") == self.stage_idx and answer["version"] > self.live.version:

@@ -99,7 +99,8 @@ def test_live_reconfiguration_of_a_running_opd_job(teachers, tmp_path):
         # applied: mixture + cap + swap the upper teacher for a spare; the old upper teacher leaves the set
         patch = tmp_path / "patch.yaml"
         patch.write_text(yaml.safe_dump({"mixture": {"reverse": 3.0}, "dataset_max_inflight": {"upper": 4},
-                                         "teachers": {"upper": names[2]}}))
+                                         "add_teachers": [{"name": "added", "checkpoint": str(teachers.teachers[2].checkpoint)}],
+                                         "teachers": {"upper": "added"}}))
         good = subprocess.run([*CLI, "reconfigure", str(run_dir), str(patch)], capture_output=True, text=True, timeout=60)
         assert good.returncode == 0, good.stderr
         assert good.stdout.startswith("applied: config version 1 at train step ")
@@ -117,17 +118,23 @@ def test_live_reconfiguration_of_a_running_opd_job(teachers, tmp_path):
 
     store = TrajectoryStore.for_run_dir(run_dir)
     assert [v["status"] for v in store.config_versions()] == ["applied"]
-    assert store.config_versions()[0]["patch"]["teachers"] == {"upper": names[2]}
+    assert store.config_versions()[0]["patch"]["teachers"] == {"upper": "added"}
     with sqlite3.connect(f"{run_dir}/trajectories.db") as c:
         rows = c.execute("select dataset, config_version, teacher, train_step, prompt_id from samples").fetchall()
         prompt_versions = dict(c.execute("select prompt_id, config_version from prompts").fetchall())
     # every sample keeps the config version of its prompt's dispatch; both versions exist
     assert all(v == prompt_versions[p] for _, v, _, _, p in rows) and {v for _, v, _, _, _ in rows} == {0, 1}
     # new dispatches follow the patch: upper samples of version 1 are scored by the new teacher
-    assert {t for d, v, t, _, _ in rows if d == "upper" and v == 1} == {names[2]}
+    assert {t for d, v, t, _, _ in rows if d == "upper" and v == 1} == {"added"}
     # the removed teacher scores nothing trained after the switch: its in-flight samples went to the new one
     assert not [r for r in rows if r[2] == names[0] and r[3] is not None and r[3] > applied_at]
     # the mixture moved towards reverse after the switch
     after = [d for d, v, _, _, _ in rows if v == 1]
     assert after.count("reverse") > after.count("upper")
     assert store.audit()["trained_twice"] == 0
+    # resumed in a fresh process, the job still knows the teacher added live (and keeps training with it)
+    steps = _steps(run_dir)
+    resumed = subprocess.run([*CLI, "resume", str(run_dir), "--set", f"stages.0.max_steps={steps + 3}"],
+                             capture_output=True, text=True, timeout=180)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert _steps(run_dir) == steps + 3 and "opd_acc=" in resumed.stdout.splitlines()[-1]
