@@ -61,11 +61,6 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Decoder:
-    path = Path(path)
-    model = Decoder(load_config(path))
-    state = load_file(str(path / "model.safetensors"), device=str(device))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    return model.to(device)
+    model = Decoder(load_config(path)).to(device)
+    load_weights_into(model, path)
+    return model
