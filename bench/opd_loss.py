@@ -158,21 +158,70 @@ def _rel(a, b) -> float:
 
 
 def _kernel_sweep(args, V):
-    """The Triton chunk kernel alone on one [chunk, V] chunk: time and effective bandwidth per config."""
+    """The Triton chunk kernel alone on [C, V] chunks (C = 256 and 512 rows): time and effective bandwidth
+    per config (vocab tile, warps, second-sweep direction, L2 eviction hints)."""
     from model.kernels.reverse_kl import reverse_kl_rows
 
-    C = default_chunk_sizes(V, args.torch_dtype)[1]  # one teacher sub-chunk
-    zs = torch.randn(C, V, device="cuda", dtype=args.torch_dtype) * 3
-    zt = zs + torch.randn_like(zs)
-    scale = torch.ones(C, device="cuda")
-    moved = 5 * zs.numel() * zs.element_size()  # 2 sweeps x 2 rows read + 1 row written
     rows = []
-    for bv in (2048, 4096, 8192):
-        for nw in (4, 8, 16):
-            t = _time_s(lambda: reverse_kl_rows(zs, zt, scale, zs, block_v=bv, num_warps=nw), (), "cuda", 20)
-            rows.append(dict(block_v=bv, num_warps=nw, time_ms=t * 1e3, tb_per_s=moved / t / 1e12))
-            print(f"kernel C={C} V={V} block_v={bv:5d} warps={nw:2d}: {t * 1e3:.3f} ms  {moved / t / 1e12:.2f} TB/s")
+    configs = [dict(block_v=bv, num_warps=nw) for bv in (2048, 4096, 8192) for nw in (4, 8, 16)]
+    configs += [dict(block_v=4096, num_warps=8, reverse=r, l2_hints=h) for r in (False, True) for h in (False, True)]
+    for C in (256, 512):
+        zs = torch.randn(C, V, device="cuda", dtype=args.torch_dtype) * 3
+        zt = zs + torch.randn_like(zs)
+        scale = torch.ones(C, device="cuda")
+        moved = 5 * zs.numel() * zs.element_size()  # 2 sweeps x 2 rows read + 1 row written
+        for cfg in configs:
+            t = _time_s(lambda: reverse_kl_rows(zs, zt, scale, zs, **cfg), (), "cuda", 20)
+            rows.append(dict(C=C, **cfg, time_ms=t * 1e3, tb_per_s=moved / t / 1e12))
+            print(f"kernel C={C} V={V} {cfg}: {t * 1e3:.3f} ms  {moved / t / 1e12:.2f} TB/s")
     return rows
+
+
+def _breakdown(args, x, iters=20):
+    """CUDA: each piece of the fused loop alone (CUDA events, mean of `iters`), the Gw accumulation vs one
+    unchunked Gw, and the row kernel beside a teacher matmul on two streams (can they overlap?)."""
+    from model.kernels.reverse_kl import reverse_kl_rows
+
+    h_s, w_s, h_t, w_t = (t.detach() for t in x)
+    T, V = h_s.shape[0], w_s.shape[0]
+    n_s, n_t = args.chunk_size or default_chunk_sizes(V, args.torch_dtype)[0], args.teacher_chunk_size or 256
+    zs = torch.empty(n_s, V, dtype=h_s.dtype, device="cuda")
+    zt = torch.empty(n_t, V, dtype=h_s.dtype, device="cuda")
+    torch.mm(h_s[:n_s], w_s.t(), out=zs)
+    torch.mm(h_t[:n_t], w_t.t(), out=zt)
+    g = zs[:n_t].clone()
+    gw = torch.empty_like(w_s)
+    gh = torch.empty(n_s, h_s.shape[1], dtype=h_s.dtype, device="cuda")
+    scale = torch.ones(n_t, device="cuda")
+    kl = torch.empty(n_t, device="cuda")
+    t_ = lambda f: _time_s(f, (), "cuda", iters) * 1e3
+    out = {
+        f"Ms_{n_s}": t_(lambda: torch.mm(h_s[:n_s], w_s.t(), out=zs)),
+        f"Mt_{n_t}": t_(lambda: torch.mm(h_t[:n_t], w_t.t(), out=zt)),
+        f"Gh_{n_s}": t_(lambda: torch.mm(zs, w_s, out=gh)),
+        f"Gw_{n_s}_first": t_(lambda: torch.mm(zs.t(), h_s[:n_s], out=gw)),
+        f"Gw_{n_s}_accumulate": t_(lambda: gw.addmm_(zs.t(), h_s[:n_s])),
+        f"K_{n_t}_forward_sweep": t_(lambda: reverse_kl_rows(zs[:n_t], zt, scale, g, out=kl, reverse=False)),
+        f"K_{n_t}_reverse_sweep": t_(lambda: reverse_kl_rows(zs[:n_t], zt, scale, g, out=kl, reverse=True)),
+    }
+    del gh
+    side = torch.cuda.Stream()
+
+    def both():
+        ev = torch.cuda.current_stream().record_event()
+        with torch.cuda.stream(side):
+            side.wait_event(ev)
+            reverse_kl_rows(zs[:n_t], zt, scale, g, out=kl)
+        torch.mm(h_t[:n_t], w_t.t(), out=zt)
+        torch.cuda.current_stream().wait_event(side.record_event())
+
+    out[f"Mt_{n_t}_beside_K_{n_t}"] = t_(both)
+    steps = T // n_s
+    out["loop_estimate_ms"] = steps * (out[f"Ms_{n_s}"] + out[f"Gh_{n_s}"] + out[f"Gw_{n_s}_accumulate"]
+                                       + (n_s // n_t) * (out[f"Mt_{n_t}"] + out[f"K_{n_t}_reverse_sweep"]))
+    for k, v in out.items():
+        print(f"breakdown {k:28s} {v:8.3f} ms")
+    return out
 
 
 def _profile_fused(args, x, iters=3):
@@ -213,6 +262,9 @@ def main() -> None:
     ap.add_argument("--sweep", default="", help="extra fused runs at chunk:teacher_chunk sizes, e.g. 1024:512,768:768")
     ap.add_argument("--kernel-sweep", action="store_true", help="CUDA: time the chunk kernel alone per tile config")
     ap.add_argument("--profile", action="store_true", help="CUDA: per-kernel device time of one fused step")
+    ap.add_argument("--sweep-rounds", type=int, default=1, help="measure the --sweep configs this many times, "
+                    "round-robin (median reported): configs side by side as the GPU warms")
+    ap.add_argument("--breakdown", action="store_true", help="CUDA: time each piece of the fused loop alone")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
     if a.quick:
@@ -252,21 +304,32 @@ def main() -> None:
                       f"{res[m]['grad_h_rel_err_vs_naive']:.2e}, grad_W rel-norm {res[m]['grad_w_rel_err_vs_naive']:.2e}")
     del grads
     sweep = {}
-    for spec in [t for t in a.sweep.split(",") if t]:
-        c, tc = (int(v) for v in spec.split(":"))
-        a.chunk_size, a.teacher_chunk_size = c, tc
-        sweep[spec], _ = _measure("fused", a, x)
-        print(f"fused chunks {c:5d}/{tc:5d}: peak extra {sweep[spec]['peak_extra_gib']:.3f} GiB  {sweep[spec]['time_ms']:.2f} ms")
+    specs = [t for t in a.sweep.split(",") if t]
+    runs: dict[str, list[dict]] = {spec: [] for spec in specs}
+    for _ in range(a.sweep_rounds):
+        for spec in specs:  # chunk:teacher_chunk
+            a.chunk_size, a.teacher_chunk_size = (int(v) for v in spec.split(":"))
+            runs[spec].append(_measure("fused", a, x)[0])
+    for spec, rs in runs.items():
+        times = sorted(r["time_ms"] for r in rs)
+        sweep[spec] = dict(rs[0], time_ms=times[len(times) // 2], time_ms_rounds=[r["time_ms"] for r in rs])
+        print(f"fused chunks {spec:>10s}: peak extra {sweep[spec]['peak_extra_gib']:.3f} GiB  {sweep[spec]['time_ms']:.2f} ms "
+              f"(median of {len(rs)}: {', '.join(f'{t:.2f}' for t in sweep[spec]['time_ms_rounds'])})")
     a.chunk_size = a.teacher_chunk_size = None
+    parts = _breakdown(a, x) if a.breakdown and a.device == "cuda" else None
     prof = _profile_fused(a, x) if a.profile and a.device == "cuda" else None
     kernel = _kernel_sweep(a, V) if a.kernel_sweep and a.device == "cuda" else None
+    if "naive" not in res or "fused" not in res:
+        print("RESULT needs --methods with fused and naive")
+        return
     mem_ratio = res["naive"]["peak_extra_gib"] / res["fused"]["peak_extra_gib"]
     time_ratio = res["fused"]["time_ms"] / res["naive"]["time_ms"]
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(tokens=T, hidden=Hs, teacher_hidden=Ht, vocab=V, dtype=a.dtype, device=dev_name,
                            chunks=chunk, iters=a.iters, date=time.strftime("%Y-%m-%d"), torch=torch.__version__,
-                           results=res, chunk_sweep=sweep, kernel_sweep=kernel, profile=prof), f, indent=1)
+                           results=res, chunk_sweep=sweep, kernel_sweep=kernel, profile=prof,
+                           breakdown=parts), f, indent=1)
     print(f"RESULT mem_ratio_naive_over_fused={mem_ratio:.2f} time_ratio_fused_over_naive={time_ratio:.3f}")
 
 

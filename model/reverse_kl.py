@@ -137,7 +137,7 @@ class _ChunkedReverseKL(torch.autograd.Function):
                 _logits_into(zt, h_t[s + j:s + k], w_t, wt_up)
                 gj = None if g is None else g[j:k]
                 if use_triton:
-                    kl[s + j:s + k] = reverse_kl_rows(zs[j:k], zt, scale[s + j:s + k], gj, block_v=block_v)
+                    reverse_kl_rows(zs[j:k], zt, scale[s + j:s + k], gj, block_v=block_v, out=kl[s + j:s + k])
                 else:
                     kl[s + j:s + k] = _chunk_torch(zs[j:k], zt, scale[s + j:s + k], gj)
             if want_h:
@@ -150,6 +150,7 @@ class _ChunkedReverseKL(torch.autograd.Function):
         # kept as plain attributes, not saved tensors: backward hands them to autograd as the only
         # reference, so AccumulateGrad can adopt them as .grad instead of copying (1 GiB for W_s)
         ctx.grads = [grad_h, grad_w]
+        ctx.use_triton = use_triton
         ctx.mark_non_differentiable(kl)
         return (kl * scale).sum(), kl
 
@@ -157,12 +158,18 @@ class _ChunkedReverseKL(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_kl):
         grad_h, grad_w = ctx.grads
         ctx.grads = None
-        # one host sync to skip two in-place scalings (1 GiB of traffic for W_s) in the common case
-        # where this loss is backpropagated unscaled (as Liger does)
-        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
-            for g in (grad_h, grad_w):
-                if g is not None:
-                    g.mul_(grad_loss.to(g.dtype))
+        # Scale by grad_output, skipped in the common case where this loss is backpropagated unscaled
+        # (as Liger's is): on CUDA a kernel checks the scalar on the device (no host sync, so the host
+        # can queue the next step); on CPU checking costs nothing.
+        for g in (grad_h, grad_w):
+            if g is None:
+                continue
+            if g.is_cuda and ctx.use_triton:
+                from model.kernels.reverse_kl import scale_unless_one_
+
+                scale_unless_one_(g, grad_loss)
+            elif not torch.equal(grad_loss, torch.ones_like(grad_loss)):
+                g.mul_(grad_loss.to(g.dtype))
         return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 

@@ -218,3 +218,36 @@ def test_dispatch_and_argument_checks():
         reverse_kl_loss(x[0], x[1], x[2][:-1], x[3])
     assert default_chunk_sizes(128256, torch.bfloat16) == (1024, 512)
     assert default_chunk_sizes(128256, torch.float32) == (512, 256)
+
+
+def test_kernel_second_sweep_direction_does_not_change_the_result():
+    from model.kernels.reverse_kl import reverse_kl_rows
+    from model.reverse_kl import _chunk_torch
+
+    zs = (torch.randn(5, 300, generator=torch.Generator().manual_seed(3)) * 3).to(DEVICE)
+    zt = zs + torch.randn(5, 300, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    scale = torch.rand(5, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    ga, gb = torch.empty_like(zs), torch.empty_like(zs)
+    ka = reverse_kl_rows(zs, zt, scale, ga, block_v=64, reverse=False)
+    kb = reverse_kl_rows(zs, zt, scale, gb, block_v=64, reverse=True, out=torch.empty(5, device=DEVICE))
+    assert torch.equal(ka, kb) and torch.equal(ga, gb)
+    ref = torch.empty_like(zs)
+    torch.testing.assert_close(ka, _chunk_torch(zs, zt, scale, ref), **F32)
+    torch.testing.assert_close(ga, ref, **F32)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_unless_one_scales_in_place_and_skips_a_unit_scale(dtype):
+    from model.kernels.reverse_kl import scale_unless_one_
+
+    x = torch.randn(8192 + 77, generator=torch.Generator().manual_seed(0)).to(DEVICE, dtype)
+    before = x.clone()
+    scale_unless_one_(x, torch.ones((), device=DEVICE))
+    assert torch.equal(x, before)
+    scale_unless_one_(x, torch.tensor(-2.5, device=DEVICE))
+    # bf16: within one ulp (the CPU interpreter's fp32 -> bf16 conversion may truncate)
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2**-7, atol=0)
+    torch.testing.assert_close(x, (before.float() * -2.5).to(dtype), **tol)
+    with pytest.raises(ValueError, match="contiguous"):
+        scale_unless_one_(x.view(-1, 1)[::2], torch.ones((), device=DEVICE))
