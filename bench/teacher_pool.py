@@ -5,7 +5,7 @@
 Builds `--teachers` random-init teachers cycling over the five architectures of
 teachers/architectures.py (dense narrow-deep, dense wide-shallow, MoE, MQA, no-qk-norm tied), scaled
 by `--width`, and a stream of train steps each scoring one batch for `--per-step` teachers drawn at
-random (the OPD batch grouped by teacher). The same step stream runs in four modes, interleaved over
+random (the OPD batch grouped by teacher). The same step stream runs in five modes, interleaved over
 `--repeats` rounds:
 
     resident    every teacher already on the device (budget = all): teacher compute alone
@@ -14,9 +14,14 @@ random (the OPD batch grouped by teacher). The same step stream runs in four mod
     lookahead   prefetch, and the driver passes each step the next step's teachers
                 (`run(..., next_teachers=...)`), so a step's first load starts during the previous step
 
+    control    `resident` again: its "overhead" is the noise floor of the measurement
+
 switch_overhead = median over rounds of (step time of a mode / step time of `resident` - 1), each
-round's modes running the same steps side by side. The pool's own counters (loads per step, load wait / compute) are printed too.
+round's modes running the same steps side by side, in an order rotated every round (so that no mode
+always runs first, or right after another). The pool's own counters (loads per step, load wait /
+compute) are printed too: they measure the switching cost directly, without the noise of step times.
 Last line: RESULT teachers=<n> switch_overhead=<prefetch mode's fraction> switch_overhead_lookahead=<lookahead's>
+noise=<control's>
 """
 
 from __future__ import annotations
@@ -95,7 +100,7 @@ def main() -> None:
     ap.add_argument("--resident", type=int, default=12, help="device budget, in teachers of median size")
     ap.add_argument("--per-step", type=int, default=6, help="teachers touched per train step")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per mode and round")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds over the three modes")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds over the modes")
     ap.add_argument("--width", type=int, default=None, help="architecture width multiplier (CPU 1, GPU 8)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per teacher batch (CPU 8, GPU 32)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (CPU 48, GPU 512)")
@@ -123,7 +128,7 @@ def main() -> None:
         pool.add_weights(name, cfg, state)
     del zoo
     modes = {"resident": (all_mib, False), "sync": (budget_mib, False), "prefetch": (budget_mib, True),
-             "lookahead": (budget_mib, True)}
+             "lookahead": (budget_mib, True), "control": (all_mib, False)}
     names = pool.names
     params = [pool.config(n) for n in names]
     print(f"{len(names)} teachers on {a.device} ({dtype}): {sizes[0] / 2**20:.1f}-{sizes[-1] / 2**20:.1f} MiB each "
@@ -141,7 +146,7 @@ def main() -> None:
         mib, prefetch = modes[mode]
         pool.set_budget(mib)
         pool.set_prefetch(prefetch)
-        warm = all_at_once if mode == "resident" else step_stream(names, 2 if a.quick else 4, a.per_step, a.seed + 1)
+        warm = all_at_once if mode in ("resident", "control") else step_stream(names, 2 if a.quick else 4, a.per_step, a.seed + 1)
         run_steps(pool, warm, batch, lookahead=mode == "lookahead", then=first)
         pool.stats()
 
@@ -151,7 +156,8 @@ def main() -> None:
     counters: dict[str, list] = {m: [] for m in modes}
     for r in range(a.repeats):
         steps = step_stream(names, steps_n, a.per_step, a.seed + 100 + r)
-        for mode in modes:
+        order = list(modes)
+        for mode in order[r % len(order):] + order[:r % len(order)]:
             enter(mode, steps[0])
             times[mode].append(run_steps(pool, steps, batch, lookahead=mode == "lookahead") / steps_n)
             counters[mode].append(pool.stats())
@@ -179,7 +185,7 @@ def main() -> None:
                                                 budget_mib=budget_mib, teacher_mib=[s / 2**20 for s in sizes],
                                                 modes=rows), indent=2))
     print(f"RESULT teachers={len(names)} switch_overhead={rows['prefetch']['overhead']:.4f} "
-          f"switch_overhead_lookahead={rows['lookahead']['overhead']:.4f}")
+          f"switch_overhead_lookahead={rows['lookahead']['overhead']:.4f} noise={rows['control']['overhead']:.4f}")
 
 
 if __name__ == "__main__":

@@ -8,9 +8,13 @@ Seed §5.2.4 trains the final OPD stage with over 40 architecturally heterogeneo
   page-locked when CUDA exists so a host-to-device copy is asynchronous.
 - Device LRU. Teachers are materialised on the device on demand; the resident set stays within
   `device_memory_mib` by evicting the least-recently-used teacher that this step no longer needs.
-  A teacher is a `Decoder` built on the meta device (no allocation, no init) whose tensors are the
-  device copies, so teachers may differ from each other and from the student in depth, width, heads,
-  GQA, qk-norm, dense or MoE; only the vocabulary is shared (full-vocabulary OPD).
+  A teacher is a `Decoder` built on the meta device (no allocation, no init) whose tensors are bound,
+  at its first load and then for good, to views of one flat device buffer per dtype, so teachers may
+  differ from each other and from the student in depth, width, heads, GQA, qk-norm, dense or MoE; only
+  the vocabulary is shared (full-vocabulary OPD). As in PyTorch's FSDP, eviction frees a buffer's
+  storage in place (`untyped_storage().resize_(0)`) and a load reallocates it and copies the host
+  buffer in, so the bound views and Parameters see the new memory: a load is one allocation and one
+  copy per dtype, with no per-tensor Python (which would hold the GIL against the compute thread).
 - Prefetch. `run(groups, fn)` visits a step's teachers once each (resident ones first) and, while one
   computes, copies the next non-resident one in: on a side CUDA stream from a worker thread on the
   GPU (the compute stream waits on an event, so ordering is exact), on a worker thread on CPU. A
@@ -26,8 +30,20 @@ host time.
 Live reconfiguration (seed §5.2.4: active teachers change during training) is `add` / `remove` of
 teachers and `set_budget` / `set_prefetch`; none of them disturbs resident teachers still in use.
 
-On CPU the "device" is the CPU itself and a load is a real copy (clone) of the host tensors, so the
-budget, LRU and prefetch logic run and are tested exactly as on a GPU.
+Weights handed out: `run`'s `fn` gets views of the resident teacher's device buffers, valid while
+`fn` runs (the head weight is read in place, the hot path). Eviction frees that memory under any
+view still in use, and PyTorch mostly does not check (a read through such a view dereferences a null
+pointer: a segfault on CPU, an illegal-address error on CUDA; only some ops raise), so the pool checks
+at eviction whether anything beyond its own bindings still refers to a buffer (a head weight kept
+past `fn`, a tensor autograd saved for backward); if so it lets go of that teacher's buffers instead:
+they stay valid for their holders and are freed once dropped (outside the budget meanwhile), the
+skeleton goes back to meta, and its next load binds fresh buffers (correct, only slower).
+`hidden_states` and `forward` return a clone of the head weight, safe to keep.
+
+On CPU the "device" is the CPU itself and a load is still a real copy: the host buffer is copied into
+freshly allocated storage (the resized buffer), so loads cost what they cost and the budget, LRU and
+prefetch logic run and are tested exactly as on a GPU. (Where the allocator hands out fresh pages, the
+copy also pays their first-touch faults: part of a CPU load's cost, hidden by prefetch like the rest.)
 """
 
 from __future__ import annotations
@@ -109,10 +125,16 @@ class _HostTeacher:
     """State key -> (buffer dtype, element offset, shape)."""
     nbytes: int
     module: Decoder
-    """Skeleton built once on the meta device; bound to device tensors while resident."""
+    """Skeleton built once on the meta device; at the first load bound to views of `device_flat`."""
     slots: list[tuple[torch.nn.Module, str, bool, str]]
-    """(owning submodule, attribute, is a parameter, state key) of every tensor, for fast (re)binding."""
+    """(owning submodule, attribute, is a parameter, state key) of every tensor, for binding."""
     datasets: tuple[str, ...] = ()
+    device_flat: dict[torch.dtype, torch.Tensor] | None = None
+    """Device buffers (one per dtype, shaped like `flat`) whose views the skeleton's tensors are; None
+    until the first load. Their storage holds `nbytes` while resident and 0 bytes once evicted."""
+    own_refs: dict[torch.dtype, int] = field(default_factory=dict)
+    """Each device buffer's storage use count with only the pool's references (buffer and bound views):
+    more at eviction means someone else still holds a view."""
 
 
 @dataclass
@@ -122,7 +144,8 @@ class _Resident:
     ready: torch.cuda.Event | None = None
     """CUDA prefetch: recorded on the side stream after the copies; the compute stream waits on it."""
     tensors: list[torch.Tensor] = field(default_factory=list)
-    """CUDA prefetch: the flat buffers allocated on the side stream (marked as used by the compute stream)."""
+    """CUDA prefetch: the device buffers, whose storage this load allocated on the side stream (marked as
+    used by the compute stream once it waits, so that freeing them at eviction waits for its work)."""
 
 
 class _Clock:
@@ -246,7 +269,7 @@ class TeacherPool:
     def remove(self, name: str) -> None:
         self._settle_inflight()
         if self._resident.pop(name, None) is not None:
-            _unbind(self._host[name])
+            _evict(self._host[name])
         del self._host[name]
 
     def set_budget(self, device_memory_mib: float) -> None:
@@ -259,7 +282,7 @@ class TeacherPool:
         self.budget_bytes = budget
         while self.resident_bytes > budget:
             name, _ = self._resident.popitem(last=False)
-            _unbind(self._host[name])
+            _evict(self._host[name])
             self._stats.evictions += 1
 
     def set_prefetch(self, enabled: bool) -> None:
@@ -290,7 +313,11 @@ class TeacherPool:
             next_teachers: Iterable[str] = ()) -> dict[str, R]:
         """Score each teacher's batch: `groups` maps teacher name -> input_ids [B, T] (right-padded);
         `fn(name, output)` runs while that teacher is resident (e.g. the chunked OPD loss's teacher
-        log-probs) and its result is returned per name. Each teacher is loaded at most once: resident
+        log-probs) and its result is returned per name. `output.head_weight` is the teacher's device
+        weight itself, valid while `fn` runs: a result that keeps it (or a view of it) past `fn` should
+        keep a clone instead (a kept view stays correct, but it makes the pool give up that teacher's
+        in-place buffers at eviction: memory outside the budget until dropped, then a slower load).
+        Each teacher is loaded at most once: resident
         teachers go first (then one already being prefetched), teachers still needed in this call are
         never evicted, and the next non-resident one is prefetched while the current one computes.
 
@@ -322,15 +349,16 @@ class TeacherPool:
         return results
 
     def hidden_states(self, groups: Mapping[str, torch.Tensor]) -> dict[str, TeacherOutput]:
-        """`run` returning the outputs themselves. A returned head weight is a view of its teacher's
-        device buffer, so it keeps that teacher's weights allocated after eviction until dropped;
-        prefer `run` with a consuming `fn` when device memory is tight."""
-        return self.run(groups, lambda _name, out: out)
+        """`run` returning the outputs themselves, each head weight a clone (the teacher's own is freed in
+        place when it is evicted, possibly later in this very call): [vocab, hidden] more device memory per
+        output, so prefer `run` with a consuming `fn` when device memory is tight."""
+        return self.run(groups, _keep)
 
     def forward(self, name: str, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> TeacherOutput:
-        """One teacher on one batch, loading it if needed (no prefetch of anything else)."""
+        """One teacher on one batch, loading it if needed (no prefetch of anything else). The head weight
+        is a clone, as in `hidden_states`, valid after the teacher is evicted."""
         entry = self._acquire(name, protect={name})
-        return self._compute(name, entry, input_ids, positions, lambda _n, out: out)
+        return self._compute(name, entry, input_ids, positions, _keep)
 
     def prefetch(self, name: str) -> bool:
         """Start copying `name` to the device ahead of use (e.g. the next step's first teacher).
@@ -384,8 +412,8 @@ class TeacherPool:
                 raise RuntimeError(f"cannot fit teacher {name!r} ({host.nbytes / _MIB:.1f} MiB) in the pool's "
                                    f"{self.budget_bytes / _MIB:.1f} MiB")
             load_start = self._clock.mark(stream)
-            module, _ = _bind(host, self.device, non_blocking=self.pin)
-            entry = _Resident(module, host.nbytes)
+            _load(host, self.device, non_blocking=self.pin)  # on the compute stream: no event needed
+            entry = _Resident(host.module, host.nbytes)
             with self._lock:
                 self._pending["load_s"].append((load_start, self._clock.mark(stream)))
             self._resident[name] = entry
@@ -398,7 +426,8 @@ class TeacherPool:
     @staticmethod
     def _await_copies(entry: _Resident, stream: torch.cuda.Stream | None) -> None:
         """CUDA prefetch: the compute stream waits for the side stream's copies, and the allocator
-        learns the tensors are used on the compute stream (so freeing them later is safe)."""
+        learns the buffers are used on the compute stream, so that freeing them at eviction (resize to 0)
+        waits for the compute stream's work queued by then. Once per load: each load allocates anew."""
         if entry.ready is None:
             return
         stream.wait_event(entry.ready)
@@ -441,7 +470,7 @@ class TeacherPool:
             return False
         for n in victims:
             del self._resident[n]
-            _unbind(self._host[n])
+            _evict(self._host[n])
             self._stats.evictions += 1
         return True
 
@@ -460,17 +489,18 @@ class TeacherPool:
         """Prefetch worker: copy on the side stream (CUDA) or in this thread (CPU)."""
         if self._side_stream is None:
             start = self._clock.mark()
-            module, _ = _bind(host, self.device, non_blocking=False)
+            _load(host, self.device, non_blocking=False)
             with self._lock:
                 self._pending["load_s"].append((start, self._clock.mark()))
-            return _Resident(module, host.nbytes)
+            return _Resident(host.module, host.nbytes)
+        # The side stream is current: the storage is allocated for it and the copies are queued on it.
         with torch.cuda.device(self.device), torch.cuda.stream(self._side_stream):
             start = self._clock.mark(self._side_stream)
-            module, tensors = _bind(host, self.device, non_blocking=self.pin)
+            tensors = _load(host, self.device, non_blocking=self.pin)
             ready = self._clock.mark(self._side_stream)
         with self._lock:
             self._pending["load_s"].append((start, ready))
-        return _Resident(module, host.nbytes, ready=ready, tensors=tensors)
+        return _Resident(host.module, host.nbytes, ready=ready, tensors=tensors)
 
     def _settle_inflight(self) -> _Resident | None:
         """Wait for the in-flight prefetch (if any) and make it resident; returns it."""
@@ -495,15 +525,41 @@ def _skeleton(cfg: ModelConfig) -> Decoder:
         return Decoder(cfg)
 
 
-def _bind(host: _HostTeacher, device: torch.device, non_blocking: bool) -> tuple[Decoder, list[torch.Tensor]]:
-    """Copy the host store to the device (one copy per flat buffer) and bind views of it into the
-    teacher's skeleton (no module construction per load: rebinding ~50 views costs well under a
-    millisecond). Returns the module and the device buffers."""
-    if device.type == "cpu":  # the CPU "device": still a real copy, so loads cost what they cost
-        flat = {dt: buf.clone() for dt, buf in host.flat.items()}
+def _keep(_name: str, out: TeacherOutput) -> TeacherOutput:
+    """`fn` for outputs that outlive the teacher's residency: the head weight cloned off its buffer."""
+    return replace(out, head_weight=out.head_weight.clone())
+
+
+def _storage_refs(t: torch.Tensor) -> int | None:
+    """How many tensors (and storage objects) share `t`'s storage (the reference count of its StorageImpl,
+    through the private binding PyTorch's own tests use; tests/unit/test_teacher_pool.py checks it).
+    None where this torch lacks the binding: eviction then always lets go (correct, slower loads)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if use_count is None else use_count(t.untyped_storage()._cdata)
+
+
+def _load(host: _HostTeacher, device: torch.device, non_blocking: bool) -> list[torch.Tensor]:
+    """Copy the host store into freshly allocated device storage (for the current stream on CUDA),
+    one copy per flat buffer; returns the device buffers. The first load allocates the buffers and
+    binds views of them into the skeleton (not `add`: a view needs its storage allocated, and adding a
+    teacher takes no device memory); later ones reallocate each buffer's storage in place, which the
+    bound views see, so they run no per-tensor Python."""
+    if host.device_flat is None:
+        _bind(host, {dt: torch.empty(buf.shape, dtype=dt, device=device) for dt, buf in host.flat.items()})
     else:
-        flat = {dt: buf.to(device, non_blocking=non_blocking, copy=True) for dt, buf in host.flat.items()}
-    state = {k: flat[dt][off : off + shape.numel()].view(shape) for k, (dt, off, shape) in host.layout.items()}
+        for buf in host.device_flat.values():
+            storage = buf.untyped_storage()
+            assert storage.nbytes() == 0, "loading a teacher that is already resident"
+            storage.resize_(buf.numel() * buf.element_size())
+    for dt, buf in host.device_flat.items():
+        buf.copy_(host.flat[dt], non_blocking=non_blocking)
+    return list(host.device_flat.values())
+
+
+def _bind(host: _HostTeacher, device_flat: dict[torch.dtype, torch.Tensor]) -> None:
+    """Bind views of the device buffers into the teacher's skeleton (once per buffer set: loads after
+    the first reuse the binding) and note the buffers' own use counts."""
+    state = {k: device_flat[dt][off : off + shape.numel()].view(shape) for k, (dt, off, shape) in host.layout.items()}
     for owner, attr, is_param, key in host.slots:
         if key not in state:  # the tied head: bound below to the embedding
             continue
@@ -511,18 +567,39 @@ def _bind(host: _HostTeacher, device: torch.device, non_blocking: bool) -> tuple
             owner._parameters[attr] = torch.nn.Parameter(state[key], requires_grad=False)
         else:
             owner._buffers[attr] = state[key]
-    module = host.module
     if host.config.tie_word_embeddings:
-        module.lm_head._parameters["weight"] = module.model.embed_tokens.weight
-    return module, list(flat.values())
+        host.module.lm_head._parameters["weight"] = host.module.model.embed_tokens.weight
+    del state  # the parameters' own views remain
+    host.device_flat = device_flat
+    host.own_refs = {dt: _storage_refs(buf) for dt, buf in device_flat.items()}
+
+
+def _evict(host: _HostTeacher) -> None:
+    """Free a teacher's device memory: each buffer's storage is resized to 0 (the memory goes back to
+    the allocator at once; on CUDA after the streams recorded on it) and the binding stays for the next
+    load. Most ops do not check a view's storage on use (a read after the resize goes through a null
+    pointer: a segfault on CPU, an illegal-address error on CUDA), so when anything beyond the pool's own
+    bindings still refers to a buffer, the pool lets go of the buffers instead: their holders keep them,
+    freed once dropped, and the skeleton goes back to meta until a load binds fresh buffers."""
+    if host.device_flat is None:
+        return
+    refs = {dt: _storage_refs(buf) for dt, buf in host.device_flat.items()}
+    if any(n is None or n > host.own_refs[dt] for dt, n in refs.items()):
+        _unbind(host)
+        return
+    for buf in host.device_flat.values():
+        buf.untyped_storage().resize_(0)
 
 
 def _unbind(host: _HostTeacher) -> None:
-    """Drop the device copies (the skeleton goes back to meta tensors); memory frees once callers
-    holding outputs (e.g. a head weight) let go."""
+    """Let go of the device buffers (the skeleton goes back to meta tensors); their memory frees once
+    other holders (e.g. a kept head weight) let go too."""
     for owner, attr, is_param, _key in host.slots:
         table = owner._parameters if is_param else owner._buffers
         t = table[attr]
         if t is not None and t.device.type != "meta":
             meta = torch.empty_like(t, device="meta")
             table[attr] = torch.nn.Parameter(meta, requires_grad=False) if is_param else meta
+    if host.config.tie_word_embeddings:
+        host.module.lm_head._parameters["weight"] = host.module.model.embed_tokens.weight
+    host.device_flat, host.own_refs = None, {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,18 @@ def _one_size(zoo) -> int:
     return TeacherPool(zoo["same"][:1], 1024, prefetch=False).nbytes("A")
 
 
+def _held_bytes(pool: TeacherPool, name: str) -> int:
+    """Device bytes a teacher's buffers hold now: its nbytes while resident, 0 once evicted."""
+    flat = pool._host[name].device_flat
+    return 0 if flat is None else sum(b.untyped_storage().nbytes() for b in flat.values())
+
+
+def _one_at_a_time_mib(zoo) -> float:
+    """A budget that holds the biggest heterogeneous teacher but never two (the two smallest need 1.34
+    times the biggest): every use is a switch."""
+    return max(TeacherPool([s], 1024, prefetch=False).nbytes(s.name) for s in zoo["hetero"]) * 1.2 / 2**20
+
+
 # ---- outputs ---------------------------------------------------------------------------------------
 
 
@@ -88,7 +101,7 @@ def test_outputs_equal_a_direct_forward_of_each_heterogeneous_teacher(zoo, prefe
             assert (got.routing is None) == (spec.name != "moe")
             if got.routing is not None:
                 assert torch.equal(got.routing, want.routing)
-    # outputs taken before a teacher was evicted stay valid: the pool rebinds, it never overwrites
+    # outputs taken before a teacher was evicted stay valid: hidden_states clones the head weight
     assert torch.equal(outs["deep"].head_weight, load_checkpoint(zoo["hetero"][0].checkpoint).lm_head.weight)
     tied = pool.forward("tied-mqa", ids)
     assert torch.equal(tied.head_weight, load_checkpoint(zoo["hetero"][2].checkpoint).model.embed_tokens.weight)
@@ -103,6 +116,149 @@ def test_forward_accepts_positions_and_matches_the_decoder(zoo):
     pool.close()
     with torch.no_grad():
         assert torch.equal(got, load_checkpoint(spec.checkpoint).forward_hidden(ids, pos).hidden)
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_reloads_after_eviction_reuse_the_binding_and_match_the_decoder(zoo, prefetch):
+    """`run`'s hot path (a consuming fn, no clone): teacher by teacher, load after eviction after load, the
+    logits equal a direct Decoder forward's; a reload only refills the storage the first load bound."""
+    ids = _ids(2)
+    refs = {s.name: load_checkpoint(s.checkpoint).eval() for s in zoo["hetero"]}
+    with torch.no_grad():
+        outs = {n: ref.forward_hidden(ids) for n, ref in refs.items()}
+        want = {n: (out, refs[n].logits(out.hidden)) for n, out in outs.items()}
+    pool = TeacherPool(zoo["hetero"], _one_at_a_time_mib(zoo), prefetch=prefetch)
+    seen = {}
+
+    def score(name, out):
+        hidden, logits = want[name]
+        assert torch.equal((out.hidden @ out.head_weight.t()).float(), logits)
+        assert (out.routing is None) == (hidden.routing is None)
+        if out.routing is not None:
+            assert torch.equal(out.routing, hidden.routing)
+        module = pool._host[name].module
+        if name == "tied-mqa":
+            assert module.lm_head.weight is module.model.embed_tokens.weight
+        seen.setdefault(name, weakref.ref(module.lm_head.weight))  # (a reference would pin the buffer)
+        assert module.lm_head.weight is seen[name]()  # bound once: later loads refill it in place
+        assert _held_bytes(pool, name) == pool.nbytes(name)
+        return out.hidden.shape[-1]
+
+    for r in range(3):
+        assert pool.run({n: ids for n in refs}, score) == {n: c.hidden_size for n, c in _HETERO.items()}
+        s = pool.stats()  # after the first call, the one teacher still resident goes first
+        assert (s.loads + s.hits, s.teachers) == (3, 3) and s.loads >= (3 if r == 0 else 2) and s.evictions >= 1
+        for name in refs:
+            assert _held_bytes(pool, name) == (pool.nbytes(name) if name in pool.resident else 0)
+    pool.close()
+
+
+def test_buffers_of_each_dtype_are_freed_and_refilled(zoo):
+    """bfloat16 teachers keep the MoE selection bias in float32: two buffers, both freed and refilled."""
+    ids = _ids(3)
+    pool = TeacherPool(zoo["hetero"], _one_at_a_time_mib(zoo) / 2, dtype=torch.bfloat16, prefetch=False)
+    assert set(pool._host["moe"].flat) == {torch.bfloat16, torch.float32}
+    first = {s.name: pool.forward(s.name, ids) for s in zoo["hetero"]}
+    assert _held_bytes(pool, "moe") == 0 and pool.resident == ["tied-mqa"]
+    again = pool.forward("moe", ids)
+    assert _held_bytes(pool, "moe") == pool.nbytes("moe") and _held_bytes(pool, "tied-mqa") == 0
+    assert torch.equal(again.hidden, first["moe"].hidden) and torch.equal(again.routing, first["moe"].routing)
+    assert torch.equal(again.head_weight, first["moe"].head_weight)
+
+
+def test_a_load_is_a_real_copy_of_the_host_store(zoo):
+    """Each load copies the host store into device storage of its own: a change to the store after a
+    load leaves the resident copy alone, and the next load (after eviction) picks it up."""
+    ids = _ids(4)
+    pool = TeacherPool(zoo["same"][:2], _budget_mib(_one_size(zoo), 1.5), prefetch=False)
+    ref = load_checkpoint(zoo["same"][0].checkpoint).eval()
+    pool.forward("A", ids)
+    host = pool._host["A"]
+    device_buf, host_buf = host.device_flat[torch.float32], host.flat[torch.float32]
+    assert device_buf.data_ptr() != host_buf.data_ptr()
+    host_buf.mul_(2)
+    assert torch.equal(pool.forward("A", ids).head_weight, ref.lm_head.weight)
+    pool.forward("B", ids)  # evicts A
+    assert _held_bytes(pool, "A") == 0
+    assert torch.equal(pool.forward("A", ids).head_weight, 2 * ref.lm_head.weight)
+
+
+def test_forward_returns_a_head_weight_that_outlives_eviction(zoo):
+    """`forward` and `hidden_states` clone the head weight: eviction frees the teacher's own in place,
+    which a view would then read through (PyTorch does not check), and the clone pins nothing."""
+    ids = _ids(5)
+    pool = TeacherPool(zoo["hetero"], _one_at_a_time_mib(zoo), prefetch=False)
+    out = pool.forward("tied-mqa", ids)
+    outs = pool.hidden_states({"deep": ids})
+    assert pool.resident == ["deep"] and _held_bytes(pool, "tied-mqa") == 0  # freed in place, not pinned
+    assert pool._host["tied-mqa"].device_flat is not None
+    assert torch.equal(out.head_weight, load_checkpoint(zoo["hetero"][2].checkpoint).model.embed_tokens.weight)
+    pool.forward("moe", ids)
+    assert torch.equal(outs["deep"].head_weight, load_checkpoint(zoo["hetero"][0].checkpoint).lm_head.weight)
+
+
+def test_a_head_weight_kept_past_fn_makes_eviction_let_go_instead_of_freeing(zoo):
+    """A view of a teacher's weights kept past `run`'s fn (here: saved by autograd for a backward run
+    after the teacher is evicted) stays valid: the pool gives that teacher's buffers up to their holders
+    instead of freeing them; the teacher reloads into fresh buffers, and once nothing holds a view,
+    eviction frees in place again."""
+    ids = _ids(6)
+    ref = load_checkpoint(zoo["hetero"][0].checkpoint).eval()
+    pool = TeacherPool(zoo["hetero"], _one_at_a_time_mib(zoo), prefetch=False)
+    student = torch.randn(3, 32, requires_grad=True)
+    loss = pool.run({"deep": ids}, lambda n, out: (student @ out.head_weight.t()).logsumexp(-1).sum())["deep"]
+    pool.forward("moe", ids)  # evicts deep
+    host = pool._host["deep"]
+    assert pool.resident == ["moe"] and host.device_flat is None
+    assert host.module.lm_head.weight.device.type == "meta"
+    loss.backward()
+    want = torch.autograd.grad((student @ ref.lm_head.weight.t()).logsumexp(-1).sum(), student)[0]
+    assert torch.equal(student.grad, want)
+    kept = pool.run({"deep": ids}, lambda n, out: out.head_weight)["deep"]  # reloads into fresh buffers
+    with torch.no_grad():
+        assert torch.equal(pool.forward("deep", ids).hidden, ref.forward_hidden(ids).hidden)
+    pool.forward("moe", ids)
+    assert torch.equal(kept, ref.lm_head.weight)
+    del kept, loss
+    pool.forward("deep", ids)
+    pool.forward("moe", ids)
+    assert host.device_flat is not None and _held_bytes(pool, "deep") == 0  # freed in place again
+    s = pool.stats()
+    assert s.loads == s.evictions + 1 and pool.peak_resident_bytes <= pool.budget_bytes
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_cuda_switching_frees_in_place_and_orders_streams(zoo, prefetch):
+    """On the GPU: prefetches allocate and copy on the side stream; eviction frees in place, after the
+    compute stream's queued reads (record_stream): a compute stream held back by a sleep kernel still
+    reads each teacher's own weights while the next teachers' loads land, possibly in the same memory."""
+    ids = _ids(7).cuda()
+    refs = {s.name: load_checkpoint(s.checkpoint).eval().cuda() for s in zoo["hetero"]}
+    with torch.no_grad():
+        want = {n: ref.logits(ref.forward_hidden(ids).hidden) for n, ref in refs.items()}
+    base = torch.cuda.memory_allocated()
+    pool = TeacherPool(zoo["hetero"], _one_at_a_time_mib(zoo) * 1.75, prefetch=prefetch, device="cuda")  # two fit
+    got = []
+
+    def score(name, out):
+        torch.cuda._sleep(2_000_000)  # the compute stream lags the host by ~1 ms per teacher
+        got.append((name, (out.hidden @ out.head_weight.t()).float()))
+
+    order = [list(_HETERO), ["tied-mqa", "deep"], ["moe", "tied-mqa", "deep"], ["deep", "moe"]] * 3
+    for i, names in enumerate(order):
+        pool.run({n: ids for n in names}, score, next_teachers=order[i + 1] if i + 1 < len(order) else ())
+    torch.cuda.synchronize()
+    for name, logits in got:
+        torch.testing.assert_close(logits, want[name], rtol=1e-5, atol=1e-5)
+    s = pool.stats()
+    assert s.evictions > 0 and (s.prefetched > 0) == prefetch
+    for name in refs:
+        assert _held_bytes(pool, name) == (pool.nbytes(name) if name in pool.resident else 0)
+    assert torch.cuda.memory_allocated() - base <= pool.resident_bytes + 2**20
+    pool.set_budget(_one_at_a_time_mib(zoo))  # evicts down to one
+    assert len(pool.resident) == 1 and sum(_held_bytes(pool, n) for n in refs) == pool.resident_bytes
+    pool.close()
 
 
 # ---- LRU within the budget -------------------------------------------------------------------------
@@ -124,8 +280,8 @@ def test_lru_budget_of_two_teachers_counts_loads_and_evicts_least_recent(zoo):
     assert pool.resident == ["A", "B"] and pool.resident_bytes == 2 * size
     assert pool.peak_resident_bytes <= pool.budget_bytes
     assert pool.stats().loads == 0  # reset
-    # an evicted teacher's device copies are dropped (the skeleton is back on meta)
-    assert pool._host["C"].module.lm_head.weight.device.type == "meta"
+    # an evicted teacher's device memory is freed in place; a resident one holds exactly its bytes
+    assert _held_bytes(pool, "C") == 0 and _held_bytes(pool, "A") == _held_bytes(pool, "B") == size
 
 
 @pytest.mark.parametrize("prefetch", [False, True])
