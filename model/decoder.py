@@ -256,6 +256,7 @@ class Decoder(nn.Module):
         checkpoint_layers: bool = False,
         csa2_cache: CSA2Cache | None = None,
         compute_indexer_loss: bool = False,
+        indexer_query_mask: torch.Tensor | None = None,
     ) -> DecoderOutput:
         """input_ids, positions [B, T]; routing_replay [B, T, num_layers, top_k] or None.
 
@@ -267,7 +268,8 @@ class Decoder(nn.Module):
 
         CSA2 (`config.sparse_attention`): positions are implicit (0..T-1, or continuing from
         `csa2_cache`, whose B sequences advance in lockstep: equal lengths, no padding); `batch` must be
-        None. compute_indexer_loss: fill `DecoderOutput.indexer_loss` (training).
+        None. compute_indexer_loss: fill `DecoderOutput.indexer_loss` (training), averaged over the queries
+        of `indexer_query_mask` [B, T] bool (a right-padded batch's real tokens; None: every query).
         """
         sparse = self.config.is_sparse
         if sparse and (batch is not None or positions is not None):
@@ -276,7 +278,7 @@ class Decoder(nn.Module):
             raise ValueError("csa2_cache / compute_indexer_loss need config.sparse_attention")
         cos = sin = shared = None
         if sparse:
-            shared = SharedState(compute_indexer_loss=compute_indexer_loss)
+            shared = SharedState(compute_indexer_loss=compute_indexer_loss, query_mask=indexer_query_mask)
         else:
             if positions is None:
                 positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)

@@ -212,6 +212,8 @@ class SharedState:
 
     compute_indexer_loss: bool = False
     """Training: every indexing layer adds its indexer KL (seed §3.1.2) to `indexer_losses`."""
+    query_mask: torch.Tensor | None = None
+    """[B, T] bool: the queries whose indexer KL counts (real tokens, not right padding); None: all."""
     main_k: torch.Tensor | None = None
     """[B, N, KVH, D] latest Full layer's compressed main K (after RoPE at the group's last position)."""
     main_v: torch.Tensor | None = None
@@ -534,13 +536,16 @@ class CSA2Attention(nn.Module):
         out = torch.einsum("btkgs,btskd->btkgd", probs.to(vals.dtype), vals).reshape(B, T, H * D)
 
         if shared.compute_indexer_loss and picked is not None:
-            shared.indexer_losses[self.layer_idx] = indexer_kl(probs[..., : sel.ids.shape[-1]], picked, sel.valid)
+            shared.indexer_losses[self.layer_idx] = indexer_kl(probs[..., : sel.ids.shape[-1]], picked, sel.valid,
+                                                               shared.query_mask)
         return self.o_proj(out)
 
 
-def indexer_kl(main_probs: torch.Tensor, picked_scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def indexer_kl(main_probs: torch.Tensor, picked_scores: torch.Tensor, valid: torch.Tensor,
+               query_mask: torch.Tensor | None = None) -> torch.Tensor:
     """main_probs [B, T, KVH, G, K] main attention probabilities on the selected entries; picked_scores
-    [B, T, K] the indexer scores of those entries; valid [B, T, K] -> scalar.
+    [B, T, K] the indexer scores of those entries; valid [B, T, K]; query_mask [B, T] bool (queries that
+    count: padding positions of a right-padded batch do not) or None -> scalar.
 
     seed §3.1.2 / DeepSeek-V3.2 indexer training: p = Σ_heads main attention on the selected entries,
     renormalised and detached; loss = mean over queries of KL(p || softmax(I(t, ·))) over the same
@@ -551,4 +556,6 @@ def indexer_kl(main_probs: torch.Tensor, picked_scores: torch.Tensor, valid: tor
     log_q = picked_scores.masked_fill(~valid, finite_min).log_softmax(-1)
     kl = torch.where(valid, torch.xlogy(p, p) - p * log_q, 0.0).sum(-1)
     rows = valid.any(-1)
+    if query_mask is not None:
+        rows = rows & query_mask.to(device=rows.device, dtype=torch.bool)
     return (kl * rows).sum() / rows.sum().clamp_min(1)

@@ -36,6 +36,14 @@ class PackedBatch:
     behavior_logprobs: torch.Tensor  # [B, T] (zeros off the response)
     routing: torch.Tensor | None = None  # [B, T, L, k] recorded expert ids of each input token
     versions: torch.Tensor | None = None  # [B, T] policy version of each response target token
+    lengths: torch.Tensor | None = None  # [B] real (unpadded) tokens of each row of input_ids
+
+    def token_mask(self) -> torch.Tensor:
+        """[B, T] bool: True on real tokens, False on right padding (all True without `lengths`)."""
+        T = self.input_ids.shape[1]
+        if self.lengths is None:
+            return torch.ones_like(self.input_ids, dtype=torch.bool)
+        return torch.arange(T, device=self.input_ids.device) < self.lengths[:, None]
 
 
 def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]],
@@ -66,7 +74,8 @@ def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]
             routing[i, : tr.shape[0]] = tr
     return PackedBatch(*(t.to(device) for t in (input_ids, targets, mask, behav)),
                        routing=None if routing is None else routing.to(device),
-                       versions=None if versions is None else versions.to(device))
+                       versions=None if versions is None else versions.to(device),
+                       lengths=torch.tensor([len(s) - 1 for s in seqs], device=device))
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
@@ -85,11 +94,12 @@ class Trainer:
         self.model, self.optim_cfg, self.device = model, optim, device
         self.opt, self.sched = build_optimizer(model, optim)
 
-    def _forward(self, input_ids: torch.Tensor, routing_replay: torch.Tensor | None = None,
+    def _forward(self, b: PackedBatch, routing_replay: torch.Tensor | None = None,
                  checkpoint_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (logits [B, T, V] float32, indexer KL scalar for CSA2 models else None)."""
-        out = self.model.forward_hidden(input_ids, routing_replay=routing_replay, checkpoint_layers=checkpoint_layers,
-                                        compute_indexer_loss=self.model.config.is_sparse)
+        """-> (logits [B, T, V] float32, indexer KL scalar for CSA2 models (over real tokens) else None)."""
+        sparse = self.model.config.is_sparse
+        out = self.model.forward_hidden(b.input_ids, routing_replay=routing_replay, checkpoint_layers=checkpoint_layers,
+                                        compute_indexer_loss=sparse, indexer_query_mask=b.token_mask() if sparse else None)
         return self.model.logits(out.hidden), out.indexer_loss
 
     def _with_indexer_loss(self, loss: torch.Tensor, indexer_kl: torch.Tensor | None, share: float) -> torch.Tensor:
@@ -122,7 +132,7 @@ class Trainer:
         """num_tokens: response tokens of the whole (global) batch; default this shard's."""
         self.model.train()
         b = pack(prompts_B, responses_B, device=self.device)
-        logits, indexer_kl = self._forward(b.input_ids)
+        logits, indexer_kl = self._forward(b)
         loss, metrics = sft_loss(logits, b.targets, b.mask, num_tokens)
         n_mb = float(b.mask.sum())
         loss = self._with_indexer_loss(loss, indexer_kl, n_mb / (num_tokens if num_tokens is not None else max(n_mb, 1.0)))
@@ -163,7 +173,7 @@ class Trainer:
                      versions_B=[s.policy_versions_T for s in mb], device=self.device)
             if replay and b.routing is None:
                 raise ValueError("routing_replay is on but the samples carry no routing trace")
-            logits, indexer_kl = self._forward(b.input_ids, routing_replay=b.routing,
+            logits, indexer_kl = self._forward(b, routing_replay=b.routing,
                                                checkpoint_layers=cfg.activation_checkpointing)
             x = PolicyLossInputs(
                 logprobs=token_logprobs(logits, b.targets, temperature),

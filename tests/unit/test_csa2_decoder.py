@@ -160,3 +160,21 @@ def test_trainer_grpo_and_sft_steps_train_the_indexer(reference):
 
     metrics = trainer.sft_step([g.prompt_tokens for g in gens], [g.response_tokens for g in gens])
     assert np.isfinite(metrics["sft/loss"]) and np.isfinite(metrics["train/indexer_kl"])
+
+
+def test_indexer_loss_counts_real_tokens_only_in_a_right_padded_batch():
+    """A short sequence padded to a longer one's length: with the batch's token mask, its indexer KL is
+    the same as alone, unpadded (CSA2 is causal); without it the padding's queries leak in."""
+    m = _model("bf16", qat=False)
+    short, n = TOKENS[:9], 9
+    padded = torch.tensor([short + [7] * (len(TOKENS) - n)])
+    alone = m.forward_hidden(torch.tensor([short]), compute_indexer_loss=True).indexer_loss
+    mask = torch.arange(len(TOKENS))[None] < n
+    masked = m.forward_hidden(padded, compute_indexer_loss=True, indexer_query_mask=mask).indexer_loss
+    unmasked = m.forward_hidden(padded, compute_indexer_loss=True).indexer_loss
+    torch.testing.assert_close(masked, alone, atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(unmasked, alone, atol=1e-4)
+
+    b = pack([[1, 20, 31], [1, 20]], [[5, 9, 2], [44, 17, 3, 60, 2]])  # rows of 5 and 6 input tokens
+    assert b.lengths.tolist() == [5, 6]
+    assert b.token_mask().tolist() == [[True] * 5 + [False], [True] * 6]
