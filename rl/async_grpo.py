@@ -37,6 +37,7 @@ from rl.config import GRPOStage, OPDStage
 from rl.dispatch import Dispatcher, FinishedMeta, Ticket
 from rl.faults import fault_point
 from rl.losses import group_advantages
+from rl.metrics import rollout_breakdown
 from rl.streams import Cursor
 from rl.types import Prompt, Sample
 from rollout.types import Generation, GenerationRequest
@@ -333,6 +334,7 @@ class AsyncGRPO:
             "time/rollout_s": clock.rollout_s,
             "time/train_s": clock.train_s,
         })
+        metrics.update(rollout_breakdown(samples))
         return metrics
 
     def run(self) -> RolloutClock:

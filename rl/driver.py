@@ -152,7 +152,7 @@ class RunContext:
             policy_versions_T=g.policy_versions, reward=reward, correct=verdict.correct,
             finish_reason=g.finish_reason, status=status, routing_trace=g.routing_trace,
             timings={"finished_at": time.time(), "generate_s": g.generate_s},
-            teacher=teacher, config_version=prompt.config_version,
+            teacher=teacher, config_version=prompt.config_version, effort=effort,
         )
 
     def after_train_step(self, stage: SFTStage | GRPOStage, step: int, metrics: dict) -> None:

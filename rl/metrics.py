@@ -49,3 +49,23 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def rollout_breakdown(samples) -> dict[str, float]:
+    """Reward, accuracy and response length of a train batch's samples per dataset (when the batch mixes
+    datasets: OPD's domains, a multi-task mixture) and per effort level (effort control, seed §5.1.4):
+    `rollout/<metric>/<dataset>` and `rollout/<metric>/effort<b>`, beside the batch-wide `rollout/<metric>`."""
+    groups: dict[str, list] = {}
+    if len({s.dataset for s in samples}) > 1:
+        for s in samples:
+            groups.setdefault(s.dataset, []).append(s)
+    for s in samples:
+        if s.effort is not None:
+            groups.setdefault(f"effort{s.effort}", []).append(s)
+    out = {}
+    for name, group in sorted(groups.items()):
+        n = len(group)
+        out[f"rollout/reward/{name}"] = sum(s.reward for s in group) / n
+        out[f"rollout/accuracy/{name}"] = sum(s.correct for s in group) / n
+        out[f"rollout/response_len/{name}"] = sum(s.num_response_tokens for s in group) / n
+    return out

@@ -145,6 +145,8 @@ class SampleTable(Base):
     train_step: Mapped[int | None] = mapped_column(index=True)
     teacher: Mapped[str | None] = mapped_column(_ID, index=True)
     config_version: Mapped[int] = mapped_column(default=0)
+    effort: Mapped[int | None] = mapped_column(index=True)
+    """Effort level b of the prompt (seed §5.1.4); NULL without effort control."""
     seq: Mapped[int] = mapped_column(index=True)
     """Write order within the run (the resume watermark compares against it)."""
 
@@ -325,7 +327,7 @@ class TrajectoryStore:
                 routing_trace=None if trace is None else encode_array(trace, ROUTING_DTYPE),
                 routing_shape=None if trace is None else ",".join(str(d) for d in trace.shape),
                 num_response_tokens=x.num_response_tokens, seq=self._seq + 1 + len(sample_rows),
-                teacher=x.teacher, config_version=int(x.config_version),
+                teacher=x.teacher, config_version=int(x.config_version), effort=x.effort,
                 min_version=int(min(x.policy_versions_T)) if x.policy_versions_T else None,
                 max_version=int(max(x.policy_versions_T)) if x.policy_versions_T else None,
                 **{k: None if x.timings.get(k) is None else float(x.timings[k]) for k in _TIMING_KEYS},
@@ -433,6 +435,7 @@ class TrajectoryStore:
             policy_versions_T=tuple(decode_array(r.policy_versions, VERSION_DTYPE).tolist()),
             reward=r.reward, correct=r.correct, finish_reason=r.finish_reason, status=r.status,
             timings=timings, routing_trace=trace, teacher=r.teacher, config_version=r.config_version,
+            effort=r.effort,
         )
 
     def sample_train_step(self, sample_id: str) -> int | None:
@@ -460,6 +463,8 @@ class TrajectoryStore:
         max_reward: float | None = None,
         train_step: int | None = None,
         status: str | None = None,
+        effort: int | None = None,
+        teacher: str | None = None,
         limit: int = 50,
     ) -> list[SampleRow]:
         """This run's samples matching every given filter (reward bounds inclusive), oldest first."""
@@ -479,6 +484,10 @@ class TrajectoryStore:
             q = q.where(t.train_step == train_step)
         if status is not None:
             q = q.where(t.status == status)
+        if effort is not None:
+            q = q.where(t.effort == effort)
+        if teacher is not None:
+            q = q.where(t.teacher == teacher)
         q = q.order_by(t.finished_at, t.sample_id).limit(limit)
         with self._sessions() as s:
             return [SampleRow(*row) for row in s.execute(q)]

@@ -40,6 +40,8 @@ def add_traj_parser(subparsers) -> None:
     ls.add_argument("--max-reward", type=float, help="reward <= X")
     ls.add_argument("--step", type=int, help="only samples consumed by train step N")
     ls.add_argument("--status", help="finished | discarded | failed | ...")
+    ls.add_argument("--effort", type=int, help="only prompts at reasoning-effort level B")
+    ls.add_argument("--teacher", help="only samples scored by this OPD teacher")
     ls.add_argument("--limit", type=_positive_int, default=50, help="at most N rows (default 50)")
     ls.add_argument("--url", help="SQLAlchemy URL of the store (default: sqlite in RUN_DIR)")
     ls.set_defaults(func=cmd_ls)
@@ -57,7 +59,7 @@ def cmd_ls(args) -> int:
         try:
             rows = store.query(
                 dataset=args.dataset, min_reward=args.min_reward, max_reward=args.max_reward,
-                train_step=args.step, status=args.status, limit=args.limit,
+                train_step=args.step, status=args.status, effort=args.effort, teacher=args.teacher, limit=args.limit,
             )
         finally:
             store.close()
@@ -88,7 +90,9 @@ def cmd_show(args) -> int:
     print(f"prompt_id      {sample.prompt_id}   group {sample.group_id}   dataset {sample.dataset}")
     print(f"status         {sample.status}   finish_reason {sample.finish_reason}")
     print(f"reward         {sample.reward:.4f}   correct {'yes' if sample.correct else 'no'}")
-    print(f"train step     {step if step is not None else '- (not trained)'}")
+    print(f"train step     {step if step is not None else '- (not trained)'}   config version {sample.config_version}")
+    if sample.effort is not None or sample.teacher is not None:
+        print(f"effort         {sample.effort if sample.effort is not None else '-'}   teacher {sample.teacher or '-'}")
     print(f"tokens         prompt {len(sample.prompt_tokens)}   response {sample.num_response_tokens}")
     print(f"versions       {_version_range(min(versions, default=None), max(versions, default=None))}")
     print("segments       " + ("   ".join(f"[{a},{b}) v{v}" for a, b, v in segments) or "-"))

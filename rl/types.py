@@ -61,6 +61,8 @@ class Sample:
     routing_trace: np.ndarray | None = None
     """MoE only: int16 [prompt_len + response_len - 1, num_layers, top_k], the experts chosen for
     every token fed to the model (the last sampled token is never fed), concatenated over segments."""
+    effort: int | None = None
+    """Effort control (seed §5.1.4): the reasoning-effort level b the prompt carried; None without."""
 
     @property
     def num_response_tokens(self) -> int:

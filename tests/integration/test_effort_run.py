@@ -44,7 +44,7 @@ def test_effort_groups_subgroups_and_penalty(tmp_path):
     task = ctx.tasks["arith"]
     for s in trained:
         prompt_id, effort = s.group_id.split("@")
-        assert prompt_id == s.prompt_id
+        assert prompt_id == s.prompt_id and s.effort == int(effort)
         per_prompt[prompt_id][int(effort)] += 1
         assert s.prompt_text.startswith(effort_prefix(int(effort)) + "\n")
         expected = float(s.correct) + recipe.effort.length_penalty(int(effort), task.reasoning_tokens(s.response_text))
@@ -52,4 +52,12 @@ def test_effort_groups_subgroups_and_penalty(tmp_path):
     # the dispatcher released one group of Σ M_b = 6 per prompt: 3 samples at each level
     assert all(c == {25: 3, 100: 3} for c in per_prompt.values())
     assert any(s.reward < float(s.correct) for s in trained)  # the penalty bit somewhere
+    # every step logs reward / accuracy / length per effort level, over exactly that step's samples
+    for step in {s_.train_step for s_ in (store.query(limit=1000)) if s_.train_step is not None}:
+        metrics = store.train_step_metrics(step)
+        for b in (25, 100):
+            mine = [s for s in trained if s.effort == b and store.sample_train_step(s.sample_id) == step]
+            assert metrics[f"rollout/response_len/effort{b}"] == pytest.approx(
+                sum(s.num_response_tokens for s in mine) / len(mine))
+            assert metrics[f"rollout/reward/effort{b}"] == pytest.approx(sum(s.reward for s in mine) / len(mine))
     store.close()

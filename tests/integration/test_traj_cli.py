@@ -16,7 +16,8 @@ pytestmark = pytest.mark.integration
 TOK = CharTokenizer()
 
 
-def make_sample(sample_id, *, dataset, reward, response, versions=None, finished_at, status="finished", eos=True):
+def make_sample(sample_id, *, dataset, reward, response, versions=None, finished_at, status="finished", eos=True,
+                effort=None, teacher=None):
     tokens = tuple(TOK.encode(response, eos=eos))
     versions = versions or (2,) * len(tokens)
     return Sample(
@@ -25,7 +26,7 @@ def make_sample(sample_id, *, dataset, reward, response, versions=None, finished
         prompt_text="What is 6*7?", response_text=response,
         behavior_logprobs_T=(-0.5,) * len(tokens), policy_versions_T=tuple(versions),
         reward=reward, correct=reward >= 1, finish_reason="eos" if eos else "length", status=status,
-        timings={"finished_at": finished_at, "generate_s": 0.5},
+        timings={"finished_at": finished_at, "generate_s": 0.5}, effort=effort, teacher=teacher,
     )
 
 
@@ -42,7 +43,7 @@ def run_dir(tmp_path):
                     finished_at=1),
         make_sample("arith-2", dataset="arith", reward=0.0, response="no idea", finished_at=2),
         make_sample("arith-3", dataset="arith", reward=1.0, response="x" * 200, finished_at=3, eos=False),
-        make_sample("gsm-1", dataset="gsm", reward=1.0, response="42", finished_at=4),
+        make_sample("gsm-1", dataset="gsm", reward=1.0, response="42", finished_at=4, effort=50, teacher="t3"),
         make_sample("gsm-2", dataset="gsm", reward=-0.5, response="", finished_at=5, status="failed", eos=False),
     ])
     store.mark_trained(["arith-2", "gsm-1"], step=5)
@@ -77,6 +78,9 @@ def listed_ids(out: str) -> list[str]:
         (["--step", "6"], []),
         (["--status", "failed"], ["gsm-2"]),
         (["--limit", "2"], ["arith-1", "arith-2"]),
+        (["--effort", "50"], ["gsm-1"]),
+        (["--teacher", "t3", "--dataset", "gsm"], ["gsm-1"]),
+        (["--effort", "25"], []),
     ],
 )
 def test_ls_filters(run_dir, capsys, flags, expected):
@@ -147,6 +151,7 @@ def test_show_token_grid_aligns_columns_and_wraps(tmp_path, capsys):
 def test_show_trained_sample_and_explicit_url(run_dir, tmp_path, capsys):
     rc, out, _ = run_cli(["show", run_dir, "gsm-1", "--url", f"sqlite:///{run_dir / 'trajectories.db'}"], capsys)
     assert rc == 0 and "train step     5" in out and "dataset gsm" in out
+    assert "effort         50   teacher t3" in out
 
 
 def test_renamed_run_dir_still_lists(run_dir, capsys):

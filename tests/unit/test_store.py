@@ -48,12 +48,14 @@ def store(tmp_path):
 
 
 def test_sample_round_trip_keeps_every_field(store):
-    x = make_sample(routing=True, response_text="line one\nline two!", finish_reason="length", reward=-0.25)
+    x = make_sample(routing=True, response_text="line one\nline two!", finish_reason="length", reward=-0.25,
+                    effort=75, teacher="t07", config_version=2)
     store.add_samples([x])
     y = store.get_sample("s0")
     assert y is not None
     for name in ("sample_id", "prompt_id", "dataset", "group_id", "prompt_tokens", "response_tokens", "prompt_text",
-                 "response_text", "policy_versions_T", "reward", "correct", "finish_reason", "status", "timings"):
+                 "response_text", "policy_versions_T", "reward", "correct", "finish_reason", "status", "timings",
+                 "effort", "teacher", "config_version"):
         assert getattr(y, name) == getattr(x, name), name
     assert all(isinstance(t, int) for t in y.response_tokens)
     # Stored as float32: equal to float32 precision, not exactly (-0.1/3 is not a float32).
@@ -112,8 +114,8 @@ def test_query_filters(store):
         make_sample("a1", dataset="arith", reward=1.0, finished_at=1),
         make_sample("a2", dataset="arith", reward=0.0, finished_at=2),
         make_sample("a3", dataset="arith", reward=0.5, finished_at=3, status="discarded"),
-        make_sample("g1", dataset="gsm", reward=1.0, finished_at=4),
-        make_sample("g2", dataset="gsm", reward=-1.0, finished_at=5),
+        make_sample("g1", dataset="gsm", reward=1.0, finished_at=4, effort=25, teacher="t1"),
+        make_sample("g2", dataset="gsm", reward=-1.0, finished_at=5, effort=100, teacher="t1"),
     ])
     store.mark_trained(["a2", "g1"], step=7)
     store.mark_trained(["a1"], step=8)
@@ -130,6 +132,7 @@ def test_query_filters(store):
     assert ids(train_step=7) == ["a2", "g1"]
     assert ids(train_step=9) == []
     assert ids(status="discarded") == ["a3"]
+    assert ids(effort=25) == ["g1"] and ids(teacher="t1") == ["g1", "g2"] and ids(teacher="t2") == []
     assert ids(limit=2) == ["a1", "a2"]
     row = store.query(train_step=8)[0]
     assert (row.train_step, row.correct, row.reward, row.status) == (8, True, 1.0, "finished")
