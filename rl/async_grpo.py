@@ -64,14 +64,24 @@ class RolloutClock:
 
 
 def _merge_rank_metrics(per_rank: list[dict], tokens: list[int]) -> dict:
-    """Token-weighted mean over ranks; the loss terms (already ÷ global tokens) add up."""
+    """One step's metrics from every data-parallel rank's: the loss terms (already ÷ global tokens) and
+    counters add up, `rl/*` ratios are token-weighted means, the OPD KL per token is weighted by each
+    rank's KL tokens, the teacher pools' overhead is recomputed from their summed seconds; the rest
+    (grad norm, lr: equal after the all-reduce) is rank 0's."""
     total = max(sum(tokens), 1)
     out = dict(per_rank[0])
+    summed = {"rl/loss", "opd/kl_loss", "opd/kl_tokens"}
     for k in per_rank[0]:
-        if k == "rl/loss":
+        if k in summed or (k.startswith("teachers/") and k != "teachers/overhead"):
             out[k] = sum(m[k] for m in per_rank)
         elif k.startswith("rl/"):
             out[k] = sum(m[k] * n for m, n in zip(per_rank, tokens)) / total
+        elif k == "opd/kl_per_token":
+            kl_tokens = sum(m["opd/kl_tokens"] for m in per_rank)
+            out[k] = sum(m[k] * m["opd/kl_tokens"] for m in per_rank) / max(kl_tokens, 1.0)
+    if "teachers/overhead" in out:
+        compute = out["teachers/compute_s"]
+        out["teachers/overhead"] = out["teachers/load_wait_s"] / compute if compute > 0 else 0.0
     return out
 
 
@@ -300,6 +310,8 @@ class AsyncGRPO:
             per_rank = policy.get([policy.submit(w, "grpo_step", shard, [adv[s.sample_id] for s in shard], num_tokens,
                                                  stage, temperature) for w, shard in enumerate(shards)])
         metrics = _merge_rank_metrics(per_rank, [sum(s.num_response_tokens for s in sh) for sh in shards])
+        if isinstance(stage, OPDStage):
+            metrics["opd/teachers_in_step"] = len(set(teacher.values()))  # across ranks, not rank 0's
         fault_point("train")
         ctx.global_step += 1
         disp.on_train_step()
