@@ -164,7 +164,7 @@ class _ChunkedReverseKL(torch.autograd.Function):
         for g in (grad_h, grad_w):
             if g is None:
                 continue
-            if g.is_cuda and ctx.use_triton:
+            if g.is_cuda and ctx.use_triton and g.is_contiguous():
                 from model.kernels.reverse_kl import scale_unless_one_
 
                 scale_unless_one_(g, grad_loss)
