@@ -40,7 +40,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rl.store import TrajectoryStore  # noqa: E402
+from rl.store import TrajectoryStore, recorded_train_steps  # noqa: E402
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 TINY = {
@@ -83,14 +83,6 @@ class Proc:
         return next(((t, l) for t, l in self.lines if re.search(pattern, l)), None)
 
 
-def grpo_steps(run_dir: Path) -> int:
-    try:
-        with sqlite3.connect(f"file:{run_dir}/trajectories.db?mode=ro", uri=True, timeout=1) as c:
-            return c.execute("select count(*) from train_steps").fetchone()[0]
-    except sqlite3.Error:
-        return 0
-
-
 def trained(run_dir: Path) -> dict[str, tuple]:
     with sqlite3.connect(f"{run_dir}/trajectories.db") as c:
         return {r[0]: r[1:] for r in c.execute(
@@ -107,7 +99,7 @@ def sigterm_only(recipe: Path, work: Path, sets: list[str]) -> None:
     """SIGTERM after the first GRPO step, then resume until the first new token (then stop it)."""
     run_dir = work / "sigterm"
     p = Proc(["train", str(recipe), "--run-dir", str(run_dir), *sets])
-    while grpo_steps(run_dir) < 1 and p.p.poll() is None:
+    while recorded_train_steps(run_dir) < 1 and p.p.poll() is None:
         time.sleep(0.05)
     t_sig = time.monotonic()
     p.p.send_signal(signal.SIGTERM)

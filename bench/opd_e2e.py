@@ -31,7 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rl.store import TrajectoryStore  # noqa: E402
+from rl.store import TrajectoryStore, recorded_train_steps  # noqa: E402
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 TEACHERS = ROOT / "runs" / "opd-teachers"
@@ -131,14 +131,6 @@ def train_extra_teacher(teachers_dir: Path, steps: int) -> Path:
     return path
 
 
-def grpo_steps(run_dir: Path) -> int:
-    try:
-        with sqlite3.connect(f"file:{run_dir}/trajectories.db?mode=ro", uri=True, timeout=1) as c:
-            return c.execute("select count(*) from train_steps").fetchone()[0]
-    except sqlite3.Error:
-        return 0
-
-
 def eval_rows(run_dir: Path) -> list[dict]:
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "eval/accuracy" in r]
@@ -172,7 +164,7 @@ def main() -> None:
 
     reader = threading.Thread(target=lambda: lines.extend(l.rstrip() for l in job.stdout), daemon=True)
     reader.start()
-    while grpo_steps(run_dir) < args.reconfigure_at and job.poll() is None:
+    while recorded_train_steps(run_dir) < args.reconfigure_at and job.poll() is None:
         time.sleep(0.5)
     patch = run_dir.parent / "opd-patch.yaml"
     patch.write_text(yaml.safe_dump({

@@ -38,6 +38,7 @@ float32 (the precision the engine produces); routing traces as int16 with their 
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -83,6 +84,20 @@ def segments_from_versions(policy_versions_T: Sequence[int]) -> list[tuple[int, 
             segments.append((start, t, int(policy_versions_T[start])))
             start = t
     return segments
+
+
+DB_FILE = "trajectories.db"
+"""A run directory's default store file."""
+
+
+def recorded_train_steps(run_dir: str | Path) -> int:
+    """Train steps a (possibly live) run has recorded so far, read through a read-only SQLite connection
+    so that a watcher never contends with the job's writer; 0 while the store does not exist yet."""
+    try:
+        with sqlite3.connect(f"file:{Path(run_dir) / DB_FILE}?mode=ro", uri=True, timeout=1) as c:
+            return c.execute("select count(*) from train_steps").fetchone()[0]
+    except sqlite3.Error:
+        return 0
 
 
 class Base(DeclarativeBase):
@@ -265,7 +280,7 @@ class TrajectoryStore:
         run_dir = Path(run_dir).resolve()
         if url is None:
             run_dir.mkdir(parents=True, exist_ok=True)
-            url = f"sqlite:///{run_dir / 'trajectories.db'}"
+            url = f"sqlite:///{run_dir / DB_FILE}"
         return cls(url, run_id if run_id is not None else run_dir.name)
 
     # -- writes ----------------------------------------------------------------------------------

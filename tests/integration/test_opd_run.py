@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from rewards.config import ReverseConfig, UppercaseConfig
-from rl.store import TrajectoryStore
+from rl.store import TrajectoryStore, recorded_train_steps
 from teachers.architectures import ARCHITECTURES, tiny
 from teachers.train_teachers import build_teachers
 
@@ -49,14 +49,6 @@ def recipe(pool, max_steps=200) -> dict:
     }
 
 
-def _steps(run_dir) -> int:
-    try:
-        with sqlite3.connect(f"file:{run_dir}/trajectories.db?mode=ro", uri=True) as c:
-            return c.execute("select count(*) from train_steps").fetchone()[0]
-    except sqlite3.OperationalError:
-        return 0
-
-
 def _count(run_dir, where: str) -> int:
     try:
         with sqlite3.connect(f"file:{run_dir}/trajectories.db?mode=ro", uri=True) as c:
@@ -89,7 +81,7 @@ def test_live_reconfiguration_of_a_running_opd_job(teachers, tmp_path):
                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 120
-        while _steps(run_dir) < 3:
+        while recorded_train_steps(run_dir) < 3:
             assert job.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         # refused by the CLI's validation: nothing reaches the job
@@ -106,7 +98,7 @@ def test_live_reconfiguration_of_a_running_opd_job(teachers, tmp_path):
         assert good.stdout.startswith("applied: config version 1 at train step ")
         applied_at = int(good.stdout.split("train step ")[1].split(":")[0])
         deadline = time.monotonic() + 180
-        while _steps(run_dir) < applied_at + 4 or _count(run_dir, "dataset = 'upper' and config_version = 1") < 2:
+        while recorded_train_steps(run_dir) < applied_at + 4 or _count(run_dir, "dataset = 'upper' and config_version = 1") < 2:
             assert job.poll() is None, job.stdout.read()[-2000:]  # the job never stopped
             assert time.monotonic() < deadline
             time.sleep(0.1)
@@ -133,8 +125,8 @@ def test_live_reconfiguration_of_a_running_opd_job(teachers, tmp_path):
     assert after.count("reverse") > after.count("upper")
     assert store.audit()["trained_twice"] == 0
     # resumed in a fresh process, the job still knows the teacher added live (and keeps training with it)
-    steps = _steps(run_dir)
+    steps = recorded_train_steps(run_dir)
     resumed = subprocess.run([*CLI, "resume", str(run_dir), "--set", f"stages.0.max_steps={steps + 3}"],
                              capture_output=True, text=True, timeout=180)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert _steps(run_dir) == steps + 3 and "opd_acc=" in resumed.stdout.splitlines()[-1]
+    assert recorded_train_steps(run_dir) == steps + 3 and "opd_acc=" in resumed.stdout.splitlines()[-1]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from rl.checkpoint import CheckpointManager, inflight_file
-from rl.store import TrajectoryStore
+from rl.store import TrajectoryStore, recorded_train_steps
 
 pytestmark = pytest.mark.integration
 
@@ -47,17 +47,9 @@ def _run(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, p.returncode, out, err)
 
 
-def _grpo_steps(run_dir) -> int:
-    try:
-        with sqlite3.connect(f"file:{run_dir}/trajectories.db?mode=ro", uri=True) as c:
-            return c.execute("select count(*) from train_steps").fetchone()[0]
-    except sqlite3.OperationalError:
-        return 0
-
-
 def _wait_for_grpo_steps(proc, run_dir, n: int) -> None:
     deadline = time.monotonic() + 240
-    while _grpo_steps(run_dir) < n:
+    while recorded_train_steps(run_dir) < n:
         assert proc.poll() is None, f"run ended before {n} GRPO steps: {proc.stderr.read()[-2000:]}"
         assert time.monotonic() < deadline
         time.sleep(0.05)

@@ -238,3 +238,14 @@ def test_add_prompts(store):
     assert decode_array(row.tokens, "<i4").tolist() == [1, 20, 21] and row.dispatched_at > 0
     with store._sessions() as s:
         assert s.scalars(select(SampleTable)).all() == []
+
+
+def test_recorded_train_steps_reads_a_live_store_and_is_zero_before_it_exists(tmp_path):
+    from rl.store import recorded_train_steps
+
+    assert recorded_train_steps(tmp_path / "not-yet") == 0
+    store = TrajectoryStore.for_run_dir(tmp_path / "run")
+    store.add_train_step(1, {"rl/loss": 0.5})
+    store.add_train_step(2, {"rl/loss": 0.25})
+    assert recorded_train_steps(tmp_path / "run") == 2
+    store.close()
