@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from model.tokenizer import CharTokenizer
 from rl.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.driver import RunContext
+from rl.driver import make_context
 from rl.metrics import MetricsLogger
 from rl.runtime import Runtime
 from rl.store import TrajectoryStore
@@ -57,8 +56,7 @@ def run(policy: str, a, out: Path) -> dict:
     logger = MetricsLogger(run_dir, recipe.logging, run_name=policy, config={})
     rt = Runtime(recipe)
     try:
-        ctx = RunContext(recipe=recipe, run_dir=run_dir, runtime=rt, tasks={d.name: d.build() for d in recipe.datasets},
-                         store=store, logger=logger, say=print, tokenizer=CharTokenizer())
+        ctx = make_context(recipe, run_dir, rt, store, logger)
         t0 = time.perf_counter()
         clock = run_async_grpo(ctx, recipe.stages[0], 0)
         wall = time.perf_counter() - t0

@@ -1,7 +1,7 @@
 """OPD end to end on CPU (issue #6): a student distils 8 procedural domains from 48 teachers of 5
 architectures while the job is reconfigured live (mixture changed, a teacher added and swapped in).
 
-    python -m teachers.train_teachers --out runs/opd-teachers --num-teachers 48 --train 8 --steps 300 \\
+    python -m rl.train_teachers --out runs/opd-teachers --num-teachers 48 --train 8 --steps 300 \\
         --domains uppercase,reverse,max_list,modulo,sort_digits,digit_sum,subtraction,multiply_digit --threads 1
     python bench/opd_e2e.py                   # trains configs/opd.yaml, reconfigures it mid-run, prints the table
     python bench/opd_e2e.py --write-recipe    # (re)writes configs/opd.yaml from runs/opd-teachers/teachers.json
@@ -47,8 +47,8 @@ def teacher_accuracy(recipe: Path, teachers: dict[str, Path]) -> dict[str, float
     import torch
 
     from model.checkpoint import load_checkpoint
-    from rewards.domains import DEFAULT_DOMAIN_CONFIGS
-    from teachers.train_teachers import heldout_accuracy
+    from rewards.config import DEFAULT_DOMAIN_CONFIGS
+    from rl.train_teachers import heldout_accuracy
 
     torch.set_num_threads(2)
     heldout = {d["name"]: d.get("num_heldout") for d in yaml.safe_load(recipe.read_text())["datasets"]}
@@ -65,7 +65,7 @@ def write_recipe(teachers_dir: Path, out: Path) -> None:
     pool = json.loads((teachers_dir / "teachers.json").read_text())
     report = {r["name"]: r for r in json.loads((teachers_dir / "report.json").read_text())}
     domains = [r for r in report.values() if r["dataset"]]
-    from rewards.domains import DEFAULT_DOMAIN_CONFIGS
+    from rewards.config import DEFAULT_DOMAIN_CONFIGS
 
     by_name = {c.name: c for c in DEFAULT_DOMAIN_CONFIGS}
     datasets = [{"type": by_name[r["dataset"]].type, "name": r["dataset"], "num_heldout": HELDOUT} for r in domains]
@@ -99,7 +99,7 @@ def write_recipe(teachers_dir: Path, out: Path) -> None:
         "# architectures (dense deep/wide, MoE, MQA, tied untied-qk); 8 are trained (one per domain), the other\n"
         "# 40 are random-initialised members of the pool, assignable live with `rl reconfigure`.\n"
         "# Build the teachers first (about 4 minutes on 2 CPU cores):\n"
-        "#   python -m teachers.train_teachers --out runs/opd-teachers --num-teachers 48 --train 8 --steps 300 \\\n"
+        "#   python -m rl.train_teachers --out runs/opd-teachers --num-teachers 48 --train 8 --steps 300 \\\n"
         "#     --domains uppercase,reverse,max_list,modulo,sort_digits,digit_sum,subtraction,multiply_digit --threads 1\n"
         "# then: rl train configs/opd.yaml   (or python bench/opd_e2e.py, which also reconfigures it live)\n"
         "# The device pool budget (8 MiB) holds a few teachers at a time: the pool's LRU swaps them per step.\n"
@@ -116,9 +116,9 @@ def train_extra_teacher(teachers_dir: Path, steps: int) -> Path:
 
     from model.checkpoint import save_checkpoint
     from model.decoder import Decoder
-    from rewards.domains import DEFAULT_DOMAIN_CONFIGS
+    from rewards.config import DEFAULT_DOMAIN_CONFIGS
     from teachers.architectures import ARCHITECTURES
-    from teachers.train_teachers import heldout_accuracy, sft
+    from rl.train_teachers import heldout_accuracy, sft
 
     torch.set_num_threads(1)
     torch.manual_seed(48)

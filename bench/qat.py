@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from model.checkpoint import load_checkpoint, load_weights_into  # noqa: E402
 from model.decoder import Decoder  # noqa: E402
 from model.tokenizer import CharTokenizer  # noqa: E402
+from rewards.task import Trajectory, VerifyContext  # noqa: E402
 from rl.recipe_io import load_recipe  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
 from rollout.types import GenerationRequest  # noqa: E402
@@ -44,7 +45,8 @@ def accuracy(model: Decoder, recipe, problems) -> float:
                               seed=i, temperature=0.0) for i, p in enumerate(problems)]
     with torch.no_grad():
         gens = engine.generate(reqs)
-    return sum(task.verify(p, tok.decode(g.response_tokens)).correct for p, g in zip(problems, gens)) / len(problems)
+    return sum(task.verify(Trajectory.single(p, tok.decode(g.response_tokens)), VerifyContext()).correct
+               for p, g in zip(problems, gens)) / len(problems)
 
 
 def with_kv(model: Decoder, dtype: str, qat: bool = False) -> Decoder:

@@ -1,21 +1,27 @@
-"""Model-core configuration: pure pydantic, no torch, so recipes validate instantly.
-
-`StrictConfig` is the shared base of every component config in asyncrl: unknown keys are rejected,
-every field carries a one-line docstring (pydantic turns it into the field description), and
-instances are immutable once validated.
-"""
+"""Model-core configuration: pure pydantic, no torch, so recipes validate instantly."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from configbase import StrictConfig
+from model.tokenizer import CharTokenizer, Tokenizer
 
 
-class StrictConfig(BaseModel):
-    """Base of all component configs: strict keys, documented fields, immutable."""
+class CharTokenizerConfig(StrictConfig):
+    """The character-level tokenizer of the synthetic tasks: 99 ids (model/tokenizer.py)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    type: Literal["char"] = "char"
+    """Discriminator: the char tokenizer."""
+
+    def build(self) -> Tokenizer:
+        return CharTokenizer()
+
+
+TokenizerConfig = CharTokenizerConfig
+"""A recipe's `tokenizer:`, chosen by `type` (a discriminated union once a second tokenizer exists)."""
 
 
 class DenseFFNConfig(StrictConfig):

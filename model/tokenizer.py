@@ -1,21 +1,61 @@
-"""Character-level tokenizer for the synthetic tasks (pure Python).
+"""Tokenizers (pure Python): the `Tokenizer` protocol every tokenizer implements, and the character-level
+tokenizer of the synthetic tasks.
 
-Ids: 0 <pad>, 1 <bos>, 2 <eos>, 3 newline, then printable ASCII 32..126 (95 characters): 99 ids.
-Any text made of printable ASCII and newlines round-trips exactly.
+The rest of asyncrl sees a tokenizer only through `Tokenizer`: the driver renders a prompt (text, or
+chat messages through `apply_chat_template`), encodes it once, and from then on moves token ids; the
+engine stops on `eos_id`; the recipe's vocabulary check reads `vocab_size`. A recipe names its
+tokenizer by `type` (`model.config.TokenizerConfig`), whose `build()` returns one of these.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 _CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 
 
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What asyncrl needs of a tokenizer."""
+
+    pad_id: int
+    """Id used to pad batches (never trained on)."""
+    bos_id: int | None
+    """Id prepended to every prompt when `add_bos` (None: the tokenizer has none)."""
+    eos_id: int
+    """Id that ends a response; the engine stops on it."""
+    add_bos: bool
+    """Whether prompts start with `bos_id` (chat templates that write their own BOS say False)."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids; the policy's output head must have exactly this many rows."""
+        ...
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        """Ids of `text`, optionally with BOS first and EOS last; raises ValueError on text it cannot encode."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; special ids decode to nothing."""
+        ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """Chat messages ({"role", "content"}) rendered as the prompt text the model was trained on; with
+        `add_generation_prompt` the text ends where the assistant's reply begins."""
+        ...
+
+
 class CharTokenizer:
+    """Ids: 0 <pad>, 1 <bos>, 2 <eos>, 3 newline, then printable ASCII 32..126 (95 characters): 99 ids.
+    Any text made of printable ASCII and newlines round-trips exactly."""
+
     pad_id = PAD_ID
     bos_id = BOS_ID
     eos_id = EOS_ID
+    add_bos = True
 
     def __init__(self) -> None:
         self._offset = 3
@@ -36,3 +76,8 @@ class CharTokenizer:
         """Special tokens decode to nothing; ids are assumed to be < vocab_size."""
         off = self._offset
         return "".join(_CHARS[i - off] for i in ids if i >= off)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """The messages' contents, one per line, roles dropped: a tiny char-level model has no chat format to
+        follow, and a one-message prompt renders exactly as its text would. Nothing marks the generation start."""
+        return "\n".join(m["content"] for m in messages)

@@ -22,68 +22,26 @@ that choice; once slip_rate > 0.5 its greedy mode is the slip, so greedy decodin
 with a cascading column, and more SFT only sharpens that estimate (a plateau). The verifier scores
 against a+b, not against the demonstrations, so verifier-driven RL can move the mass to the carry.
 
-Splits. A pair (a, b) is held out iff blake2b(f"{a}+{b}") % 10 == 0 (a fixed 10%). The train stream
-rejects held-out pairs and the held-out set draws only them, so the two never share a pair, whatever
-the seeds. Both are `random.Random` streams seeded from the config: same seed, same problems.
+Splits (rewards/procedural.py): a pair (a, b) is held out iff blake2b(f"{a}+{b}") % 10 == 0, a fixed 10%
+(ordered: (a, b) and (b, a) are separate). `Problem.metadata` holds the operands and the clean solution.
 """
 
 from __future__ import annotations
 
-import hashlib
-import math
 import random
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from rewards.config import ArithmeticConfig
+from rewards.procedural import ProceduralTask, in_heldout_split, last_line_verdict
+from rewards.task import Problem, Trajectory, Verdict, VerifyContext
 
-HELDOUT_MODULUS = 10
-"""A pair is held out iff its hash is 0 modulo this: a fixed 10% of all pairs."""
-_MAX_DRAWS_PER_HELDOUT = 1000
-"""Held-out draws give up after this many attempts per wanted problem (a too-small pair space)."""
-
-
-@dataclass(frozen=True)
-class Problem:
-    problem_id: str
-    """f"{dataset}:{a}+{b}"; unique per pair within a dataset."""
-    dataset: str
-    a: int
-    b: int
-    prompt: str
-    """"a+b=", exactly as tokenised after BOS."""
-    answer: str
-    """str(a + b), what the verifier compares against."""
-    solution: str
-    """Clean worked solution: the response text a perfect policy writes."""
-    forced_length: int | None = None
-    """System benchmarks only (rewards/longtail.py): responses end at a forced length (see
-    `response_budget`) instead of at EOS."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    reward: float
-    correct: bool
-    parsed: str | None
-    """The answer read from the response's last line; None when that line is not a number."""
-
-
-def _stable_int(text: str) -> int:
-    # Python's hash() is salted per process; splits and seeds must survive restarts.
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+if TYPE_CHECKING:
+    from rewards.config import ArithmeticConfig
 
 
 def is_heldout(a: int, b: int) -> bool:
-    """Split rule: the pair belongs to the held-out set (ordered: (a, b) and (b, a) are separate)."""
-    return _stable_int(f"{a}+{b}") % HELDOUT_MODULUS == 0
-
-
-def partial_scratchpad(worked: str, reasoning_frac: float) -> str:
-    """The first round-half-up(reasoning_frac · n) of a worked solution's n lines, then its answer line."""
-    *lines, answer = worked.split("\n")
-    keep = min(len(lines), math.floor(reasoning_frac * len(lines) + 0.5))
-    return "\n".join([*lines[:keep], answer])
+    """The pair belongs to the held-out set."""
+    return in_heldout_split(f"{a}+{b}")
 
 
 def worked_solution(a: int, b: int, slip: Callable[[int], bool] | None = None) -> str:
@@ -108,29 +66,15 @@ def worked_solution(a: int, b: int, slip: Callable[[int], bool] | None = None) -
     return "\n".join([*lines, answer])
 
 
-class ArithmeticTask:
+class ArithmeticTask(ProceduralTask):
     """Problem source, demonstrator and verifier of the addition task family."""
 
-    def __init__(self, cfg: ArithmeticConfig):
-        self.cfg = cfg
-        self._heldout: list[Problem] | None = None
+    kind = "arithmetic"
+    stream_salt = ""  # the streams of the first addition task, kept so its problems stay the same
 
-    @property
-    def name(self) -> str:
-        return self.cfg.name
+    cfg: "ArithmeticConfig"
 
-    def make_problem(self, a: int, b: int) -> Problem:
-        return Problem(
-            problem_id=f"{self.cfg.name}:{a}+{b}",
-            dataset=self.cfg.name,
-            a=a,
-            b=b,
-            prompt=f"{a}+{b}=",
-            answer=str(a + b),
-            solution=worked_solution(a, b),
-        )
-
-    def _draw_pair(self, rng: random.Random) -> tuple[int, int]:
+    def draw(self, rng: random.Random) -> tuple[int, int]:
         cfg = self.cfg
         len_a = rng.randint(cfg.min_digits, cfg.max_digits)
         len_b = rng.randint(cfg.min_digits, cfg.max_digits)
@@ -150,74 +94,20 @@ class ArithmeticTask:
         b = int("".join(map(str, reversed(digits_b))))
         return a, b
 
-    def train_stream(self, seed_offset: int = 0) -> Iterator[Problem]:
-        """Infinite train problems (repeats possible, held-out pairs never); reproducible per
-        (cfg.seed, seed_offset), and distinct offsets give distinct streams (e.g. one per worker)."""
-        rng = random.Random(_stable_int(f"train:{self.cfg.seed}:{seed_offset}"))
-        while True:
-            a, b = self._draw_pair(rng)
-            if not is_heldout(a, b):
-                yield self.make_problem(a, b)
+    def render(self, instance: tuple[int, int]) -> tuple[str, list[str], str, dict]:
+        a, b = instance
+        *lines, answer = worked_solution(a, b).split("\n")
+        return f"{a}+{b}=", lines, answer, {"a": a, "b": b}
 
-    def heldout(self) -> list[Problem]:
-        """cfg.num_heldout distinct held-out problems, fixed given cfg.seed, in draw order."""
-        if self._heldout is None:
-            cfg = self.cfg
-            rng = random.Random(_stable_int(f"heldout:{cfg.seed}"))
-            seen: set[tuple[int, int]] = set()
-            problems: list[Problem] = []
-            for _ in range(_MAX_DRAWS_PER_HELDOUT * cfg.num_heldout):
-                a, b = self._draw_pair(rng)
-                if (a, b) in seen or not is_heldout(a, b):
-                    continue
-                seen.add((a, b))
-                problems.append(self.make_problem(a, b))
-                if len(problems) == cfg.num_heldout:
-                    break
-            else:
-                raise ValueError(
-                    f"found only {len(problems)} distinct held-out pairs of num_heldout={cfg.num_heldout} "
-                    f"with min_digits={cfg.min_digits} max_digits={cfg.max_digits} "
-                    f"pair_nine_prob={cfg.pair_nine_prob}: the pair space is too small; lower num_heldout"
-                )
-            self._heldout = problems
-        return list(self._heldout)
+    def split_key(self, problem: Problem) -> str:
+        return f"{problem.metadata['a']}+{problem.metadata['b']}"
 
-    @staticmethod
-    def reasoning_tokens(response: str) -> int:
-        """ℓ for the length penalty: the scratchpad, i.e. every character (= char token) before the
-        final answer line, newlines included; a direct answer has ℓ = 0."""
-        cut = response.rstrip().rfind("\n")
-        return max(cut, 0) + (1 if cut >= 0 else 0)
-
-    def response_budget(self, problem: Problem, j: int) -> int | None:
-        """Forced response length of sample j, for forced-length tasks; None: stop at EOS."""
-        return None
-
-    def demonstration(self, problem: Problem, rng: random.Random, direct_answer_rate: float | None = None,
-                      reasoning_frac: float | None = None) -> str:
-        """SFT target: the worked solution with a slip in each cascading column at cfg.slip_rate; with
-        probability direct_answer_rate (default cfg.direct_answer_rate) only the answer line.
-        reasoning_frac: keep only that share of the worked lines (rounded half up; the least
-        significant columns, whose carries the rest depend on), then the answer line: a partial
-        scratchpad whose length grows with the share (the graded effort cold start)."""
+    def worked_demonstration(self, problem: Problem, rng: random.Random) -> str:
+        """The worked solution with a slip in each cascading column at cfg.slip_rate."""
         rate = self.cfg.slip_rate
         slip = (lambda _column: rng.random() < rate) if rate > 0 else None
-        worked = worked_solution(problem.a, problem.b, slip)
-        if reasoning_frac is not None:
-            return partial_scratchpad(worked, reasoning_frac)
-        direct = self.cfg.direct_answer_rate if direct_answer_rate is None else direct_answer_rate
-        if direct and rng.random() < direct:
-            return worked.rsplit("\n", 1)[-1]  # the answer line alone (slips included)
-        return worked
+        return worked_solution(problem.metadata["a"], problem.metadata["b"], slip)
 
-    def verify(self, problem: Problem, response: str) -> Verdict:
+    def verify(self, trajectory: Trajectory, ctx: VerifyContext | None = None) -> Verdict:
         """Reward 1 iff the response's last non-blank line is exactly the sum; never raises."""
-        text = response.strip() if isinstance(response, str) else ""
-        if not text:
-            return Verdict(reward=0.0, correct=False, parsed=None)
-        last = text.splitlines()[-1].strip()
-        if not (last.isascii() and last.isdigit()):
-            return Verdict(reward=0.0, correct=False, parsed=None)
-        correct = last == problem.answer
-        return Verdict(reward=1.0 if correct else 0.0, correct=correct, parsed=last)
+        return last_line_verdict(trajectory.response, trajectory.problem.answer, numeric=True)

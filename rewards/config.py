@@ -1,15 +1,22 @@
-"""Reward/task configuration: pure pydantic, no torch, so recipes validate instantly."""
+"""Dataset configs: one strict config per task family, chosen in a recipe by `type`; `build()` returns
+the `rewards.task.Task`. Pure Python (no torch), so recipes validate instantly.
+
+`type: custom` names a task class of the user's (`task: "package.module:Class"`, constructed as
+`Class(name=..., **args)`); validating the recipe imports it and checks it against the `Task` protocol.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Literal, Union
+import importlib
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, model_validator
 
-from model.config import StrictConfig
-
-if TYPE_CHECKING:
-    from rewards.arithmetic import ArithmeticTask
+from configbase import StrictConfig
+from rewards.arithmetic import ArithmeticTask
+from rewards.domains import DOMAIN_CLASSES
+from rewards.longtail import LongTailConfig
+from rewards.task import Task, missing_task_methods
 
 
 class ArithmeticConfig(StrictConfig):
@@ -43,9 +50,7 @@ class ArithmeticConfig(StrictConfig):
             raise ValueError(f"max_digits={self.max_digits} is smaller than min_digits={self.min_digits}")
         return self
 
-    def build(self) -> "ArithmeticTask":
-        from rewards.arithmetic import ArithmeticTask
-
+    def build(self) -> ArithmeticTask:
         return ArithmeticTask(self)
 
 
@@ -65,10 +70,8 @@ class _ProceduralConfig(StrictConfig):
     direct_answer_rate: float = Field(0.0, ge=0.0, le=1.0)
     """Share of SFT demonstrations that skip the worked lines and write only the answer line."""
 
-    def build(self):
-        from rewards.domains import build_task
-
-        return build_task(self)
+    def build(self) -> Task:
+        return DOMAIN_CLASSES[self.type](self)
 
 
 class _StringLengthConfig(_ProceduralConfig):
@@ -231,6 +234,45 @@ class DigitSumConfig(_DigitsConfig):
     """Most digits."""
 
 
+class CustomTaskConfig(StrictConfig):
+    """A task class of the user's, named by import path and checked against `rewards.task.Task`."""
+
+    type: Literal["custom"] = "custom"
+    """Discriminator: a user-written task."""
+    name: str = Field(min_length=1)
+    """Dataset name; passed to the task's constructor as `name=`."""
+    task: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Import path of the task class, "package.module:Class" (importable where the job runs)."""
+    args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the task's constructor besides `name` (JSON-able values)."""
+
+    @model_validator(mode="after")
+    def _importable_task(self) -> "CustomTaskConfig":
+        missing = missing_task_methods(self.task_class())
+        if missing:
+            raise ValueError(f"task {self.task!r} does not implement the Task protocol (rewards/task.py): "
+                             f"missing {', '.join(missing)}")
+        return self
+
+    def task_class(self) -> type:
+        module_name, _, attr = self.task.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            raise ValueError(f"cannot import task module {module_name!r} ({e})") from None
+        cls = getattr(module, attr, None)
+        if not isinstance(cls, type):
+            raise ValueError(f"{self.task!r}: module {module_name!r} has no class {attr!r}")
+        return cls
+
+    def build(self) -> Task:
+        task = self.task_class()(name=self.name, **self.args)
+        if missing_task_methods(task) or getattr(task, "name", None) != self.name:
+            raise ValueError(f"task {self.task!r} built with name={self.name!r} does not implement the Task "
+                             f"protocol (missing {missing_task_methods(task) or ['name']})")
+        return task
+
+
 PROCEDURAL_DOMAIN_CONFIGS = (
     ReverseConfig, UppercaseConfig, SortDigitsConfig, CountCharConfig, SubtractionConfig,
     MultiplyDigitConfig, ModuloConfig, MaxListConfig, BaseConversionConfig, DigitSumConfig,
@@ -245,3 +287,15 @@ DomainConfig = Annotated[
     Field(discriminator="type"),
 ]
 """Any procedural task domain, chosen by its `type:` key."""
+
+DatasetConfig = Annotated[
+    Union[(ArithmeticConfig, LongTailConfig, CustomTaskConfig, *PROCEDURAL_DOMAIN_CONFIGS)], Field(discriminator="type")]
+"""A recipe's dataset: any task family, chosen by its `type:` key."""
+
+DEFAULT_DOMAIN_CONFIGS = tuple(cls() for cls in PROCEDURAL_DOMAIN_CONFIGS)
+"""One default-configured dataset per procedural domain (unique names), e.g. for a teacher per domain."""
+
+
+def build_task(cfg: Any) -> Task:
+    """The task a dataset config describes."""
+    return cfg.build()

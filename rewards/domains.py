@@ -1,11 +1,9 @@
 """Procedural task domains besides addition: generators, worked demonstrations and verifiers (pure Python).
 
-Each domain is a small task family with the interface of `rewards.arithmetic.ArithmeticTask` (the
-driver's task seam): `name`, `train_stream(seed_offset)`, `heldout()`, `verify(problem, response)`,
-`demonstration(problem, rng)`, `reasoning_tokens(response)`, `response_budget(problem, j)`, and the
-same `Problem` / `Verdict` records. They exist so that OPD has many domains, each served by its own
-teacher (seed §5.2.4), while every one stays learnable by a tiny char-level model on CPU: the prompt
-and the worked solution together fit in ~60 characters of printable ASCII.
+Each domain is a small `rewards.procedural.ProceduralTask` (the `rewards.task.Task` seam). They exist so
+that OPD has many domains, each served by its own teacher (seed §5.2.4), while every one stays
+learnable by a tiny char-level model on CPU: the prompt and the worked solution together fit in ~60
+characters of printable ASCII.
 
 Format shared by all domains. The prompt names the domain and ends with "=" (the driver adds BOS);
 the response is zero or more worked lines, then one answer line, no trailing newline (the driver
@@ -23,145 +21,18 @@ appends EOS). The verifier compares the last non-blank line of a response with t
     base_conversion  13>b2=             13:1 / 6:0 / 3:1 / 1:1 / 1101      (n : n mod k, then n // k)
     digit_sum        dsum 4721=         4 11 13 14 / 14      (running sum)
 
-Splits. An instance is held out iff blake2b(f"{type}:{prompt}") % 10 == 0: the prompt determines the
-instance, so the rule is per domain type (datasets of one type with different names or seeds share it)
-and the train stream, which rejects held-out instances, never meets one. `Problem.a` and `Problem.b`
-carry the domain's integer operands where it has them (subtraction, multiplication, modulo, base
-conversion: a and b; others: a = input length, b = 0); nothing downstream reads them.
+Splits, streams, demonstrations and verification are the shared ones of rewards/procedural.py: an
+instance is held out iff blake2b(f"{type}:{prompt}") % 10 == 0, so the rule is per domain type (datasets
+of one type with different names or seeds share it).
 """
 
 from __future__ import annotations
 
 import random
 import string
-from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
-from rewards.arithmetic import ArithmeticTask, Problem, Verdict, _stable_int, partial_scratchpad
-from rewards.config import (
-    BaseConversionConfig,
-    CountCharConfig,
-    DigitSumConfig,
-    MaxListConfig,
-    ModuloConfig,
-    MultiplyDigitConfig,
-    ReverseConfig,
-    SortDigitsConfig,
-    SubtractionConfig,
-    UppercaseConfig,
-)
-from rewards.longtail import LongTailTask
-
-HELDOUT_MODULUS = 10
-"""An instance is held out iff its hash is 0 modulo this: a fixed 10% of every domain."""
-_MAX_DRAWS_PER_HELDOUT = 1000
-"""Held-out draws give up after this many attempts per wanted problem (a too-small instance space)."""
-
-
-def is_heldout(kind: str, prompt: str) -> bool:
-    """Split rule of every procedural domain: the instance whose prompt this is belongs to the held-out set."""
-    return _stable_int(f"{kind}:{prompt}") % HELDOUT_MODULUS == 0
-
-
-class ProceduralTask:
-    """Shared generator / split / verifier machinery; a domain supplies `draw` and `render`.
-
-    `draw(rng)` returns an instance (any hashable value); `render(instance)` returns
-    (prompt, worked lines, answer, (a, b)). Everything else (splits, streams, verification,
-    demonstrations, ℓ for the length penalty) is the same for every domain."""
-
-    kind: ClassVar[str]
-    """The config's `type` discriminator; it salts the split hash and the streams."""
-
-    def __init__(self, cfg: Any):
-        if cfg.type != self.kind:
-            raise ValueError(f"{type(self).__name__} builds `type: {self.kind}` datasets, got `type: {cfg.type}`")
-        self.cfg = cfg
-        self._heldout: list[Problem] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.cfg.name
-
-    # -- what a domain defines --------------------------------------------------------------------
-    def draw(self, rng: random.Random) -> Any:
-        raise NotImplementedError
-
-    def render(self, instance: Any) -> tuple[str, list[str], str, tuple[int, int]]:
-        raise NotImplementedError
-
-    # -- shared -----------------------------------------------------------------------------------
-    def make_problem(self, instance: Any) -> Problem:
-        prompt, lines, answer, (a, b) = self.render(instance)
-        return Problem(
-            problem_id=f"{self.cfg.name}:{prompt[:-1]}",
-            dataset=self.cfg.name,
-            a=a,
-            b=b,
-            prompt=prompt,
-            answer=answer,
-            solution="\n".join([*lines, answer]),
-        )
-
-    def train_stream(self, seed_offset: int = 0) -> Iterator[Problem]:
-        """Infinite train problems (repeats possible, held-out instances never); reproducible per
-        (cfg.seed, seed_offset), and distinct offsets give distinct streams."""
-        rng = random.Random(_stable_int(f"train:{self.kind}:{self.cfg.seed}:{seed_offset}"))
-        while True:
-            problem = self.make_problem(self.draw(rng))
-            if not is_heldout(self.kind, problem.prompt):
-                yield problem
-
-    def heldout(self) -> list[Problem]:
-        """cfg.num_heldout distinct held-out problems, fixed given cfg.seed, in draw order."""
-        if self._heldout is None:
-            cfg = self.cfg
-            rng = random.Random(_stable_int(f"heldout:{self.kind}:{cfg.seed}"))
-            seen: set[str] = set()
-            problems: list[Problem] = []
-            for _ in range(_MAX_DRAWS_PER_HELDOUT * cfg.num_heldout):
-                problem = self.make_problem(self.draw(rng))
-                if problem.prompt in seen or not is_heldout(self.kind, problem.prompt):
-                    continue
-                seen.add(problem.prompt)
-                problems.append(problem)
-                if len(problems) == cfg.num_heldout:
-                    break
-            else:
-                raise ValueError(
-                    f"dataset {cfg.name!r} (type {self.kind}) found only {len(problems)} distinct held-out "
-                    f"instances of num_heldout={cfg.num_heldout}: the instance space is too small; lower num_heldout"
-                )
-            self._heldout = problems
-        return list(self._heldout)
-
-    reasoning_tokens = staticmethod(ArithmeticTask.reasoning_tokens)
-    """ℓ for the length penalty: every character before the answer line (newlines included)."""
-
-    def response_budget(self, problem: Problem, j: int) -> int | None:
-        """Procedural domains stop at EOS: no forced length."""
-        return None
-
-    def demonstration(self, problem: Problem, rng: random.Random, direct_answer_rate: float | None = None,
-                      reasoning_frac: float | None = None) -> str:
-        """SFT target: the worked solution; with probability direct_answer_rate (default
-        cfg.direct_answer_rate) the answer line alone; reasoning_frac keeps that share of the worked
-        lines (rewards.arithmetic.partial_scratchpad)."""
-        if reasoning_frac is not None:
-            return partial_scratchpad(problem.solution, reasoning_frac)
-        direct = self.cfg.direct_answer_rate if direct_answer_rate is None else direct_answer_rate
-        if direct and rng.random() < direct:
-            return problem.answer
-        return problem.solution
-
-    def verify(self, problem: Problem, response: str) -> Verdict:
-        """Reward 1 iff the response's last non-blank line is exactly the answer; never raises."""
-        text = response.strip() if isinstance(response, str) else ""
-        if not text:
-            return Verdict(reward=0.0, correct=False, parsed=None)
-        last = text.splitlines()[-1].strip()
-        correct = last == problem.answer
-        return Verdict(reward=1.0 if correct else 0.0, correct=correct, parsed=last)
+from rewards.procedural import ProceduralTask
 
 
 def _lowercase(rng: random.Random, cfg: Any, alphabet: str = string.ascii_lowercase) -> str:
@@ -181,7 +52,7 @@ class ReverseTask(ProceduralTask):
         return _lowercase(rng, self.cfg)
 
     def render(self, s):
-        return f"rev {s}=", [], s[::-1], (len(s), 0)
+        return f"rev {s}=", [], s[::-1], {}
 
 
 class UppercaseTask(ProceduralTask):
@@ -191,7 +62,7 @@ class UppercaseTask(ProceduralTask):
         return _lowercase(rng, self.cfg)
 
     def render(self, s):
-        return f"up {s}=", [], s.upper(), (len(s), 0)
+        return f"up {s}=", [], s.upper(), {}
 
 
 class SortDigitsTask(ProceduralTask):
@@ -201,7 +72,7 @@ class SortDigitsTask(ProceduralTask):
         return _lowercase(rng, self.cfg, string.digits)
 
     def render(self, s):
-        return f"sort {s}=", [], "".join(sorted(s)), (len(s), 0)
+        return f"sort {s}=", [], "".join(sorted(s)), {}
 
 
 class CountCharTask(ProceduralTask):
@@ -216,7 +87,7 @@ class CountCharTask(ProceduralTask):
         for ch in s:
             n += ch == c
             running.append(str(n))
-        return f"cnt {c}:{s}=", ["".join(running)], str(n), (len(s), 0)
+        return f"cnt {c}:{s}=", ["".join(running)], str(n), {}
 
 
 def subtraction_lines(a: int, b: int) -> list[str]:
@@ -244,7 +115,7 @@ class SubtractionTask(ProceduralTask):
 
     def render(self, inst):
         a, b = inst
-        return f"{a}-{b}=", subtraction_lines(a, b), str(a - b), (a, b)
+        return f"{a}-{b}=", subtraction_lines(a, b), str(a - b), {}
 
 
 def multiply_lines(a: int, d: int) -> list[str]:
@@ -265,7 +136,7 @@ class MultiplyDigitTask(ProceduralTask):
 
     def render(self, inst):
         a, d = inst
-        return f"{a}*{d}=", multiply_lines(a, d), str(a * d), (a, d)
+        return f"{a}*{d}=", multiply_lines(a, d), str(a * d), {}
 
 
 class ModuloTask(ProceduralTask):
@@ -281,7 +152,7 @@ class ModuloTask(ProceduralTask):
             x = 10 * r + int(ch)
             r = x % m
             lines.append(f"{x}%{m}={r}")
-        return f"{n}%{m}=", lines, str(n % m), (n, m)
+        return f"{n}%{m}=", lines, str(n % m), {}
 
 
 class MaxListTask(ProceduralTask):
@@ -295,7 +166,7 @@ class MaxListTask(ProceduralTask):
         for x in xs:
             best = max(best, x)
             running.append(str(best))
-        return f"max {','.join(map(str, xs))}=", [" ".join(running)], str(best), (len(xs), 0)
+        return f"max {','.join(map(str, xs))}=", [" ".join(running)], str(best), {}
 
 
 class BaseConversionTask(ProceduralTask):
@@ -311,7 +182,7 @@ class BaseConversionTask(ProceduralTask):
             lines.append(f"{x}:{x % k}")
             digits.append(str(x % k))
             x //= k
-        return f"{n}>b{k}=", lines, "".join(reversed(digits)) or "0", (n, k)
+        return f"{n}>b{k}=", lines, "".join(reversed(digits)) or "0", {}
 
 
 class DigitSumTask(ProceduralTask):
@@ -325,7 +196,7 @@ class DigitSumTask(ProceduralTask):
         for ch in str(n):
             total += int(ch)
             running.append(str(total))
-        return f"dsum {n}=", [" ".join(running)], str(total), (len(str(n)), 0)
+        return f"dsum {n}=", [" ".join(running)], str(total), {}
 
 
 DOMAIN_CLASSES: dict[str, type[ProceduralTask]] = {
@@ -334,21 +205,3 @@ DOMAIN_CLASSES: dict[str, type[ProceduralTask]] = {
                 ModuloTask, MaxListTask, BaseConversionTask, DigitSumTask)
 }
 """The procedural domains besides addition, by config `type`."""
-
-TASK_CLASSES: dict[str, type] = {"arithmetic": ArithmeticTask, "longtail": LongTailTask, **DOMAIN_CLASSES}
-"""Every task family, by config `type`: what `build_task` dispatches on."""
-
-DEFAULT_DOMAIN_CONFIGS = (
-    ReverseConfig(), UppercaseConfig(), SortDigitsConfig(), CountCharConfig(), SubtractionConfig(),
-    MultiplyDigitConfig(), ModuloConfig(), MaxListConfig(), BaseConversionConfig(), DigitSumConfig(),
-)
-"""One default-configured dataset per procedural domain (unique names), e.g. for a teacher per domain."""
-
-
-def build_task(cfg: Any):
-    """The task a dataset config describes (the registry lookup behind every `cfg.build()`)."""
-    try:
-        cls = TASK_CLASSES[cfg.type]
-    except KeyError:
-        raise ValueError(f"unknown task type {cfg.type!r}; known: {sorted(TASK_CLASSES)}") from None
-    return cls(cfg)

@@ -8,7 +8,7 @@ reward adds a length term that depends on b:
     r_len(b, ℓ) = −min(C_max, k(b) · ℓ / L_norm),    k(b) = k0 · exp(−(b − b_min) / τ),
     τ = λ · mean spacing of the training levels,
 
-with ℓ the response's reasoning tokens (what a task's `reasoning_tokens` counts) and b_min the lowest
+with ℓ the response's reasoning tokens (the tokens of what a task's `reasoning` returns) and b_min the lowest
 training level. Raising b by τ multiplies the penalty coefficient by 1/e.
 """
 
@@ -18,7 +18,8 @@ import math
 
 from pydantic import Field, field_validator
 
-from model.config import StrictConfig
+from configbase import StrictConfig
+from rewards.task import Message
 
 EFFORT_PREFIX = "Reasoning Effort: {effort} (range 1--100; higher values request more thorough reasoning)"
 
@@ -27,9 +28,17 @@ def effort_prefix(effort: int) -> str:
     return EFFORT_PREFIX.format(effort=effort)
 
 
-def with_effort(prompt: str, effort: int | None) -> str:
-    """The prompt as the policy sees it: the effort prefix line, then the task prompt (None: as is)."""
-    return prompt if effort is None else f"{effort_prefix(effort)}\n{prompt}"
+def with_effort(prompt: str | tuple[Message, ...], effort: int | None) -> str | tuple[Message, ...]:
+    """The prompt as the policy sees it (None: as is). Text: the effort prefix line, then the task prompt.
+    Chat messages: the system prompt is prefixed with that line (seed §5.1.4), a system message holding
+    only the line is added when there is none."""
+    if effort is None:
+        return prompt
+    if isinstance(prompt, str):
+        return f"{effort_prefix(effort)}\n{prompt}"
+    if prompt and prompt[0].role == "system":
+        return (Message("system", f"{effort_prefix(effort)}\n{prompt[0].content}"), *prompt[1:])
+    return (Message("system", effort_prefix(effort)), *prompt)
 
 
 class EffortConfig(StrictConfig):

@@ -18,8 +18,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from model.config import StrictConfig
-from rewards.arithmetic import Problem, Verdict
+from configbase import StrictConfig
+from rewards.task import Problem, Task, Trajectory, Verdict, VerifyContext
 
 
 class LongTailConfig(StrictConfig):
@@ -44,22 +44,19 @@ class LongTailConfig(StrictConfig):
         return LongTailTask(self)
 
 
-class LongTailTask:
+class LongTailTask(Task):
     def __init__(self, cfg: LongTailConfig):
         self.cfg = cfg
-
-    @property
-    def name(self) -> str:
-        return self.cfg.name
+        self.name = cfg.name
 
     def _problem(self, i: int, rng: random.Random) -> Problem:
         c = self.cfg
-        return Problem(f"{c.name}:{i}", c.name, i, rng.randrange(1 << 30), f"{i % 1000}:", "", "", forced_length=c.median_tokens)
+        return Problem(f"{c.name}:{i}", c.name, f"{i % 1000}:", metadata={"length_seed": rng.randrange(1 << 30)})
 
     def response_budget(self, problem: Problem, j: int) -> int:
         """Forced length of sample j of this problem's group (a log-normal draw)."""
         c = self.cfg
-        z = random.Random(f"{problem.b}:{j}").gauss(0.0, 1.0)
+        z = random.Random(f"{problem.metadata['length_seed']}:{j}").gauss(0.0, 1.0)
         return max(1, min(c.max_tokens, round(math.exp(math.log(c.median_tokens) + c.sigma * z))))
 
     def train_stream(self, seed_offset: int = 0) -> Iterator[Problem]:
@@ -73,13 +70,10 @@ class LongTailTask:
         rng = random.Random(f"{self.cfg.seed}:heldout")
         return [self._problem(-1 - i, rng) for i in range(self.cfg.num_heldout)]
 
-    def demonstration(self, problem: Problem, rng: random.Random, direct_answer_rate: float | None = None) -> str:
+    def demonstration(self, problem: Problem, rng: random.Random, *, direct_answer_rate: float | None = None,
+                      reasoning_frac: float | None = None) -> str:
         return "x" * self.response_budget(problem, rng.randrange(1 << 30))
 
-    @staticmethod
-    def reasoning_tokens(response: str) -> int:
-        return len(response)
-
-    def verify(self, problem: Problem, response: str) -> Verdict:
-        bit = hashlib.blake2b(response.encode(), digest_size=1).digest()[0] & 1
-        return Verdict(float(bit), bool(bit), None)
+    def verify(self, trajectory: Trajectory, ctx: VerifyContext | None = None) -> Verdict:
+        bit = hashlib.blake2b(trajectory.response.encode(), digest_size=1).digest()[0] & 1
+        return Verdict(float(bit), bool(bit), "pseudo-random bit of the response")

@@ -31,7 +31,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from rewards.arithmetic import Problem
+from rewards.task import Problem
 from rl import reconfigure
 from rl.config import GRPOStage, OPDStage
 from rl.dispatch import Dispatcher, FinishedMeta, Ticket
@@ -150,8 +150,8 @@ class AsyncGRPO:
         per_worker: dict[int, list[GenerationRequest]] = defaultdict(list)
         for t in tickets:
             problem = next(self.streams[t.dataset])
-            prompt = Prompt(t.prompt_id, t.dataset, problem.prompt, ctx.prompt_tokens(problem), problem.answer,
-                            t.group_size, t.version, self.live.version)
+            prompt = Prompt(t.prompt_id, t.dataset, ctx.renderer.prompt_text(problem), ctx.renderer.prompt_tokens(problem),
+                            problem.answer, t.group_size, t.version, self.live.version)
             self.teacher_of[t.prompt_id] = self.live.teacher_for(t.dataset)
             self.prompts[t.prompt_id] = (prompt, problem)
             ctx.store.add_prompts([prompt])
@@ -162,10 +162,10 @@ class AsyncGRPO:
                 self.load[w] += 1
                 sid = f"{t.prompt_id}-{j}"
                 self.effort_of[sid] = b
-                toks = ctx.prompt_tokens(problem, b)
+                toks = ctx.renderer.prompt_tokens(problem, b)
                 forced = ctx.tasks[t.dataset].response_budget(problem, j)
                 per_worker[w].append(GenerationRequest(
-                    sid, toks, forced or ctx.recipe.engine.max_new_tokens, seed=ctx.sample_seed(sid),
+                    sid, toks, forced or ctx.recipe.engine.max_new_tokens, seed=ctx.renderer.sample_seed(sid),
                     temperature=sampling.temperature, top_p=sampling.top_p, ignore_eos=forced is not None))
         self.policy.get([self.policy.submit(w, "add", reqs) for w, reqs in per_worker.items()])
 
@@ -173,7 +173,7 @@ class AsyncGRPO:
         rewards = self.rt.rewards
         while self.pending_rewards and (block or rewards.ready([self.pending_rewards[0][0]])):
             fut, gens = self.pending_rewards.pop(0)
-            samples = [self.ctx.to_sample(*self.prompts[prompt_id_of(g.sample_id)], g, verdict,
+            samples = [self.ctx.renderer.to_sample(*self.prompts[prompt_id_of(g.sample_id)], g, verdict,
                                           status="discarded" if self.disp.is_discarded(prompt_id_of(g.sample_id)) else "finished",
                                           effort=self.effort_of.pop(g.sample_id),
                                           teacher=self.teacher_of.get(prompt_id_of(g.sample_id)))
@@ -263,7 +263,7 @@ class AsyncGRPO:
                 disp.on_finished(FinishedMeta(g.sample_id, prompt_id_of(g.sample_id), len(g.response_tokens),
                                               min(g.policy_versions)))
             if gens:
-                items = [(self.prompts[prompt_id_of(g.sample_id)][1], self.ctx.tokenizer.decode(g.response_tokens)) for g in gens]
+                items = [self.ctx.renderer.trajectory(self.prompts[prompt_id_of(g.sample_id)][1], g) for g in gens]
                 self.pending_rewards.append((self.rt.rewards.submit(len(self.pending_rewards) % len(self.rt.rewards), "verify", items), gens))
             self.collect_rewards(block=False)
             batch = None

@@ -12,11 +12,10 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
-from model.config import ModelConfig, StrictConfig, same_weights
-from model.tokenizer import CharTokenizer
-from rewards.config import PROCEDURAL_DOMAIN_CONFIGS, ArithmeticConfig
+from configbase import StrictConfig
+from model.config import CharTokenizerConfig, ModelConfig, TokenizerConfig, same_weights
+from rewards.config import DatasetConfig
 from rewards.effort import EffortConfig
-from rewards.longtail import LongTailConfig
 from rl.dispatch import DispatchConfig
 from teachers.config import TeacherPoolConfig
 from rollout.config import EngineConfig
@@ -166,7 +165,6 @@ class OPDStage(GRPOStage):
 
 
 Stage = Annotated[Union[SFTStage, OPDStage, GRPOStage], Field(discriminator="type")]
-DatasetConfig = Annotated[Union[(ArithmeticConfig, LongTailConfig, *PROCEDURAL_DOMAIN_CONFIGS)], Field(discriminator="type")]
 
 
 class RuntimeConfig(StrictConfig):
@@ -229,8 +227,8 @@ class Recipe(StrictConfig):
 
     run: RunConfig = Field(default_factory=RunConfig)
     """Run identity, seed and device."""
-    tokenizer: Literal["char"] = "char"
-    """Tokenizer: the character-level tokenizer of the synthetic tasks."""
+    tokenizer: TokenizerConfig = Field(default_factory=CharTokenizerConfig)
+    """Tokenizer, chosen by `type` (`char`: the character-level tokenizer of the synthetic tasks)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Policy architecture."""
     datasets: list[DatasetConfig] = Field(min_length=1)
@@ -252,11 +250,16 @@ class Recipe(StrictConfig):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Resumable checkpoints: how often, how many kept."""
 
+    @field_validator("tokenizer", mode="before")
+    @classmethod
+    def _tokenizer_by_name(cls, v):
+        return {"type": v} if isinstance(v, str) else v  # `tokenizer: char`, as recipes before the union said
+
     @model_validator(mode="after")
     def validate_vocab(self) -> "Recipe":
-        vocab = CharTokenizer().vocab_size
+        vocab = self.tokenizer.build().vocab_size
         if self.model.vocab_size != vocab:
-            raise ValueError(f"model.vocab_size={self.model.vocab_size} but the {self.tokenizer} tokenizer has {vocab} ids")
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} but the {self.tokenizer.type} tokenizer has {vocab} ids")
         return self
 
     @model_validator(mode="after")

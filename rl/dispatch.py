@@ -39,7 +39,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from model.config import StrictConfig
+from configbase import StrictConfig
 
 
 class WarmupDiscardConfig(StrictConfig):

@@ -18,7 +18,6 @@ the stage loop where it stopped; in-flight samples continue from their exact tok
 
 from __future__ import annotations
 
-import hashlib
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -27,20 +26,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from model.tokenizer import CharTokenizer
-from rewards.arithmetic import ArithmeticTask, Problem, Verdict
-from rewards.effort import with_effort
+from rewards.task import Problem, Task, VerifyContext
 from rl.async_grpo import run_async_grpo
 from rl.checkpoint import CheckpointError, CheckpointManager
 from rl.config import GRPOStage, Recipe, SFTStage
 from rl.metrics import MetricsLogger
 from rl.preempt import Preempted, PreemptionGuard
 from rl.recipe_io import recipe_to_yaml
+from rl.rendering import Renderer
 from rl.runtime import Runtime
 from rl.store import TrajectoryStore, Watermark
 from rl.streams import Cursor
-from rl.types import Prompt, Sample
-from rollout.types import Generation, GenerationRequest
+from rollout.types import GenerationRequest
 
 
 @dataclass
@@ -50,11 +47,11 @@ class RunContext:
     recipe: Recipe
     run_dir: Path
     runtime: Runtime
-    tasks: dict[str, ArithmeticTask]
+    tasks: dict[str, Task]
     store: TrajectoryStore
     logger: MetricsLogger
     say: Callable[[str], None]
-    tokenizer: CharTokenizer
+    renderer: Renderer
     ckpt: CheckpointManager | None = None
     guard: PreemptionGuard | None = None
     global_step: int = 0
@@ -76,17 +73,6 @@ class RunContext:
             seconds = time.monotonic() - self.t_start
             self.say(f"resume: first new token {seconds:.2f} s after start")
             self.logger.log({"resume/first_token_s": seconds}, step=self.global_step)
-
-    def prompt_text(self, problem: Problem, effort: int | None = None) -> str:
-        """The prompt as the policy sees it: the effort prefix line (seed §5.1.4), then the problem."""
-        return with_effort(problem.prompt, effort)
-
-    def prompt_tokens(self, problem: Problem, effort: int | None = None) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(self.prompt_text(problem, effort), bos=True))
-
-    def sample_seed(self, sample_id: str) -> int:
-        digest = hashlib.blake2b(f"{self.recipe.run.seed}:{sample_id}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little") >> 1
 
     def budget(self, stage: SFTStage | GRPOStage, start: int = 0) -> Iterator[int]:
         """Step indices start..max_steps-1 while the stage's wall-clock budget (counting the minutes
@@ -136,25 +122,6 @@ class RunContext:
         self.runtime.policy.call_all("set_version", self.global_step)
         return CheckpointManager.controller_state(self.restore_from)["stage_state"]
 
-    def to_sample(self, prompt: Prompt, problem: Problem, g: Generation, verdict: Verdict, status: str = "finished",
-                  effort: int | None = None, teacher: str | None = None) -> Sample:
-        """A rewarded trajectory; with effort, the subgroup is (prompt, effort) and the reward adds
-        the effort-dependent length penalty (seed §5.1.4)."""
-        text = self.tokenizer.decode(g.response_tokens)
-        reward = verdict.reward
-        if effort is not None:
-            reward += self.recipe.effort.length_penalty(effort, self.tasks[prompt.dataset].reasoning_tokens(text))
-        return Sample(
-            sample_id=g.sample_id, prompt_id=prompt.prompt_id, dataset=prompt.dataset,
-            group_id=prompt.prompt_id if effort is None else f"{prompt.prompt_id}@{effort}",
-            prompt_tokens=g.prompt_tokens, response_tokens=g.response_tokens,
-            prompt_text=self.prompt_text(problem, effort), response_text=text, behavior_logprobs_T=g.logprobs,
-            policy_versions_T=g.policy_versions, reward=reward, correct=verdict.correct,
-            finish_reason=g.finish_reason, status=status, routing_trace=g.routing_trace,
-            timings={"finished_at": time.time(), "generate_s": g.generate_s},
-            teacher=teacher, config_version=prompt.config_version, effort=effort,
-        )
-
     def after_train_step(self, stage: SFTStage | GRPOStage, step: int, metrics: dict) -> None:
         if isinstance(stage, GRPOStage):
             if stage.eval_every and (step + 1) % stage.eval_every == 0:
@@ -169,6 +136,15 @@ class RunContext:
                 self.bar.set_postfix({k: f"{metrics[m]:.3g}" for k, m in shown.items() if m in metrics})
 
 
+def make_context(recipe: Recipe, run_dir: Path, runtime: Runtime, store: TrajectoryStore, logger: MetricsLogger,
+                 say: Callable[[str], None] = print, **kw) -> RunContext:
+    """A RunContext with the recipe's tasks and renderer (tests and benches drive single stages with it)."""
+    tasks = {d.name: d.build() for d in recipe.datasets}
+    renderer = Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed)
+    return RunContext(recipe=recipe, run_dir=run_dir, runtime=runtime, tasks=tasks, store=store, logger=logger, say=say,
+                      renderer=renderer, **kw)
+
+
 def _split(items: list, n: int) -> list[list]:
     return [items[i::n] for i in range(n)]
 
@@ -181,12 +157,12 @@ def evaluate(ctx: RunContext, effort: int | None = None) -> dict[str, float]:
         effort = ctx.recipe.effort.levels[-1]
     for name, task in ctx.tasks.items():
         problems = task.heldout()[: cfg.max_problems]
-        reqs = [GenerationRequest(f"eval-{p.problem_id}", ctx.prompt_tokens(p, effort), ctx.recipe.engine.max_new_tokens,
-                                  seed=ctx.sample_seed(p.problem_id), temperature=cfg.temperature) for p in problems]
+        reqs = [GenerationRequest(f"eval-{p.problem_id}", ctx.renderer.prompt_tokens(p, effort), ctx.recipe.engine.max_new_tokens,
+                                  seed=ctx.renderer.sample_seed(p.problem_id), temperature=cfg.temperature) for p in problems]
         gens = {g.sample_id: g for part in policy.get([policy.submit(w, "generate", chunk)
                                                         for w, chunk in enumerate(_split(reqs, len(policy)))]) for g in part}
         gens = [gens[r.sample_id] for r in reqs]
-        correct = [task.verify(p, ctx.tokenizer.decode(g.response_tokens)).correct for p, g in zip(problems, gens)]
+        correct = [task.verify(ctx.renderer.trajectory(p, g), VerifyContext()).correct for p, g in zip(problems, gens)]
         metrics[f"eval/{name}/accuracy"] = sum(correct) / len(correct)
         metrics[f"eval/{name}/response_len"] = sum(len(g.response_tokens) for g in gens) / len(gens)
         metrics[f"eval/{name}/num_problems"] = len(problems)
@@ -233,8 +209,8 @@ def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
         batch = [next_problem() for _ in range(stage.batch_size)]
         levels = ctx.recipe.effort.levels if ctx.recipe.effort else None
         efforts = [rng.choice(levels) if levels and rng.random() < stage.effort_prefix_frac else None for _ in batch]
-        prompts = [ctx.prompt_tokens(p, b) for p, b in zip(batch, efforts)]
-        responses = [ctx.tokenizer.encode(ctx.tasks[p.dataset].demonstration(p, rng, **cold_start(stage, b)), eos=True)
+        prompts = [ctx.renderer.prompt_tokens(p, b) for p, b in zip(batch, efforts)]
+        responses = [ctx.renderer.tokenizer.encode(ctx.tasks[p.dataset].demonstration(p, rng, **cold_start(stage, b)), eos=True)
                      for p, b in zip(batch, efforts)]
         num_tokens = float(sum(len(r) for r in responses))
         futs = [policy.submit(w, "sft_step", p, r, num_tokens)
@@ -311,8 +287,7 @@ def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, res
     for note in logger.notes:
         say(note)
     runtime = Runtime(recipe)
-    ctx = RunContext(recipe=recipe, run_dir=run_dir, runtime=runtime, tasks={d.name: d.build() for d in recipe.datasets},
-                     store=store, logger=logger, say=say, tokenizer=CharTokenizer(), ckpt=ckpt, summary={}, t_start=t_start)
+    ctx = make_context(recipe, run_dir, runtime, store, logger, say, ckpt=ckpt, summary={}, t_start=t_start)
     first_stage = 0
     if state is not None:
         first_stage, ctx.global_step, ctx.summary = state["stage_idx"], state["global_step"], dict(state["summary"])

@@ -60,29 +60,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch  # heavy imports only past input checks
 
     from model.checkpoint import load_checkpoint
-    from model.tokenizer import CharTokenizer
-    from rewards.effort import with_effort
+    from rewards.task import VerifyContext
+    from rl.rendering import Renderer
     from rollout.engine import Engine
     from rollout.types import GenerationRequest
 
     torch.set_num_threads(recipe.run.num_threads)
     model = load_checkpoint(ckpt).eval()
-    engine = Engine(model, recipe.engine, eos_id=CharTokenizer.eos_id)
-    tok = CharTokenizer()
+    tok = recipe.tokenizer.build()
+    engine = Engine(model, recipe.engine, eos_id=tok.eos_id)
+    tasks = {d.name: d.build() for d in recipe.datasets}
+    renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed)
     print(f"checkpoint {ckpt}")
     print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
     for b in efforts:
-        for d in recipe.datasets:
-            task = d.build()
+        for name, task in tasks.items():
             problems = task.heldout()[: args.max_problems or recipe.eval.max_problems]
-            text = [with_effort(p.prompt, b) for p in problems]
-            reqs = [GenerationRequest(f"eval-{i}", tuple(tok.encode(t, bos=True)), recipe.engine.max_new_tokens, seed=i,
-                                      temperature=recipe.eval.temperature) for i, t in enumerate(text)]
+            reqs = [GenerationRequest(f"eval-{i}", renderer.prompt_tokens(p, b), recipe.engine.max_new_tokens, seed=i,
+                                      temperature=recipe.eval.temperature) for i, p in enumerate(problems)]
             gens = engine.generate(reqs)
-            responses = [tok.decode(g.response_tokens) for g in gens]
-            acc = sum(task.verify(p, r).correct for p, r in zip(problems, responses)) / len(problems)
+            trajectories = [renderer.trajectory(p, g) for p, g in zip(problems, gens)]
+            acc = sum(task.verify(t, VerifyContext()).correct for t in trajectories) / len(problems)
             length = sum(len(g.response_tokens) for g in gens) / len(gens)
-            reasoning = sum(task.reasoning_tokens(r) for r in responses) / len(responses)
+            reasoning = sum(renderer.reasoning_tokens(name, t.response) for t in trajectories) / len(trajectories)
             label = "-" if b is None else str(b)
-            print(f"{label:>7} {d.name:<10} {acc:>9.3f} {length:>9.1f} {reasoning:>10.1f} {len(problems):>9}")
+            print(f"{label:>7} {name:<10} {acc:>9.3f} {length:>9.1f} {reasoning:>10.1f} {len(problems):>9}")
     return 0

@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field, ValidationError
 
-from model.config import StrictConfig
+from configbase import StrictConfig
 from teachers.config import TeacherSpec, check_vocab, read_teacher_config
 
 

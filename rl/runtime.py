@@ -13,7 +13,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any
 
-from rewards.arithmetic import Problem, Verdict
+from rewards.task import Trajectory, Verdict, VerifyContext
 from rl.config import Recipe
 from rl.worker import PolicyWorker
 
@@ -23,9 +23,19 @@ class RewardWorker:
 
     def __init__(self, recipe: Recipe):
         self.tasks = {d.name: d.build() for d in recipe.datasets}
+        self.ctx = VerifyContext()
 
-    def verify(self, items: Sequence[tuple[Problem, str]]) -> list[Verdict]:
-        return [self.tasks[p.dataset].verify(p, text) for p, text in items]
+    def verify(self, trajectories: Sequence[Trajectory]) -> list[Verdict]:
+        return [verify_one(self.tasks[t.problem.dataset], t, self.ctx) for t in trajectories]
+
+
+def verify_one(task, trajectory: Trajectory, ctx: VerifyContext) -> Verdict:
+    """The task's verdict; a verifier that raises scores 0 with the error as its reason instead of ending
+    the job (the sample is kept, so the failure is visible in the store)."""
+    try:
+        return task.verify(trajectory, ctx)
+    except Exception as e:  # a user's verifier: any failure is the sample's, not the run's
+        return Verdict(0.0, False, f"verifier error: {type(e).__name__}: {str(e)[:200]}")
 
 
 class _Done:

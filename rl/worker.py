@@ -20,7 +20,6 @@ import msgpack
 
 from model.checkpoint import load_weights_into, save_checkpoint, write_weights
 from model.decoder import Decoder
-from model.tokenizer import CharTokenizer
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.opd import opd_step
 from rl.trainer import Trainer
@@ -64,7 +63,7 @@ class PolicyWorker:
         if world_size > 1:
             dist.init_process_group("gloo", init_method=dist_init, rank=rank, world_size=world_size)
         self.model = build_policy(recipe)  # same seed on every rank: identical initial weights
-        self.engine = Engine(self.model, recipe.engine, eos_id=CharTokenizer.eos_id, device=recipe.run.device)
+        self.engine = Engine(self.model, recipe.engine, eos_id=recipe.tokenizer.build().eos_id, device=recipe.run.device)
         self.trainer: Trainer | None = None
         self.pool: TeacherPool | None = None  # OPD stages: the teachers (teachers/pool.py)
         self._held: list[RolloutState] = []  # in-flight states parked in host memory during TRAIN

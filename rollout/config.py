@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from model.config import StrictConfig
+from configbase import StrictConfig
 
 
 class SamplingConfig(StrictConfig):

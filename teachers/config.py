@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, model_validator
 
-from model.config import ModelConfig, StrictConfig
+from configbase import StrictConfig
+from model.config import ModelConfig
 
 if TYPE_CHECKING:
     from teachers.pool import TeacherPool

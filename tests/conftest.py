@@ -8,6 +8,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from model.config import DenseFFNConfig, ModelConfig, MoEFFNConfig
+from rewards.task import Trajectory, VerifyContext
 
 
 @pytest.fixture(autouse=True)
@@ -38,3 +39,18 @@ def dense_model():
 
     torch.manual_seed(0)
     return Decoder(debug_config(moe=False)).eval()
+
+
+def verify_text(task, problem, response):
+    """A task's verdict on a one-turn response."""
+    return task.verify(Trajectory.single(problem, response), VerifyContext())
+
+
+def parsed(verdict) -> str | None:
+    """The answer a procedural verdict read, from its reason ("answer 92, expected 961" -> "92"); None when none."""
+    return verdict.reason.removeprefix("answer ").split(",")[0] if verdict.reason.startswith("answer ") else None
+
+
+def len_reasoning(task, response: str) -> int:
+    """ℓ of the length penalty under the char tokenizer (one token per character)."""
+    return len(task.reasoning(response))

@@ -4,11 +4,10 @@ import pytest
 
 from rl.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.driver import RunContext
+from rl.driver import make_context
 from rl.metrics import MetricsLogger
 from rl.runtime import Runtime
 from rl.store import TrajectoryStore
-from model.tokenizer import CharTokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -36,8 +35,7 @@ def async_run(tmp_path_factory):
     logger = MetricsLogger(run_dir, recipe.logging, run_name="async", config={})
     rt = Runtime(recipe)
     try:
-        ctx = RunContext(recipe=recipe, run_dir=run_dir, runtime=rt, tasks={d.name: d.build() for d in recipe.datasets},
-                         store=store, logger=logger, say=print, tokenizer=CharTokenizer())
+        ctx = make_context(recipe, run_dir, rt, store, logger)
         clock = run_async_grpo(ctx, recipe.stages[0], 0)
         info = rt.policy.call_all("info")
         checksums = rt.policy.call_all("weights_checksum")

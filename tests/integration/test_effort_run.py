@@ -4,11 +4,10 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from model.tokenizer import CharTokenizer
 from rewards.effort import effort_prefix
 from rl.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.driver import RunContext
+from rl.driver import make_context
 from rl.metrics import MetricsLogger
 from rl.runtime import Runtime
 from rl.store import TrajectoryStore
@@ -34,8 +33,7 @@ def test_effort_groups_subgroups_and_penalty(tmp_path):
     store = TrajectoryStore.for_run_dir(tmp_path)
     logger = MetricsLogger(tmp_path, recipe.logging, run_name="e", config={})
     rt = Runtime(recipe)
-    ctx = RunContext(recipe=recipe, run_dir=tmp_path, runtime=rt, tasks={d.name: d.build() for d in recipe.datasets},
-                     store=store, logger=logger, say=print, tokenizer=CharTokenizer())
+    ctx = make_context(recipe, tmp_path, rt, store, logger)
     run_async_grpo(ctx, recipe.stages[0], 0)
     logger.close()
     trained = [store.get_sample(r.sample_id) for r in store.query(limit=1000) if r.train_step is not None]
@@ -47,7 +45,7 @@ def test_effort_groups_subgroups_and_penalty(tmp_path):
         assert prompt_id == s.prompt_id and s.effort == int(effort)
         per_prompt[prompt_id][int(effort)] += 1
         assert s.prompt_text.startswith(effort_prefix(int(effort)) + "\n")
-        expected = float(s.correct) + recipe.effort.length_penalty(int(effort), task.reasoning_tokens(s.response_text))
+        expected = float(s.correct) + recipe.effort.length_penalty(int(effort), len(task.reasoning(s.response_text)))
         assert s.reward == pytest.approx(expected)
     # the dispatcher released one group of Σ M_b = 6 per prompt: 3 samples at each level
     assert all(c == {25: 3, 100: 3} for c in per_prompt.values())

@@ -9,8 +9,10 @@ import pytest
 from pydantic import ValidationError
 
 from model.tokenizer import CharTokenizer
-from rewards.arithmetic import ArithmeticTask, Problem, worked_solution
+from rewards.arithmetic import ArithmeticTask, worked_solution
+from rewards.task import Problem, Trajectory
 from rewards.config import ArithmeticConfig
+from tests.conftest import parsed, verify_text
 
 _LINE = re.compile(r"(\d)\+(\d)(\+1)?=(\d{1,2})")
 
@@ -38,9 +40,9 @@ def _random_operand(rng: random.Random) -> int:
 
 def test_brief_example_exact():
     assert worked_solution(372, 589) == "2+9=11\n7+8+1=16\n3+5+1=9\n961"
-    p = _task(name="ar").make_problem(372, 589)
+    p = _task(name="ar").make_problem((372, 589))
     assert (p.problem_id, p.dataset, p.prompt, p.answer) == ("ar:372+589", "ar", "372+589=", "961")
-    assert p.solution == "2+9=11\n7+8+1=16\n3+5+1=9\n961"
+    assert p.metadata["solution"] == "2+9=11\n7+8+1=16\n3+5+1=9\n961"
 
 
 @pytest.mark.parametrize(
@@ -62,10 +64,10 @@ def test_clean_solutions_are_correct_and_consistent_for_random_pairs():
     rng = random.Random(123)
     for _ in range(2000):
         a, b = _random_operand(rng), _random_operand(rng)
-        p = task.make_problem(a, b)
-        assert p.solution.splitlines()[-1] == str(a + b)
-        assert task.verify(p, p.solution).correct
-        cols = _columns(p.solution)
+        p = task.make_problem((a, b))
+        assert p.metadata["solution"].splitlines()[-1] == str(a + b)
+        assert verify_text(task, p, p.metadata["solution"]).correct
+        cols = _columns(p.metadata["solution"])
         assert len(cols) == max(len(str(a)), len(str(b)))
         carry = 0
         for i, (da, db, c, s) in enumerate(cols):
@@ -95,16 +97,16 @@ def test_slip_is_asked_only_in_cascading_columns():
 
 
 def test_full_slip_rate_is_wrong_and_rejected_zero_rate_never_slips():
-    problem = _task().make_problem(47, 55)
+    problem = _task().make_problem((47, 55))
     always = _task(slip_rate=1.0).demonstration(problem, random.Random(0))
     assert always == "7+5=12\n4+5+1=9\n92"
-    verdict = _task().verify(problem, always)
-    assert (verdict.reward, verdict.correct, verdict.parsed) == (0.0, False, "92")
+    verdict = verify_text(_task(), problem, always)
+    assert (verdict.reward, verdict.correct, parsed(verdict)) == (0.0, False, "92")
 
     never = _task(slip_rate=0.0)
     rng = random.Random(0)
     for p in never.heldout():
-        assert never.demonstration(p, rng) == p.solution
+        assert never.demonstration(p, rng) == p.metadata["solution"]
 
 
 def test_measured_slip_frequency_matches_slip_rate():
@@ -132,10 +134,10 @@ def test_generator_respects_digit_range_and_leading_digit():
     lengths: set[int] = set()
     for _ in range(2000):
         p = next(stream)
-        lengths |= {len(str(p.a)), len(str(p.b))}  # a leading zero would show up as a short length
+        lengths |= {len(str(p.metadata["a"])), len(str(p.metadata["b"]))}  # a leading zero would show up as a short length
     assert lengths == {3, 4, 5}
     singles = _task(min_digits=1, max_digits=1).train_stream()
-    assert 0 in {next(singles).a for _ in range(500)}
+    assert 0 in {next(singles).metadata["a"] for _ in range(500)}
 
 
 def test_pair_nine_prob_forces_columns_to_sum_to_nine():
@@ -146,7 +148,7 @@ def test_pair_nine_prob_forces_columns_to_sum_to_nine():
             p = next(stream)
             for i in range(3):  # below b's leading digit the pairing is never overridden
                 total += 1
-                nine += p.a // 10**i % 10 + p.b // 10**i % 10 == 9
+                nine += p.metadata["a"] // 10**i % 10 + p.metadata["b"] // 10**i % 10 == 9
         return nine / total
 
     assert nine_fraction(1.0) == 1.0
@@ -168,10 +170,10 @@ def test_same_seed_same_problems_different_seed_differs():
 def test_train_and_heldout_never_share_a_pair():
     # A small pair space (<= 2 digits), where a stream without the split rule would collide.
     task = _task(min_digits=1, max_digits=2, num_heldout=200)
-    heldout_pairs = {(p.a, p.b) for p in task.heldout()}
+    heldout_pairs = {(p.metadata["a"], p.metadata["b"]) for p in task.heldout()}
     for offset in range(3):
         stream = task.train_stream(offset)
-        train_pairs = {(p.a, p.b) for p in (next(stream) for _ in range(3000))}
+        train_pairs = {(p.metadata["a"], p.metadata["b"]) for p in (next(stream) for _ in range(3000))}
         assert len(train_pairs) > 1000
         assert not train_pairs & heldout_pairs
 
@@ -180,7 +182,7 @@ def test_heldout_size_and_distinct_pairs():
     task = _task(num_heldout=300)
     problems = task.heldout()
     assert len(problems) == 300
-    assert len({(p.a, p.b) for p in problems}) == 300
+    assert len({(p.metadata["a"], p.metadata["b"]) for p in problems}) == 300
     assert len({p.problem_id for p in problems}) == 300
 
 
@@ -190,7 +192,7 @@ def test_heldout_fails_clearly_when_the_pair_space_is_too_small():
 
 
 def test_response_lengths_vary_several_fold():
-    lengths = [len(p.solution) for p in _task(min_digits=1, max_digits=6).heldout()]
+    lengths = [len(p.metadata["solution"]) for p in _task(min_digits=1, max_digits=6).heldout()]
     assert max(lengths) / min(lengths) >= 4
 
 
@@ -198,7 +200,7 @@ def test_response_lengths_vary_several_fold():
 
 
 @pytest.mark.parametrize(
-    "response, correct, parsed",
+    "response, correct, answer",
     [
         ("", False, None),
         ("   \n\n ", False, None),
@@ -213,16 +215,16 @@ def test_response_lengths_vary_several_fold():
         ("\u0669\u0666\u0661", False, None),  # non-ASCII digits are not an answer
     ],
 )
-def test_verifier(response, correct, parsed):
+def test_verifier(response, correct, answer):
     task = _task()
-    verdict = task.verify(task.make_problem(372, 589), response)
-    assert (verdict.correct, verdict.parsed, verdict.reward) == (correct, parsed, 1.0 if correct else 0.0)
+    verdict = verify_text(task, task.make_problem((372, 589)), response)
+    assert (verdict.correct, parsed(verdict), verdict.reward) == (correct, answer, 1.0 if correct else 0.0)
 
 
 def test_verifier_never_raises_on_non_text():
     task = _task()
-    verdict = task.verify(task.make_problem(1, 2), None)  # type: ignore[arg-type]
-    assert (verdict.reward, verdict.correct, verdict.parsed) == (0.0, False, None)
+    verdict = verify_text(task, task.make_problem((1, 2)), None)  # type: ignore[arg-type]
+    assert (verdict.reward, verdict.correct, parsed(verdict)) == (0.0, False, None)
 
 
 # ---- tokenizer, config --------------------------------------------------------------------------
@@ -233,7 +235,7 @@ def test_all_text_is_encodable_by_the_char_tokenizer():
     task = _task(slip_rate=0.5)
     rng = random.Random(0)
     for p in task.heldout():
-        for text in (p.prompt, p.solution, task.demonstration(p, rng)):
+        for text in (p.prompt, p.metadata["solution"], task.demonstration(p, rng)):
             assert tok.decode(tok.encode(text)) == text
 
 

@@ -22,14 +22,10 @@ from rewards.config import (
     ReverseConfig,
     SubtractionConfig,
 )
-from rewards.domains import (
-    DEFAULT_DOMAIN_CONFIGS,
-    DOMAIN_CLASSES,
-    TASK_CLASSES,
-    ProceduralTask,
-    build_task,
-    is_heldout,
-)
+from rewards.config import DEFAULT_DOMAIN_CONFIGS, build_task
+from rewards.domains import DOMAIN_CLASSES
+from rewards.procedural import ProceduralTask, in_heldout_split
+from tests.conftest import parsed, verify_text
 
 DOMAINS = [pytest.param(cfg, id=cfg.type) for cfg in DEFAULT_DOMAIN_CONFIGS]
 
@@ -48,7 +44,7 @@ def test_registry_covers_every_config_type():
     assert isinstance(build_task(ArithmeticConfig()), ArithmeticTask)
     for cfg in DEFAULT_DOMAIN_CONFIGS:
         task = cfg.build()
-        assert type(task) is DOMAIN_CLASSES[cfg.type] is TASK_CLASSES[cfg.type] and task.name == cfg.name
+        assert type(task) is DOMAIN_CLASSES[cfg.type] and task.name == cfg.name
 
 
 def test_union_discriminates_on_type_and_rejects_unknown_keys():
@@ -100,13 +96,13 @@ def test_task_refuses_a_config_of_another_type():
 ])
 def test_worked_solutions_by_hand(cfg, instance, prompt, solution):
     p = cfg.build().make_problem(instance)
-    assert (p.prompt, p.solution, p.answer) == (prompt, solution, solution.splitlines()[-1])
+    assert (p.prompt, p.metadata["solution"], p.answer) == (prompt, solution, solution.splitlines()[-1])
     assert p.problem_id == f"{cfg.name}:{prompt[:-1]}" and p.dataset == cfg.name
 
 
 def _implied_answer(kind: str, p) -> str:
     """The answer the worked lines imply, read back independently of the generator's own arithmetic."""
-    lines = p.solution.splitlines()[:-1]
+    lines = p.metadata["solution"].splitlines()[:-1]
     if kind == "subtraction":
         return "".join(line.split("=")[1].rstrip("b") for line in reversed(lines)).lstrip("0") or "0"
     if kind == "multiply_digit":
@@ -170,10 +166,10 @@ def test_every_character_is_in_the_vocab_and_problems_are_short(cfg):
     tok = CharTokenizer()
     task = cfg.build()
     for p in _train(task, 500) + task.heldout():
-        text = p.prompt + p.solution
+        text = p.prompt + p.metadata["solution"]
         assert tok.decode(tok.encode(text)) == text
         assert len(text) <= 60, text
-        assert p.prompt.endswith("=") and not p.solution.endswith("\n")
+        assert p.prompt.endswith("=") and not p.metadata["solution"].endswith("\n")
 
 
 # ---- seeds and splits -----------------------------------------------------------------------------
@@ -195,12 +191,12 @@ def test_streams_are_deterministic_by_seed_and_offset(cfg):
 def test_heldout_is_disjoint_from_train_whatever_the_seeds(cfg):
     task = cfg.build()
     heldout = {p.prompt for p in task.heldout()}
-    assert len(heldout) == cfg.num_heldout and all(is_heldout(cfg.type, prompt) for prompt in heldout)
+    assert len(heldout) == cfg.num_heldout and all(in_heldout_split(f"{cfg.type}:{prompt}") for prompt in heldout)
     other_seed = cfg.model_copy(update={"seed": 7}).build()
     for t in (task, other_seed):
         train = {p.prompt for p in _train(t, 2000)}
         assert not train & heldout
-        assert not any(is_heldout(cfg.type, prompt) for prompt in train)
+        assert not any(in_heldout_split(f"{cfg.type}:{prompt}") for prompt in train)
 
 
 def test_too_small_instance_space_for_heldout_is_a_clear_error():
@@ -224,18 +220,18 @@ def test_verify_accepts_demonstrations_and_rejects_wrong_answers(cfg):
     rng = random.Random(0)
     for p in _train(task, 100):
         demo = task.demonstration(p, rng)
-        assert demo == p.solution and task.verify(p, demo).correct and task.verify(p, demo).reward == 1.0
-        assert task.verify(p, demo + "\n\n  ").correct  # trailing blank lines are not the answer line
+        assert demo == p.metadata["solution"] and verify_text(task, p, demo).correct and verify_text(task, p, demo).reward == 1.0
+        assert verify_text(task, p, demo + "\n\n  ").correct  # trailing blank lines are not the answer line
         direct = task.demonstration(p, rng, direct_answer_rate=1.0)
-        assert direct == p.answer and task.verify(p, direct).correct
-        assert task.reasoning_tokens(direct) == 0
-        assert task.reasoning_tokens(demo) == len(demo) - len(p.answer)
+        assert direct == p.answer and verify_text(task, p, direct).correct
+        assert task.reasoning(direct) == ""
+        assert len(task.reasoning(demo)) == len(demo) - len(p.answer)
         wrong = _corrupt(p.answer)
-        v = task.verify(p, p.solution[: len(p.solution) - len(p.answer)] + wrong)
-        assert (v.correct, v.reward, v.parsed) == (False, 0.0, wrong)
-        assert not task.verify(p, p.answer + "0").correct  # a prefix match is not enough
-        assert not task.verify(p, p.answer + "\nx").correct  # the last line counts, not any line
-        assert task.verify(p, "").parsed is None and not task.verify(p, "  \n").correct
+        v = verify_text(task, p, p.metadata["solution"][: len(p.metadata["solution"]) - len(p.answer)] + wrong)
+        assert (v.correct, v.reward, parsed(v)) == (False, 0.0, wrong)
+        assert not verify_text(task, p, p.answer + "0").correct  # a prefix match is not enough
+        assert not verify_text(task, p, p.answer + "\nx").correct  # the last line counts, not any line
+        assert parsed(verify_text(task, p, "")) is None and not verify_text(task, p, "  \n").correct
         assert task.response_budget(p, 0) is None
 
 

@@ -9,6 +9,7 @@ from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig
 from rewards.effort import EffortConfig, effort_prefix
 from rl.losses import group_advantages
+from tests.conftest import len_reasoning
 
 
 def test_exact_prefix_text():
@@ -51,38 +52,38 @@ def test_subgroup_advantages_never_mix_efforts():
 
 def test_reasoning_tokens_of_the_arithmetic_task():
     task = ArithmeticTask(ArithmeticConfig())
-    solution = task.make_problem(372, 589).solution
-    assert task.reasoning_tokens(solution) == len(solution) - len("961")
-    assert task.reasoning_tokens("961") == 0
-    assert task.reasoning_tokens("") == 0
+    solution = task.make_problem((372, 589)).metadata["solution"]
+    assert len_reasoning(task, solution) == len(solution) - len("961")
+    assert len_reasoning(task, "961") == 0
+    assert len_reasoning(task, "") == 0
 
 
 def test_direct_answer_demonstrations():
     import random
 
     task = ArithmeticTask(ArithmeticConfig(direct_answer_rate=0.5))
-    p = task.make_problem(372, 589)
+    p = task.make_problem((372, 589))
     demos = [task.demonstration(p, random.Random(i)) for i in range(200)]
     direct = sum(d == "961" for d in demos)
-    assert 70 < direct < 130 and all(d == "961" or d == p.solution for d in demos)
+    assert 70 < direct < 130 and all(d == "961" or d == p.metadata["solution"] for d in demos)
 
 
 def test_demonstration_direct_answer_override():
     import random
 
     task = ArithmeticTask(ArithmeticConfig(direct_answer_rate=0.5))
-    p = task.make_problem(372, 589)
+    p = task.make_problem((372, 589))
     assert all(task.demonstration(p, random.Random(i), direct_answer_rate=1.0) == "961" for i in range(20))
-    assert all(task.demonstration(p, random.Random(i), direct_answer_rate=0.0) == p.solution for i in range(20))
+    assert all(task.demonstration(p, random.Random(i), direct_answer_rate=0.0) == p.metadata["solution"] for i in range(20))
 
 
 def test_partial_scratchpad_keeps_a_growing_share_of_the_worked_lines():
-    from rewards.arithmetic import partial_scratchpad
+    from rewards.procedural import partial_scratchpad
 
     task = ArithmeticTask(ArithmeticConfig(slip_rate=0.0))
-    p = task.make_problem(4567, 5678)  # 4 columns: 4 worked lines, then the answer
-    lens = [task.reasoning_tokens(task.demonstration(p, random.Random(0), reasoning_frac=f)) for f in (0, 0.25, 0.5, 0.75, 1)]
+    p = task.make_problem((4567, 5678))  # 4 columns: 4 worked lines, then the answer
+    lens = [len_reasoning(task, task.demonstration(p, random.Random(0), reasoning_frac=f)) for f in (0, 0.25, 0.5, 0.75, 1)]
     assert lens == sorted(lens) and lens[0] == 0 and len(set(lens)) == 5
-    assert task.demonstration(p, random.Random(0), reasoning_frac=1.0) == p.solution
+    assert task.demonstration(p, random.Random(0), reasoning_frac=1.0) == p.metadata["solution"]
     assert partial_scratchpad("1+2=3\n4+5=9\n93", 0.5).splitlines() == ["1+2=3", "93"]
     assert partial_scratchpad("1+2=3\n4+5=9\n93", 0.75).splitlines() == ["1+2=3", "4+5=9", "93"]  # 1.5 rounds up

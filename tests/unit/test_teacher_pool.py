@@ -21,7 +21,7 @@ from rewards.config import UppercaseConfig
 from teachers.config import TeacherPoolConfig, TeacherSpec, check_vocab
 from teachers.pool import TeacherPool
 from teachers.architectures import ARCHITECTURES, tiny
-from teachers.train_teachers import build_teachers, greedy_responses, sft, sft_batch
+from rl.train_teachers import build_teachers, greedy_responses, sft, sft_batch
 
 _SAME = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                     ffn=DenseFFNConfig(intermediate_size=64))
@@ -465,7 +465,7 @@ def test_sft_batch_scores_exactly_the_response_and_eos():
     tok = CharTokenizer()
     for row, p in enumerate(problems):
         targets = ids[row, 1:][mask[row]].tolist()
-        assert targets[-1] == tok.eos_id and tok.decode(targets[:-1]) == p.solution
+        assert targets[-1] == tok.eos_id and tok.decode(targets[:-1]) == p.metadata["solution"]
 
 
 def test_sft_learns_and_greedy_decoding_stops_at_eos():

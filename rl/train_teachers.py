@@ -1,6 +1,6 @@
 """Build a zoo of heterogeneous teachers for the procedural domains (the OPD stage's teacher set, seed §5.2.4).
 
-    python -m teachers.train_teachers --out runs/teachers [--num-teachers 12] [--train 4] [--steps 300]
+    python -m rl.train_teachers --out runs/teachers [--num-teachers 12] [--train 4] [--steps 300]
 
 Teacher i gets architecture ARCHITECTURES[i mod 5] (dense narrow-deep, dense wide-shallow, MoE, MQA,
 no-qk-norm with tied embeddings: they differ in depth, width, heads, KV heads and FFN type, and share
@@ -31,7 +31,8 @@ from model.checkpoint import save_checkpoint
 from model.config import ModelConfig
 from model.decoder import Decoder
 from model.tokenizer import EOS_ID, PAD_ID, CharTokenizer
-from rewards.domains import DEFAULT_DOMAIN_CONFIGS
+from rewards.config import DEFAULT_DOMAIN_CONFIGS
+from rewards.task import Trajectory, VerifyContext
 from teachers.architectures import ARCHITECTURES, tiny
 from teachers.config import TeacherPoolConfig, TeacherSpec
 
@@ -109,7 +110,7 @@ def greedy_responses(model: Decoder, prompts: Sequence[str], max_new_tokens: int
 def heldout_accuracy(model: Decoder, task, max_problems: int | None = None) -> float:
     problems = task.heldout()[:max_problems]
     responses = greedy_responses(model, [p.prompt for p in problems])
-    return sum(task.verify(p, r).correct for p, r in zip(problems, responses)) / len(problems)
+    return sum(task.verify(Trajectory.single(p, r), VerifyContext()).correct for p, r in zip(problems, responses)) / len(problems)
 
 
 @dataclass

@@ -1,0 +1,78 @@
+"""From a task's `Problem` to the policy's prompt tokens, and from a finished `Generation` to a rewarded
+`Sample`: the one place where tasks, the tokenizer and effort conditioning meet.
+
+A prompt is rendered once (text as is, chat messages through the tokenizer's chat template), with the
+effort prefix of seed §5.1.4 when the sample carries an effort level, and encoded once; from then on
+the rollout moves token ids. A response's reward is the task's verdict plus, with effort conditioning,
+the length penalty r_len = −min(C_max, k(b)·ℓ/L_norm), ℓ counted in tokens of what the task calls its
+reasoning (rewards/effort.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from model.tokenizer import Tokenizer
+from rewards.effort import EffortConfig, with_effort
+from rewards.task import Problem, Task, Trajectory, Verdict
+from rl.types import Prompt, Sample
+from rollout.types import Generation
+
+
+def sample_seed(run_seed: int, sample_id: str) -> int:
+    """The sampler seed of one sample (counter-based sampling): fixed by the run seed and the sample id,
+    so a resumed job, `rl eval` and the in-run evaluation draw the same tokens."""
+    digest = hashlib.blake2b(f"{run_seed}:{sample_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class Renderer:
+    tokenizer: Tokenizer
+    tasks: Mapping[str, Task]
+    effort: EffortConfig | None = None
+    run_seed: int = 0
+
+    def prompt_text(self, problem: Problem, effort: int | None = None) -> str:
+        """The prompt exactly as tokenised: the effort prefix (seed §5.1.4), then the problem; chat
+        messages rendered by the tokenizer's chat template."""
+        prompt = with_effort(problem.prompt, effort)
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in prompt],
+                                                  add_generation_prompt=True)
+
+    def prompt_tokens(self, problem: Problem, effort: int | None = None) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(self.prompt_text(problem, effort), bos=self.tokenizer.add_bos))
+
+    def sample_seed(self, sample_id: str) -> int:
+        return sample_seed(self.run_seed, sample_id)
+
+    def trajectory(self, problem: Problem, g: Generation) -> Trajectory:
+        return Trajectory.single(problem, self.tokenizer.decode(g.response_tokens), g.finish_reason)
+
+    def reasoning_tokens(self, dataset: str, response: str) -> int:
+        """ℓ of the length penalty: tokens of the part of `response` its task counts as reasoning."""
+        return len(self.tokenizer.encode(self.tasks[dataset].reasoning(response)))
+
+    def to_sample(self, prompt: Prompt, problem: Problem, g: Generation, verdict: Verdict, *, status: str = "finished",
+                  effort: int | None = None, teacher: str | None = None) -> Sample:
+        """A rewarded trajectory; with effort, the subgroup is (prompt, effort) and the reward adds the
+        effort-dependent length penalty (seed §5.1.4)."""
+        text = self.tokenizer.decode(g.response_tokens)
+        reward = verdict.reward
+        if effort is not None:
+            reward += self.effort.length_penalty(effort, self.reasoning_tokens(prompt.dataset, text))
+        return Sample(
+            sample_id=g.sample_id, prompt_id=prompt.prompt_id, dataset=prompt.dataset,
+            group_id=prompt.prompt_id if effort is None else f"{prompt.prompt_id}@{effort}",
+            prompt_tokens=g.prompt_tokens, response_tokens=g.response_tokens,
+            prompt_text=self.prompt_text(problem, effort), response_text=text, behavior_logprobs_T=g.logprobs,
+            policy_versions_T=g.policy_versions, reward=reward, correct=verdict.correct,
+            finish_reason=g.finish_reason, status=status, routing_trace=g.routing_trace,
+            timings={"finished_at": time.time(), "generate_s": g.generate_s},
+            teacher=teacher, config_version=prompt.config_version, effort=effort,
+        )
