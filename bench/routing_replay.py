@@ -24,9 +24,10 @@ from model.decoder import Decoder
 from model.tokenizer import CharTokenizer
 from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig
-from rl.config import OptimConfig
+from rl.config import OptimConfig, SFTStage
 from rl.losses import token_logprobs
-from rl.trainer import Trainer, pack
+from rl.objectives import SFTObjective
+from rl.trainer import TrainBatch, Trainer, pack
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.types import GenerationRequest
@@ -51,6 +52,14 @@ def drift(model, gens, tok) -> dict[str, float]:
     return out
 
 
+SFT = SFTObjective(SFTStage())
+
+
+def sft_batch(tok, task, problems, rng) -> TrainBatch:
+    responses = [tok.encode(task.demonstration(p, rng), eos=True) for p in problems]
+    return TrainBatch([tok.encode(p.prompt, bos=True) for p in problems], responses, float(sum(map(len, responses))))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -73,8 +82,7 @@ def main() -> None:
         warm = Trainer(model, OptimConfig(lr=2e-3))
         for _ in range(40 if a.quick else 150):  # a policy with some structure, so routing is not arbitrary
             batch = [next(stream) for _ in range(32)]
-            warm.sft_step([tok.encode(p.prompt, bos=True) for p in batch],
-                          [tok.encode(task.demonstration(p, rng), eos=True) for p in batch])
+            warm.train_step(sft_batch(tok, task, batch, rng), SFT)
     n = 64 if a.quick else a.samples
     problems = [next(stream) for _ in range(n)]
     model.eval()
@@ -86,8 +94,7 @@ def main() -> None:
     for k in ks:
         while done < k:
             batch = [next(stream) for _ in range(32)]
-            trainer.sft_step([tok.encode(p.prompt, bos=True) for p in batch],
-                             [tok.encode(task.demonstration(p, rng), eos=True) for p in batch])
+            trainer.train_step(sft_batch(tok, task, batch, rng), SFT)
             done += 1
         model.eval()
         rows.append((k, drift(model, gens, tok)))

@@ -39,6 +39,7 @@ from rl.faults import fault_point
 from rl.losses import group_advantages
 from rl.metrics import rollout_breakdown
 from rl.streams import Cursor
+from rl.trainer import TrainBatch, merge_step_metrics
 from rl.types import Prompt, Sample
 from rollout.types import Generation, GenerationRequest
 
@@ -61,28 +62,6 @@ class RolloutClock:
     train_s: float = 0.0
     generated_tokens: int = 0
     bytes_moved: int = 0
-
-
-def _merge_rank_metrics(per_rank: list[dict], tokens: list[int]) -> dict:
-    """One step's metrics from every data-parallel rank's: the loss terms (already ÷ global tokens) and
-    counters add up, `rl/*` ratios are token-weighted means, the OPD KL per token is weighted by each
-    rank's KL tokens, the teacher pools' overhead is recomputed from their summed seconds; the rest
-    (grad norm, lr: equal after the all-reduce) is rank 0's."""
-    total = max(sum(tokens), 1)
-    out = dict(per_rank[0])
-    summed = {"rl/loss", "opd/kl_loss", "opd/kl_tokens"}
-    for k in per_rank[0]:
-        if k in summed or (k.startswith("teachers/") and k != "teachers/overhead"):
-            out[k] = sum(m[k] for m in per_rank)
-        elif k.startswith("rl/"):
-            out[k] = sum(m[k] * n for m, n in zip(per_rank, tokens)) / total
-        elif k == "opd/kl_per_token":
-            kl_tokens = sum(m["opd/kl_tokens"] for m in per_rank)
-            out[k] = sum(m[k] * m["opd/kl_tokens"] for m in per_rank) / max(kl_tokens, 1.0)
-    if "teachers/overhead" in out:
-        compute = out["teachers/compute_s"]
-        out["teachers/overhead"] = out["teachers/load_wait_s"] / compute if compute > 0 else 0.0
-    return out
 
 
 class AsyncGRPO:
@@ -293,7 +272,7 @@ class AsyncGRPO:
             [s.reward for s in samples], [s.group_id for s in samples], std_normalize=stage.std_normalize)))
         num_tokens = float(sum(s.num_response_tokens for s in samples))
         shards = [[s for g in groups[w :: self.n_workers] for s in g] for w in range(self.n_workers)]
-        temperature = ctx.recipe.engine.sampling.temperature or 1.0
+        teacher: dict[str, str] = {}
         if isinstance(stage, OPDStage):  # each sample's teacher; a removed teacher's samples go to the new one
             teacher = {s.sample_id: s.teacher if s.teacher in self.live.active_teachers else self.live.teacher_for(s.dataset)
                        for s in samples}
@@ -303,13 +282,9 @@ class AsyncGRPO:
                     moved[teacher[s.sample_id]].append(s.sample_id)
             for name, ids in moved.items():
                 ctx.store.set_teacher(ids, name)
-            per_rank = policy.get([policy.submit(w, "opd_step", shard, [teacher[s.sample_id] for s in shard],
-                                                 [adv[s.sample_id] for s in shard], num_tokens, stage, temperature)
-                                   for w, shard in enumerate(shards)])
-        else:
-            per_rank = policy.get([policy.submit(w, "grpo_step", shard, [adv[s.sample_id] for s in shard], num_tokens,
-                                                 stage, temperature) for w, shard in enumerate(shards)])
-        metrics = _merge_rank_metrics(per_rank, [sum(s.num_response_tokens for s in sh) for sh in shards])
+        batches = [TrainBatch.from_samples(shard, [adv[s.sample_id] for s in shard], num_tokens,
+                                           [teacher[s.sample_id] for s in shard] if teacher else None) for shard in shards]
+        metrics = merge_step_metrics(policy.get([policy.submit(w, "train_step", b, stage) for w, b in enumerate(batches)]))
         if isinstance(stage, OPDStage):
             metrics["opd/teachers_in_step"] = len(set(teacher.values()))  # across ranks, not rank 0's
         fault_point("train")

@@ -69,6 +69,8 @@ class SFTStage(StrictConfig):
     """Wall-clock budget; the stage ends at whichever of max_steps / max_minutes comes first."""
     batch_size: int = Field(64, gt=0)
     """Demonstrations per optimizer step."""
+    micro_batch_size: int | None = Field(None, gt=0)
+    """Demonstrations per forward/backward (gradients accumulate over a step); None: a worker's whole share."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """Optimizer of this stage."""
     effort_prefix_frac: float = Field(1.0, ge=0, le=1)

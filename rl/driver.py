@@ -36,6 +36,7 @@ from rl.recipe_io import recipe_to_yaml
 from rl.rendering import Renderer
 from rl.runtime import Runtime
 from rl.store import TrajectoryStore, Watermark
+from rl.trainer import TrainBatch, merge_step_metrics
 from rl.streams import Cursor
 from rollout.types import GenerationRequest
 
@@ -213,10 +214,9 @@ def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
         responses = [ctx.renderer.tokenizer.encode(ctx.tasks[p.dataset].demonstration(p, rng, **cold_start(stage, b)), eos=True)
                      for p, b in zip(batch, efforts)]
         num_tokens = float(sum(len(r) for r in responses))
-        futs = [policy.submit(w, "sft_step", p, r, num_tokens)
+        futs = [policy.submit(w, "train_step", TrainBatch(p, r, num_tokens), stage)
                 for w, (p, r) in enumerate(zip(_split(prompts, len(policy)), _split(responses, len(policy))))]
-        per_rank = policy.get(futs)
-        metrics = dict(per_rank[0], **{"sft/loss": sum(m["sft/loss"] for m in per_rank)})
+        metrics = merge_step_metrics(policy.get(futs))
         ctx.global_step += 1
         policy.call_all("set_version", ctx.global_step)
         ctx.after_train_step(stage, step, metrics)

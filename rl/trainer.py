@@ -1,28 +1,35 @@
-"""Trainer v0: SFT steps on demonstrations and GRPO steps on sampled trajectories.
+"""The trainer: one optimizer step on one rank's share of a batch, through one micro-batch loop that every
+objective (SFT, GRPO, OPD: rl/objectives.py) plugs into.
 
 The trainer owns the optimizer and updates the policy's weights in place; the engine holds the same
-module (colocated), so after a step the next rollout token already uses the new weights. With a
-torch.distributed process group (several PolicyWorkers) each rank computes its shard's loss
-normalised by the *global* token count and gradients are summed across ranks before clipping, so
-every rank applies the same update as one big batch would.
+module (colocated), so after a step the next rollout token already uses the new weights. A step sorts
+the rank's rows by length (micro-batches of similar length waste little padding), packs each
+micro-batch, asks the objective for its loss, adds the CSA2 indexer KL, backpropagates, and finally
+all-reduces gradients across ranks, clips and steps. Every loss is normalised by the *global* number of
+response tokens of the step (`TrainBatch.num_tokens`), so summing gradients over micro-batches and ranks
+gives exactly the gradient of one big batch.
 
 CSA2 models (seed §2.3) add the indexer KL (seed §3.1.2) to each micro-batch's loss, weighted by
 `sparse_attention.aux_loss_weight` and by the micro-batch's share of the global response tokens, so the
 added term is the token-weighted mean over the batch (summed across ranks, like the policy loss). Its
 gradient reaches only the indexer; it is logged as `train/indexer_kl`.
+
+Metrics come back as `StepMetrics` (sums, token-weighted means, values equal on every rank); the
+controller merges the ranks' with `merge_step_metrics`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from model.decoder import Decoder
-from rl.config import GRPOStage, OptimConfig
-from rl.losses import PolicyLossInputs, grpo_loss, group_advantages, sft_loss, staleness_keep, token_logprobs
+from rl.config import OptimConfig
 from rl.types import Sample
 
 
@@ -78,6 +85,118 @@ def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]
                        lengths=torch.tensor([len(s) - 1 for s in seqs], device=device))
 
 
+@dataclass(frozen=True)
+class TrainBatch:
+    """One rank's rows of one optimizer step (picklable: it crosses to the worker). Per-row lists, `_B`."""
+
+    prompts_B: Sequence[Sequence[int]]
+    responses_B: Sequence[Sequence[int]]
+    num_tokens: float
+    """Normaliser of every loss term: response tokens of the whole step, over all ranks."""
+    behavior_logprobs_B: Sequence[Sequence[float]] | None = None
+    versions_B: Sequence[Sequence[int]] | None = None
+    routing_B: Sequence[np.ndarray | None] | None = None
+    advantages_B: Sequence[float] | None = None
+    teachers_B: Sequence[str] | None = None
+    """OPD: the teacher that scores each row."""
+
+    @classmethod
+    def from_samples(cls, samples: Sequence[Sample], advantages_B: Sequence[float], num_tokens: float,
+                     teachers_B: Sequence[str] | None = None) -> "TrainBatch":
+        return cls([s.prompt_tokens for s in samples], [s.response_tokens for s in samples], num_tokens,
+                   [s.behavior_logprobs_T for s in samples], [s.policy_versions_T for s in samples],
+                   [s.routing_trace for s in samples], list(advantages_B), teachers_B)
+
+    def __len__(self) -> int:
+        return len(self.prompts_B)
+
+    @property
+    def response_tokens(self) -> float:
+        return float(sum(len(r) for r in self.responses_B))
+
+    def select(self, idx: Sequence[int]) -> "TrainBatch":
+        """The rows `idx`, in that order (the normaliser stays the step's)."""
+        pick = {f.name: (None if (v := getattr(self, f.name)) is None else [v[i] for i in idx])
+                for f in fields(self) if f.name.endswith("_B")}
+        return TrainBatch(num_tokens=self.num_tokens, **pick)
+
+    def pack(self, device: str | torch.device, routing: bool = False) -> PackedBatch:
+        return pack(self.prompts_B, self.responses_B, self.behavior_logprobs_B,
+                    routing_B=self.routing_B if routing else None, versions_B=self.versions_B, device=device)
+
+
+@dataclass
+class LossTerms:
+    """What an objective returns for one micro-batch."""
+
+    loss: torch.Tensor
+    """Scalar to backpropagate, already ÷ the step's global token count."""
+    sums: dict[str, float] = field(default_factory=dict)
+    """Metrics that add up over micro-batches and ranks (loss terms ÷ global tokens, counts)."""
+    means: dict[str, float] = field(default_factory=dict)
+    """Per-token means over this micro-batch's response tokens."""
+    indexer_kl: torch.Tensor | None = None
+    """CSA2: the micro-batch's indexer KL (the trainer adds it, weighted)."""
+
+
+class Objective(Protocol):
+    """A training loss over micro-batches (rl/objectives.py)."""
+
+    micro_batch_size: int | None
+    """Rows per forward/backward; None: the whole shard at once."""
+    routing_replay: bool
+    """Pack the rows' recorded routing traces for the forward to replay (MoE, seed §5.2.1)."""
+
+    def __call__(self, model: Decoder, b: PackedBatch, rows: TrainBatch, upcoming: TrainBatch | None) -> LossTerms:
+        """The micro-batch's loss; `upcoming`: the next micro-batch's rows, for prefetching (OPD teachers)."""
+        ...
+
+    def step_metrics(self) -> "StepMetrics":
+        """Metrics of the whole step, after the last micro-batch (e.g. the teacher pool's counters)."""
+        ...
+
+
+@dataclass
+class StepMetrics:
+    """One rank's metrics of one step, in a form that merges across ranks (`merge_step_metrics`)."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    means: dict[str, float] = field(default_factory=dict)
+    tokens: float = 0.0
+    """This rank's response tokens: the weight of its means."""
+    shared: dict[str, float] = field(default_factory=dict)
+    """Equal on every rank (the gradient norm and learning rate after the all-reduce); rank 0's is kept."""
+
+    def add(self, terms: LossTerms, tokens: float) -> None:
+        for k, v in terms.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        total = self.tokens + tokens
+        for k, v in terms.means.items():  # running token-weighted mean
+            self.means[k] = (self.means.get(k, 0.0) * self.tokens + v * tokens) / max(total, 1e-12)
+        self.tokens = total
+
+
+RATIOS = {"opd/kl_per_token": ("opd/kl_sum", "opd/kl_tokens"),
+          "teachers/overhead": ("teachers/load_wait_s", "teachers/compute_s")}
+"""Metrics that are ratios of two summed metrics, computed after merging."""
+
+
+def merge_step_metrics(parts: Sequence[StepMetrics]) -> dict[str, float]:
+    """One step's metrics from every data-parallel rank's: sums add, means are weighted by each rank's
+    response tokens, shared values are rank 0's, and the `RATIOS` are taken of the merged sums."""
+    out = dict(parts[0].shared)
+    total = sum(p.tokens for p in parts)
+    for p in parts:
+        for k, v in p.sums.items():
+            out[k] = out.get(k, 0.0) + v
+    for k in parts[0].means:
+        out[k] = sum(p.means.get(k, 0.0) * p.tokens for p in parts) / max(total, 1e-12)
+    for name, (num, den) in RATIOS.items():
+        if num in out and den in out:
+            out[name] = out[num] / out[den] if out[den] > 0 else 0.0
+    return out
+
+
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     warm = cfg.warmup_steps
@@ -89,27 +208,50 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def by_length(batch: TrainBatch) -> list[int]:
+    """Row order for micro-batching: similar lengths together (padding to the longest wastes little)."""
+    return sorted(range(len(batch)), key=lambda i: len(batch.prompts_B[i]) + len(batch.responses_B[i]))
+
+
 class Trainer:
     def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu"):
         self.model, self.optim_cfg, self.device = model, optim, device
         self.opt, self.sched = build_optimizer(model, optim)
 
-    def _forward(self, b: PackedBatch, routing_replay: torch.Tensor | None = None,
-                 checkpoint_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (logits [B, T, V] float32, indexer KL scalar for CSA2 models (over real tokens) else None)."""
-        sparse = self.model.config.is_sparse
-        out = self.model.forward_hidden(b.input_ids, routing_replay=routing_replay, checkpoint_layers=checkpoint_layers,
-                                        compute_indexer_loss=sparse, indexer_query_mask=b.token_mask() if sparse else None)
-        return self.model.logits(out.hidden), out.indexer_loss
+    def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
+        """One optimizer step on this rank's rows: `accumulate` the gradient, then `apply` it."""
+        metrics = self.accumulate(batch, objective)
+        metrics.shared["train/grad_norm"] = self.apply()
+        metrics.shared["train/lr"] = self.sched.get_last_lr()[0]
+        return metrics
 
-    def _with_indexer_loss(self, loss: torch.Tensor, indexer_kl: torch.Tensor | None, share: float) -> torch.Tensor:
-        """loss + aux_loss_weight · share · indexer_kl; share = this micro-batch's fraction of the global
-        response tokens (so the shares of all micro-batches on all ranks sum to 1)."""
-        if indexer_kl is None:
-            return loss
-        return loss + self.model.config.sparse_attention.aux_loss_weight * share * indexer_kl
+    def accumulate(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
+        """The micro-batch loop: add this rank's share of the step's gradient to `.grad`."""
+        self.model.train()
+        order = by_length(batch)
+        size = objective.micro_batch_size or max(len(order), 1)
+        micro = [batch.select(order[lo : lo + size]) for lo in range(0, len(order), size)]
+        metrics = StepMetrics()
+        aux_weight = self.model.config.sparse_attention.aux_loss_weight if self.model.config.is_sparse else 0.0
+        for k, rows in enumerate(micro):
+            b = rows.pack(self.device, routing=objective.routing_replay)
+            terms = objective(self.model, b, rows, micro[k + 1] if k + 1 < len(micro) else None)
+            tokens = float(b.mask.sum())
+            loss = terms.loss
+            if terms.indexer_kl is not None:
+                # aux_loss_weight · (this micro-batch's share of the global response tokens) · indexer KL
+                loss = loss + aux_weight * tokens / max(batch.num_tokens, 1.0) * terms.indexer_kl
+                terms.means["train/indexer_kl"] = float(terms.indexer_kl.detach())
+            loss.backward()
+            metrics.add(terms, tokens)
+        step = objective.step_metrics()
+        for k, v in step.sums.items():
+            metrics.sums[k] = metrics.sums.get(k, 0.0) + v
+        metrics.shared.update(step.shared)
+        return metrics
 
-    def _apply(self) -> float:
+    def apply(self) -> float:
+        """Sum gradients across ranks, clip, step the optimizer and the LR schedule; returns the grad norm."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         if _distributed():  # one flat all-reduce instead of one per parameter
             for p in params:  # a rank whose shard never reached some parameter still joins the sum
@@ -126,74 +268,3 @@ class Trainer:
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         return float(gnorm)
-
-    def sft_step(self, prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]],
-                 num_tokens: float | None = None) -> dict[str, float]:
-        """num_tokens: response tokens of the whole (global) batch; default this shard's."""
-        self.model.train()
-        b = pack(prompts_B, responses_B, device=self.device)
-        logits, indexer_kl = self._forward(b)
-        loss, metrics = sft_loss(logits, b.targets, b.mask, num_tokens)
-        n_mb = float(b.mask.sum())
-        loss = self._with_indexer_loss(loss, indexer_kl, n_mb / (num_tokens if num_tokens is not None else max(n_mb, 1.0)))
-        if indexer_kl is not None:
-            metrics["train/indexer_kl"] = float(indexer_kl.detach())
-        loss.backward()
-        metrics["train/grad_norm"] = self._apply()
-        metrics["train/lr"] = self.sched.get_last_lr()[0]
-        return metrics
-
-    def grpo_step(self, samples: Sequence[Sample], cfg: GRPOStage, *, temperature: float,
-                  advantages_B: Sequence[float] | None = None, num_tokens: float | None = None,
-                  current_version: int | None = None) -> dict[str, float]:
-        """One optimizer step on complete groups (gradient accumulated over micro-batches).
-
-        Data-parallel callers pass the advantages (computed on whole groups) and the global token count.
-        current_version: the version of the weights being trained (staleness is measured against it);
-        default: the newest token version in the batch.
-        """
-        self.model.train()
-        if advantages_B is None:
-            advantages_B = group_advantages([s.reward for s in samples], [s.group_id for s in samples],
-                                            std_normalize=cfg.std_normalize)
-        local_tokens = float(sum(s.num_response_tokens for s in samples))
-        num_tokens = local_tokens if num_tokens is None else num_tokens
-        version = current_version if current_version is not None else max(
-            (max(s.policy_versions_T) for s in samples if s.policy_versions_T), default=0)
-        # Micro-batches of similar length: padding to the longest member wastes little (long tails).
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_tokens) + samples[i].num_response_tokens)
-        samples = [samples[i] for i in order]
-        advantages_B = [advantages_B[i] for i in order]
-        totals: dict[str, float] = {}
-        for lo in range(0, len(samples), cfg.micro_batch_size):
-            mb = samples[lo : lo + cfg.micro_batch_size]
-            replay = cfg.routing_replay and self.model.config.is_moe
-            b = pack([s.prompt_tokens for s in mb], [s.response_tokens for s in mb], [s.behavior_logprobs_T for s in mb],
-                     routing_B=[s.routing_trace for s in mb] if replay else None,
-                     versions_B=[s.policy_versions_T for s in mb], device=self.device)
-            if replay and b.routing is None:
-                raise ValueError("routing_replay is on but the samples carry no routing trace")
-            logits, indexer_kl = self._forward(b, routing_replay=b.routing,
-                                               checkpoint_layers=cfg.activation_checkpointing)
-            x = PolicyLossInputs(
-                logprobs=token_logprobs(logits, b.targets, temperature),
-                behavior_logprobs=b.behavior_logprobs,
-                advantages=torch.tensor(advantages_B[lo : lo + len(mb)], dtype=torch.float32, device=self.device),
-                mask=b.mask,
-                num_tokens=num_tokens,
-                keep=staleness_keep(b.versions, b.mask, version, cfg.max_staleness, cfg.max_sample_stale_frac),
-            )
-            loss, metrics = grpo_loss(x, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                      ratio=cfg.importance.ratio, tis_cap=cfg.importance.tis_cap)
-            totals["rl/loss"] = totals.get("rl/loss", 0.0) + float(loss.detach())
-            if indexer_kl is not None:
-                metrics["train/indexer_kl"] = float(indexer_kl.detach())
-            loss = self._with_indexer_loss(loss, indexer_kl, float(b.mask.sum()) / max(num_tokens, 1.0))
-            loss.backward()
-            w = float(b.mask.sum()) / max(local_tokens, 1.0)  # token-weighted mean over micro-batches
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + w * v
-        totals["train/grad_norm"] = self._apply()
-        totals["train/lr"] = self.sched.get_last_lr()[0]
-        totals["rl/adv_abs_mean"] = sum(abs(a) for a in advantages_B) / max(len(advantages_B), 1)
-        return totals

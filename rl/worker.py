@@ -21,9 +21,8 @@ import msgpack
 from model.checkpoint import load_weights_into, save_checkpoint, write_weights
 from model.decoder import Decoder
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
-from rl.opd import opd_step
-from rl.trainer import Trainer
-from rl.types import Sample
+from rl.objectives import build_objective
+from rl.trainer import StepMetrics, TrainBatch, Trainer
 from rollout.engine import Engine
 from teachers.config import TeacherSpec
 from teachers.pool import TeacherPool
@@ -133,18 +132,12 @@ class PolicyWorker:
         for spec in specs:
             self.pool.add(spec)
 
-    def opd_step(self, samples: Sequence[Sample], teachers_B: Sequence[str], advantages_B: Sequence[float],
-                 num_tokens: float, stage: OPDStage, temperature: float) -> dict:
-        return opd_step(self.trainer, self.pool, samples, teachers_B, stage, advantages_B=advantages_B,
-                        num_tokens=num_tokens, temperature=temperature, current_version=self.engine.policy_version)
-
-    def sft_step(self, prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]], num_tokens: float) -> dict:
-        return self.trainer.sft_step(prompts_B, responses_B, num_tokens)
-
-    def grpo_step(self, samples: Sequence[Sample], advantages_B: Sequence[float], num_tokens: float,
-                  stage: GRPOStage, temperature: float) -> dict:
-        return self.trainer.grpo_step(samples, stage, temperature=temperature, advantages_B=advantages_B,
-                                      num_tokens=num_tokens, current_version=self.engine.policy_version)
+    def train_step(self, batch: TrainBatch, stage: SFTStage | GRPOStage | OPDStage) -> StepMetrics:
+        """One optimizer step on this rank's rows with the stage's objective (rl/objectives.py); the
+        weights change in place, shared with the engine."""
+        objective = build_objective(stage, model=self.model, temperature=self.recipe.engine.sampling.temperature or 1.0,
+                                    current_version=self.engine.policy_version, pool=self.pool)
+        return self.trainer.train_step(batch, objective)
 
     # -- checkpoint (rl/checkpoint.py) ------------------------------------------------------------------
     def save_state(self, directory: str) -> int:

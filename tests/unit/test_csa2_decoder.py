@@ -8,9 +8,10 @@ import torch
 
 from model.decoder import Decoder
 from model.sparse_attention import CSA2Cache, bytes_per_token
-from rl.config import GRPOStage, OptimConfig
-from rl.losses import token_logprobs
-from rl.trainer import Trainer, pack
+from rl.config import GRPOStage, OptimConfig, SFTStage
+from rl.losses import group_advantages, token_logprobs
+from rl.objectives import GRPOObjective, SFTObjective
+from rl.trainer import TrainBatch, Trainer, merge_step_metrics, pack
 from rl.types import Sample
 from rollout.config import EngineConfig
 from rollout.engine import Engine
@@ -144,7 +145,10 @@ def test_trainer_grpo_and_sft_steps_train_the_indexer(reference):
     trainer = Trainer(m, OptimConfig(lr=1e-2))
     idx_before = [p.detach().clone() for p in m.indexer_parameters()]
     assert idx_before
-    metrics = trainer.grpo_step(samples, GRPOStage(group_size=2, micro_batch_size=2), temperature=0.9)
+    adv = group_advantages([s.reward for s in samples], [s.group_id for s in samples], std_normalize=False)
+    batch = TrainBatch.from_samples(samples, adv, float(sum(s.num_response_tokens for s in samples)))
+    grpo = GRPOObjective(GRPOStage(group_size=2, micro_batch_size=2), model=m, temperature=0.9, current_version=0)
+    metrics = merge_step_metrics([trainer.train_step(batch, grpo)])
     assert np.isfinite(metrics["rl/loss"]) and metrics["train/indexer_kl"] > 0
     assert all(not torch.equal(a, p) for a, p in zip(idx_before, m.indexer_parameters()))  # indexer moved
 
@@ -158,7 +162,9 @@ def test_trainer_grpo_and_sft_steps_train_the_indexer(reference):
     grads = [p.grad for p in m.indexer_parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads) and sum(g.abs().sum() for g in grads) > 0
 
-    metrics = trainer.sft_step([g.prompt_tokens for g in gens], [g.response_tokens for g in gens])
+    demos = TrainBatch([g.prompt_tokens for g in gens], [g.response_tokens for g in gens],
+                       float(sum(len(g.response_tokens) for g in gens)))
+    metrics = merge_step_metrics([trainer.train_step(demos, SFTObjective(SFTStage()))])
     assert np.isfinite(metrics["sft/loss"]) and np.isfinite(metrics["train/indexer_kl"])
 
 

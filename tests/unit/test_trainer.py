@@ -1,0 +1,69 @@
+"""The trainer's micro-batch loop and the merge of data-parallel ranks' metrics: two ranks, each
+normalising by the global token count, take exactly the step one rank takes on the whole batch."""
+
+import copy
+
+import pytest
+import torch
+
+from model.decoder import Decoder
+from rl.config import GRPOStage, OptimConfig, SFTStage
+from rl.losses import group_advantages
+from rl.objectives import GRPOObjective, SFTObjective
+from rl.trainer import StepMetrics, TrainBatch, Trainer, merge_step_metrics
+from tests.conftest import debug_config
+
+
+def test_sums_add_means_are_token_weighted_ratios_recomputed_shared_is_rank0s():
+    r0 = StepMetrics(sums={"rl/loss": 0.25, "opd/kl_sum": 6.0, "opd/kl_tokens": 30.0, "teachers/loads": 2.0,
+                           "teachers/load_wait_s": 0.01, "teachers/compute_s": 0.5},
+                     means={"rl/clip_frac": 0.5}, tokens=30, shared={"train/grad_norm": 3.0})
+    r1 = StepMetrics(sums={"rl/loss": 0.5, "opd/kl_sum": 6.0, "opd/kl_tokens": 10.0, "teachers/loads": 1.0,
+                           "teachers/load_wait_s": 0.04, "teachers/compute_s": 0.5},
+                     means={"rl/clip_frac": 0.0}, tokens=10, shared={"train/grad_norm": 3.0})
+    m = merge_step_metrics([r0, r1])
+    assert m["rl/loss"] == pytest.approx(0.75)
+    assert m["rl/clip_frac"] == pytest.approx(0.375)  # (0.5·30 + 0·10) / 40
+    assert m["opd/kl_per_token"] == pytest.approx(12.0 / 40) and m["opd/kl_tokens"] == 40.0
+    assert m["teachers/loads"] == 3.0 and m["teachers/overhead"] == pytest.approx(0.05 / 1.0)
+    assert m["train/grad_norm"] == 3.0
+
+
+def _rows(n: int, seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [tuple(torch.randint(3, 99, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()) for _ in range(n)]
+    responses = [tuple(torch.randint(3, 99, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist()) for _ in range(n)]
+    rewards = torch.rand(n, generator=g).tolist()
+    adv = group_advantages(rewards, [f"g{i // 4}" for i in range(n)], std_normalize=False)
+    logprobs = [tuple((-torch.rand(len(r), generator=g)).tolist()) for r in responses]
+    return TrainBatch(prompts, responses, float(sum(map(len, responses))), logprobs, [(0,) * len(r) for r in responses],
+                      None, adv)
+
+
+@pytest.mark.parametrize("objective", ["sft", "grpo"])
+def test_two_ranks_with_the_global_normaliser_take_the_one_rank_step(objective):
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False)).float()
+    rows = _rows(12)
+    stage = SFTStage(micro_batch_size=3) if objective == "sft" else GRPOStage(group_size=4, micro_batch_size=3)
+
+    def make(m):
+        return (SFTObjective(stage) if objective == "sft"
+                else GRPOObjective(stage, model=m, temperature=1.0, current_version=0))
+
+    one = Trainer(copy.deepcopy(model), OptimConfig())
+    whole = one.accumulate(rows, make(one.model))
+    two = Trainer(copy.deepcopy(model), OptimConfig())
+    parts = [two.accumulate(rows.select(range(0, 8)), make(two.model)),   # rank 0's groups
+             two.accumulate(rows.select(range(8, 12)), make(two.model))]  # rank 1's: grads add up, as all-reduce
+    for a, b in zip(one.model.parameters(), two.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    merged, alone = merge_step_metrics(parts), merge_step_metrics([whole])
+    for k in alone:
+        assert merged[k] == pytest.approx(alone[k], rel=1e-5, abs=1e-7), k
+    # the same two shards with rank 1 normalising by its own tokens: not the one-rank step
+    local = Trainer(copy.deepcopy(model), OptimConfig())
+    local.accumulate(rows.select(range(0, 8)), make(local.model))
+    shard = rows.select(range(8, 12))
+    local.accumulate(TrainBatch(**{**shard.__dict__, "num_tokens": shard.response_tokens}), make(local.model))
+    assert not all(torch.allclose(a.grad, b.grad) for a, b in zip(local.model.parameters(), one.model.parameters()))
