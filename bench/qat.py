@@ -30,23 +30,18 @@ import torch  # noqa: E402
 
 from model.checkpoint import load_checkpoint, load_weights_into  # noqa: E402
 from model.decoder import Decoder  # noqa: E402
-from model.tokenizer import CharTokenizer  # noqa: E402
-from rewards.task import Trajectory, VerifyContext  # noqa: E402
+from rl.evaluation import engine_generate, evaluate  # noqa: E402
 from rl.recipe_io import load_recipe  # noqa: E402
-from rollout.engine import Engine  # noqa: E402
-from rollout.types import GenerationRequest  # noqa: E402
+from rl.rendering import Renderer  # noqa: E402
 
 
-def accuracy(model: Decoder, recipe, problems) -> float:
-    tok = CharTokenizer()
-    engine = Engine(model.eval(), recipe.engine, eos_id=tok.eos_id)
-    task = recipe.datasets[0].build()
-    reqs = [GenerationRequest(p.problem_id, tuple(tok.encode(p.prompt, bos=True)), recipe.engine.max_new_tokens,
-                              seed=i, temperature=0.0) for i, p in enumerate(problems)]
+def accuracy(model: Decoder, recipe, max_problems: int) -> float:
+    """Greedy held-out accuracy through the evaluation loop of rl/evaluation.py."""
+    tok = recipe.tokenizer.build()
+    tasks = {d.name: d.build() for d in recipe.datasets[:1]}
     with torch.no_grad():
-        gens = engine.generate(reqs)
-    return sum(task.verify(Trajectory.single(p, tok.decode(g.response_tokens)), VerifyContext()).correct
-               for p, g in zip(problems, gens)) / len(problems)
+        return evaluate(engine_generate(model, recipe.engine, tok.eos_id), Renderer(tok, tasks), tasks,
+                        max_new_tokens=recipe.engine.max_new_tokens, max_problems=max_problems)["eval/accuracy"]
 
 
 def with_kv(model: Decoder, dtype: str, qat: bool = False) -> Decoder:
@@ -99,7 +94,7 @@ def main() -> None:
             args.checkpoint = str(work / "base" / "checkpoints" / "stage0-sft")
     ckpt = Path(args.checkpoint)
     recipe = load_recipe(recipe_path, [*extra, "runtime.ray=false"])
-    problems = recipe.datasets[0].build().heldout()[: args.problems]
+    problems = args.problems
     base = load_checkpoint(ckpt)
     res = {"acc_bf16": accuracy(with_kv(base, "bf16"), recipe, problems),
            "acc_fp4_noqat": accuracy(with_kv(base, "fp4"), recipe, problems),

@@ -56,6 +56,8 @@ class OptimConfig(StrictConfig):
     """Steps of linear warm-up from 0 to lr."""
     grad_clip: float = Field(1.0, gt=0)
     """Clip the global gradient norm to this value."""
+    schedule: Literal["constant", "cosine"] = "constant"
+    """After warm-up: constant lr, or cosine decay to 0 over the stage's max_steps."""
 
 
 class SFTStage(StrictConfig):

@@ -18,7 +18,6 @@ the stage loop where it stopped; in-flight samples continue from their exact tok
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,7 +25,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rewards.task import Problem, Task, VerifyContext
+from rewards.task import Task
+from rl import evaluation
 from rl.async_grpo import run_async_grpo
 from rl.checkpoint import CheckpointError, CheckpointManager
 from rl.config import GRPOStage, Recipe, SFTStage
@@ -36,9 +36,8 @@ from rl.recipe_io import recipe_to_yaml
 from rl.rendering import Renderer
 from rl.runtime import Runtime
 from rl.store import TrajectoryStore, Watermark
-from rl.trainer import TrainBatch, merge_step_metrics
-from rl.streams import Cursor
-from rollout.types import GenerationRequest
+from rl.sft import DemonstrationStream
+from rl.trainer import merge_step_metrics
 
 
 @dataclass
@@ -151,72 +150,46 @@ def _split(items: list, n: int) -> list[list]:
 
 
 def evaluate(ctx: RunContext, effort: int | None = None) -> dict[str, float]:
-    """Held-out accuracy and mean response length per dataset (greedy unless eval.temperature > 0).
-    With effort conditioning the prompts carry the effort prefix (default: the highest level)."""
-    cfg, policy, metrics, accs = ctx.recipe.eval, ctx.runtime.policy, {}, []
+    """Held-out accuracy and lengths per dataset on the workers (rl/evaluation.py; greedy unless
+    eval.temperature > 0). With effort conditioning the prompts carry the effort prefix (default: the
+    highest level)."""
+    policy = ctx.runtime.policy
     if effort is None and ctx.recipe.effort is not None:
         effort = ctx.recipe.effort.levels[-1]
-    for name, task in ctx.tasks.items():
-        problems = task.heldout()[: cfg.max_problems]
-        reqs = [GenerationRequest(f"eval-{p.problem_id}", ctx.renderer.prompt_tokens(p, effort), ctx.recipe.engine.max_new_tokens,
-                                  seed=ctx.renderer.sample_seed(p.problem_id), temperature=cfg.temperature) for p in problems]
+
+    def generate(reqs):
         gens = {g.sample_id: g for part in policy.get([policy.submit(w, "generate", chunk)
-                                                        for w, chunk in enumerate(_split(reqs, len(policy)))]) for g in part}
-        gens = [gens[r.sample_id] for r in reqs]
-        correct = [task.verify(ctx.renderer.trajectory(p, g), VerifyContext()).correct for p, g in zip(problems, gens)]
-        metrics[f"eval/{name}/accuracy"] = sum(correct) / len(correct)
-        metrics[f"eval/{name}/response_len"] = sum(len(g.response_tokens) for g in gens) / len(gens)
-        metrics[f"eval/{name}/num_problems"] = len(problems)
-        accs.append(metrics[f"eval/{name}/accuracy"])
-    metrics["eval/accuracy"] = sum(accs) / len(accs)
-    return metrics
+                                                        for w, chunk in enumerate(_split(list(reqs), len(policy)))]) for g in part}
+        return [gens[r.sample_id] for r in reqs]
 
-
-def cold_start(stage: SFTStage, effort: int | None) -> dict:
-    """Demonstration options at effort level b for the effort cold start (seed §5.1.4, App. C)."""
-    if not stage.effort_cold_start or effort is None:
-        return {}
-    if stage.cold_start_style == "partial":
-        return {"reasoning_frac": effort / 100}
-    return {"direct_answer_rate": 1 - effort / 100}
+    cfg = ctx.recipe.eval
+    return evaluation.evaluate(generate, ctx.renderer, ctx.tasks, max_new_tokens=ctx.recipe.engine.max_new_tokens,
+                               temperature=cfg.temperature, max_problems=cfg.max_problems, effort=effort)
 
 
 def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
     policy = ctx.runtime.policy
     policy.call_all("begin_stage", stage)
-    streams = [Cursor(t, seed_offset=1000 + stage_idx) for t in ctx.tasks.values()]
-    rng = random.Random(f"sft:{ctx.recipe.run.seed}:{stage_idx}")
-    start, drawn = 0, 0
+    demos = DemonstrationStream(ctx.tasks, ctx.renderer, stage, seed_offset=1000 + stage_idx,
+                                rng_seed=f"sft:{ctx.recipe.run.seed}:{stage_idx}")
+    start = 0
     restored = ctx.restore_stage(stage)
     if restored is not None:
-        start, drawn = restored["step"], restored["drawn"]
-        rng.setstate(restored["rng"])
-        for i, c in enumerate(streams):  # round-robin: stream i has drawn ceil((drawn - i) / n)
-            c.skip_to(max(0, -(-(drawn - i) // len(streams))))
+        start = restored["step"]
+        demos.load_state_dict(restored["demos"])
         ctx.restore_from = None
 
-    def next_problem() -> Problem:  # round-robin over datasets
-        nonlocal drawn
-        drawn += 1
-        return next(streams[(drawn - 1) % len(streams)])
-
     def checkpoint(step: int) -> None:
-        ctx.save_checkpoint(stage_idx, {"step": step, "drawn": drawn, "rng": rng.getstate()})
+        ctx.save_checkpoint(stage_idx, {"step": step, "demos": demos.state_dict()})
 
     step = start - 1
     for step in ctx.budget(stage, start):
         if ctx.checkpoint_wanted():
             checkpoint(step)
-        batch = [next_problem() for _ in range(stage.batch_size)]
-        levels = ctx.recipe.effort.levels if ctx.recipe.effort else None
-        efforts = [rng.choice(levels) if levels and rng.random() < stage.effort_prefix_frac else None for _ in batch]
-        prompts = [ctx.renderer.prompt_tokens(p, b) for p, b in zip(batch, efforts)]
-        responses = [ctx.renderer.tokenizer.encode(ctx.tasks[p.dataset].demonstration(p, rng, **cold_start(stage, b)), eos=True)
-                     for p, b in zip(batch, efforts)]
-        num_tokens = float(sum(len(r) for r in responses))
-        futs = [policy.submit(w, "train_step", TrainBatch(p, r, num_tokens), stage)
-                for w, (p, r) in enumerate(zip(_split(prompts, len(policy)), _split(responses, len(policy))))]
-        metrics = merge_step_metrics(policy.get(futs))
+        batch = demos.next_batch(stage.batch_size)
+        n = len(policy)  # data parallel: rows i, i + n, ... to worker i, every loss ÷ the whole batch's tokens
+        metrics = merge_step_metrics(policy.get([policy.submit(w, "train_step", batch.select(range(w, len(batch), n)), stage)
+                                                 for w in range(n)]))
         ctx.global_step += 1
         policy.call_all("set_version", ctx.global_step)
         ctx.after_train_step(stage, step, metrics)

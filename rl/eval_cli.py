@@ -1,6 +1,7 @@
 """`rl eval RUN_DIR [--effort 10,25,50,75,90,100] [--checkpoint DIR]`: held-out accuracy and mean
 response length of a run's latest checkpoint, per reasoning-effort level (levels never trained on
-included), greedy, in-process."""
+included), in-process, through the same evaluation loop and sampler seeds as the run's own evaluation
+(rl/evaluation.py), so both agree at any temperature."""
 
 from __future__ import annotations
 
@@ -60,29 +61,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch  # heavy imports only past input checks
 
     from model.checkpoint import load_checkpoint
-    from rewards.task import VerifyContext
+    from rl.evaluation import engine_generate, evaluate
     from rl.rendering import Renderer
-    from rollout.engine import Engine
-    from rollout.types import GenerationRequest
 
     torch.set_num_threads(recipe.run.num_threads)
-    model = load_checkpoint(ckpt).eval()
     tok = recipe.tokenizer.build()
-    engine = Engine(model, recipe.engine, eos_id=tok.eos_id)
     tasks = {d.name: d.build() for d in recipe.datasets}
     renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed)
+    generate = engine_generate(load_checkpoint(ckpt).eval(), recipe.engine, tok.eos_id)
     print(f"checkpoint {ckpt}")
     print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
     for b in efforts:
-        for name, task in tasks.items():
-            problems = task.heldout()[: args.max_problems or recipe.eval.max_problems]
-            reqs = [GenerationRequest(f"eval-{i}", renderer.prompt_tokens(p, b), recipe.engine.max_new_tokens, seed=i,
-                                      temperature=recipe.eval.temperature) for i, p in enumerate(problems)]
-            gens = engine.generate(reqs)
-            trajectories = [renderer.trajectory(p, g) for p, g in zip(problems, gens)]
-            acc = sum(task.verify(t, VerifyContext()).correct for t in trajectories) / len(problems)
-            length = sum(len(g.response_tokens) for g in gens) / len(gens)
-            reasoning = sum(renderer.reasoning_tokens(name, t.response) for t in trajectories) / len(trajectories)
+        m = evaluate(generate, renderer, tasks, max_new_tokens=recipe.engine.max_new_tokens,
+                     temperature=recipe.eval.temperature, max_problems=args.max_problems or recipe.eval.max_problems, effort=b)
+        for name in tasks:
+            e = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith(f"eval/{name}/")}
             label = "-" if b is None else str(b)
-            print(f"{label:>7} {name:<10} {acc:>9.3f} {length:>9.1f} {reasoning:>10.1f} {len(problems):>9}")
+            print(f"{label:>7} {name:<10} {e['accuracy']:>9.3f} {e['response_len']:>9.1f} {e['reasoning_tokens']:>10.1f} "
+                  f"{int(e['num_problems']):>9}")
     return 0

@@ -5,9 +5,9 @@
 Teacher i gets architecture ARCHITECTURES[i mod 5] (dense narrow-deep, dense wide-shallow, MoE, MQA,
 no-qk-norm with tied embeddings: they differ in depth, width, heads, KV heads and FFN type, and share
 only the 99-id char vocabulary) and domain DATASETS[i mod len]. The first `--train` teachers are trained
-by SFT on their domain's demonstrations (teacher forcing, cross-entropy on response tokens and EOS)
-and serve that domain; the rest keep their random initialisation (spares for pool benchmarks, serving
-no dataset). Each is saved with model/checkpoint.py; `teachers.json` in the output directory is a
+by SFT on their domain's demonstrations (teacher forcing, cross-entropy on response tokens and EOS:
+rl/sft.py and the trainer's SFT objective) and serve that domain; the rest keep their random
+initialisation (spares for pool benchmarks, serving no dataset). Each is saved with model/checkpoint.py; `teachers.json` in the output directory is a
 `TeacherPoolConfig` of them all, and each trained teacher's held-out greedy accuracy is printed and
 written to `report.json`.
 """
@@ -16,101 +16,53 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import random
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from model.checkpoint import save_checkpoint
 from model.config import ModelConfig
 from model.decoder import Decoder
-from model.tokenizer import EOS_ID, PAD_ID, CharTokenizer
+from model.tokenizer import CharTokenizer
 from rewards.config import DEFAULT_DOMAIN_CONFIGS
-from rewards.task import Trajectory, VerifyContext
+from rewards.task import Task
+from rl.config import OptimConfig, SFTStage
+from rl.evaluation import engine_generate, evaluate
+from rl.objectives import SFTObjective
+from rl.rendering import Renderer
+from rl.sft import DemonstrationStream
+from rl.trainer import Trainer, merge_step_metrics
+from rollout.config import EngineConfig
 from teachers.architectures import ARCHITECTURES, tiny
 from teachers.config import TeacherPoolConfig, TeacherSpec
 
 
-def sft_batch(task, problems, rng: random.Random, tok: CharTokenizer) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded [BOS] prompt response [EOS] ids and a mask of the positions whose next token is
-    a response token or EOS (teacher forcing scores only those)."""
-    seqs, starts = [], []
-    for p in problems:
-        prompt = tok.encode(p.prompt, bos=True)
-        seqs.append(prompt + tok.encode(task.demonstration(p, rng), eos=True))
-        starts.append(len(prompt))
-    T = max(map(len, seqs))
-    ids = torch.full((len(seqs), T), PAD_ID, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T - 1, dtype=torch.bool)
-    for i, (s, start) in enumerate(zip(seqs, starts)):
-        ids[i, : len(s)] = torch.tensor(s)
-        mask[i, start - 1 : len(s) - 1] = True
-    return ids, mask
-
-
-def sft(model: Decoder, task, *, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0) -> list[float]:
-    """Teacher-forcing cross-entropy on response tokens; AdamW, linear warm-up then cosine decay.
-    Returns the loss of every step."""
-    tok = CharTokenizer()
-    rng = random.Random(seed)
-    stream = task.train_stream(seed_offset=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    model.train()
-    losses = []
-    for _ in range(steps):
-        ids, mask = sft_batch(task, [next(stream) for _ in range(batch_size)], rng, tok)
-        logits, _ = model(ids[:, :-1])
-        loss = F.cross_entropy(logits[mask], ids[:, 1:][mask])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
+def sft(model: Decoder, task: Task, *, steps: int, batch_size: int = 64, lr: float = 3e-3, seed: int = 0) -> list[float]:
+    """Teacher-forcing cross-entropy on the task's demonstrations (rl/sft.py, the trainer's SFT objective);
+    AdamW, linear warm-up then cosine decay. Returns the loss of every step."""
+    stage = SFTStage(max_steps=steps, batch_size=batch_size,
+                     optim=OptimConfig(lr=lr, betas=(0.9, 0.98), warmup_steps=max(1, steps // 20), schedule="cosine"))
+    demos = DemonstrationStream({task.name: task}, Renderer(CharTokenizer(), {task.name: task}), stage,
+                                seed_offset=seed, rng_seed=f"teacher:{seed}")
+    trainer, objective = Trainer(model, stage.optim, total_steps=steps), SFTObjective(stage)
+    losses = [merge_step_metrics([trainer.train_step(demos.next_batch(batch_size), objective)])["sft/loss"]
+              for _ in range(steps)]
     model.eval()
     return losses
 
 
-@torch.no_grad()
-def greedy_responses(model: Decoder, prompts: Sequence[str], max_new_tokens: int = 64) -> list[str]:
-    """Greedy decoding with the full forward (no KV cache), batched over prompts of equal length."""
+def heldout_accuracy(model: Decoder, task: Task, max_problems: int | None = None, max_new_tokens: int = 64) -> float:
+    """Greedy held-out accuracy (rl/evaluation.py) on an in-process engine."""
     tok = CharTokenizer()
-    by_len: dict[int, list[int]] = defaultdict(list)
-    encoded = [tok.encode(p, bos=True) for p in prompts]
-    for i, e in enumerate(encoded):
-        by_len[len(e)].append(i)
-    out: list[str] = [""] * len(prompts)
-    limit = model.config.max_position_embeddings
-    for n, idx in by_len.items():
-        ids = torch.tensor([encoded[i] for i in idx])
-        done = torch.zeros(len(idx), dtype=torch.bool)
-        for _ in range(min(max_new_tokens, limit - n)):
-            logits, _ = model(ids)
-            nxt = logits[:, -1].argmax(-1)
-            nxt = torch.where(done, torch.full_like(nxt, EOS_ID), nxt)
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
-            done |= nxt == EOS_ID
-            if bool(done.all()):
-                break
-        for row, i in enumerate(idx):
-            resp = ids[row, n:].tolist()
-            out[i] = tok.decode(resp[: resp.index(EOS_ID)] if EOS_ID in resp else resp)
-    return out
-
-
-def heldout_accuracy(model: Decoder, task, max_problems: int | None = None) -> float:
-    problems = task.heldout()[:max_problems]
-    responses = greedy_responses(model, [p.prompt for p in problems])
-    return sum(task.verify(Trajectory.single(p, r), VerifyContext()).correct for p, r in zip(problems, responses)) / len(problems)
+    n = len(task.heldout()[:max_problems])
+    engine = EngineConfig(max_batch_size=max(1, min(n, 256)), max_seq_len=model.config.max_position_embeddings,
+                          max_new_tokens=min(max_new_tokens, model.config.max_position_embeddings - 1))
+    metrics = evaluate(engine_generate(model, engine, tok.eos_id), Renderer(tok, {task.name: task}), {task.name: task},
+                       max_new_tokens=engine.max_new_tokens, max_problems=max_problems)
+    return metrics["eval/accuracy"]
 
 
 @dataclass

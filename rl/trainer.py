@@ -20,6 +20,7 @@ controller merges the ranks' with `merge_step_metrics`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
@@ -197,10 +198,19 @@ def merge_step_metrics(parts: Sequence[StepMetrics]) -> dict[str, float]:
     return out
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+def lr_factor(cfg: OptimConfig, step: int, total_steps: int | None) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based): linear warm-up over warmup_steps, then
+    constant or cosine decay to 0 at total_steps."""
+    warm = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    if cfg.schedule == "cosine" and total_steps:
+        return warm * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+    return warm
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
+                    total_steps: int | None = None) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    warm = cfg.warmup_steps
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step, total_steps))
     return opt, sched
 
 
@@ -214,9 +224,10 @@ def by_length(batch: TrainBatch) -> list[int]:
 
 
 class Trainer:
-    def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu"):
+    def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu", total_steps: int | None = None):
+        """total_steps: the stage's optimizer steps (the cosine schedule decays over them)."""
         self.model, self.optim_cfg, self.device = model, optim, device
-        self.opt, self.sched = build_optimizer(model, optim)
+        self.opt, self.sched = build_optimizer(model, optim, total_steps)
 
     def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
         """One optimizer step on this rank's rows: `accumulate` the gradient, then `apply` it."""

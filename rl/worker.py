@@ -121,7 +121,7 @@ class PolicyWorker:
 
     # -- TRAIN ---------------------------------------------------------------------------------------
     def begin_stage(self, stage: SFTStage | GRPOStage) -> None:
-        self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device)
+        self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device, total_steps=stage.max_steps)
         if self.pool is not None:
             self.pool.close()
             self.pool = None

@@ -22,6 +22,7 @@ TINY = {
     "stages": [{"type": "sft", "max_steps": 20, "batch_size": 16},
                {"type": "grpo", "max_steps": 3, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8,
                 "dispatch": {"policy": "sample", "max_inflight": 24}}],
+    "eval": {"temperature": 1.0},
     "logging": {"wandb": True, "progress_bar": False},
 }
 
@@ -99,3 +100,15 @@ def test_rl_eval_per_effort_and_bad_input(tiny_run):
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--effort" in bad.stderr
     missing = _rl("eval", str(run_dir / "nope"), cwd=run_dir.parent)
     assert missing.returncode == 2 and "not a run directory" in missing.stderr
+
+
+def test_rl_eval_agrees_with_the_runs_own_evaluation_when_sampling(tiny_run):
+    """One evaluation loop and one sampler seed per problem: `rl eval` of the final checkpoint draws the
+    same responses as the run's evaluation after its last stage (eval.temperature = 1)."""
+    run_dir, _ = tiny_run
+    final = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "eval/accuracy" in line][-1]
+    out = _rl("eval", str(run_dir), cwd=run_dir.parent)
+    assert out.returncode == 0, out.stderr[-1000:]
+    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:2] == ["-", "arith"])
+    assert float(row[2]) == round(final["eval/arith/accuracy"], 3)
+    assert float(row[3]) == round(final["eval/arith/response_len"], 1)
