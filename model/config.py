@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import Field, model_validator
@@ -197,3 +198,19 @@ def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
     which change how K/V are stored, not which parameters exist (a QAT fine-tune starts from a bf16
     checkpoint)."""
     return a.model_copy(update={"kv_cache": b.kv_cache}) == b
+
+
+def read_teacher_config(checkpoint: str | Path) -> ModelConfig:
+    """The architecture of a checkpoint directory (its config.json), without loading any weights."""
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"teacher checkpoint {str(checkpoint)!r} has no config.json")
+    return ModelConfig.model_validate_json(path.read_text())
+
+
+def check_vocab(student_vocab: int, teacher_cfg: ModelConfig, teacher_name: str = "teacher") -> str | None:
+    """One-line error naming both vocabulary sizes when they differ, else None."""
+    if teacher_cfg.vocab_size == student_vocab:
+        return None
+    return (f"{teacher_name} has vocab_size={teacher_cfg.vocab_size} but the student has vocab_size={student_vocab}: "
+            "full-vocabulary OPD needs one shared vocabulary")

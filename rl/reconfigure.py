@@ -26,7 +26,8 @@ import yaml
 from pydantic import Field, ValidationError
 
 from configbase import StrictConfig
-from teachers.config import TeacherSpec, check_vocab, read_teacher_config
+from model.config import check_vocab, read_teacher_config
+from teachers.config import TeacherSpec
 
 
 class ReconfigError(ValueError):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field, model_validator
 
 from configbase import StrictConfig
-from model.config import ModelConfig
+from model.config import ModelConfig, check_vocab, read_teacher_config
 
 if TYPE_CHECKING:
     from teachers.pool import TeacherPool
@@ -85,18 +85,3 @@ class TeacherPoolConfig(StrictConfig):
         from teachers.pool import TeacherPool
 
         return TeacherPool.from_config(self, device=device)
-
-
-def read_teacher_config(checkpoint: str | Path) -> ModelConfig:
-    path = Path(checkpoint) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"teacher checkpoint {str(checkpoint)!r} has no config.json")
-    return ModelConfig.model_validate_json(path.read_text())
-
-
-def check_vocab(student_vocab: int, teacher_cfg: ModelConfig, teacher_name: str = "teacher") -> str | None:
-    """One-line error naming both vocabulary sizes when they differ, else None."""
-    if teacher_cfg.vocab_size == student_vocab:
-        return None
-    return (f"{teacher_name} has vocab_size={teacher_cfg.vocab_size} but the student has vocab_size={student_vocab}: "
-            "full-vocabulary OPD needs one shared vocabulary")

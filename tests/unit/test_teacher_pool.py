@@ -18,7 +18,8 @@ from model.config import DenseFFNConfig, ModelConfig, MoEFFNConfig
 from model.decoder import Decoder
 from model.tokenizer import CharTokenizer
 from rewards.config import UppercaseConfig
-from teachers.config import TeacherPoolConfig, TeacherSpec, check_vocab
+from model.config import check_vocab
+from teachers.config import TeacherPoolConfig, TeacherSpec
 from teachers.pool import TeacherPool
 from teachers.architectures import ARCHITECTURES, tiny
 from rl.train_teachers import build_teachers, heldout_accuracy, sft
