@@ -6,6 +6,7 @@ Shape suffixes on ragged lists: `_T` per response token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -49,8 +50,8 @@ class Sample:
     correct: bool
     finish_reason: str
     """'eos' or 'length'."""
-    status: str = "finished"
-    """running | interrupted | finished | discarded | failed."""
+    status: Literal["finished", "discarded"] = "finished"
+    """finished, or discarded (its group was dropped at warm-up, seed §5.2.2): stored, never trained."""
     timings: dict[str, float] = field(default_factory=dict)
     """Wall-clock seconds: 'dispatched_at', 'finished_at' (epoch), 'generate_s'."""
     teacher: str | None = None

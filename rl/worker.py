@@ -60,7 +60,8 @@ class PolicyWorker:
         self.recipe, self.rank, self.world_size = recipe, rank, world_size
         torch.set_num_threads(num_threads or recipe.run.num_threads)
         if world_size > 1:
-            dist.init_process_group("gloo", init_method=dist_init, rank=rank, world_size=world_size)
+            backend = "nccl" if recipe.run.device == "cuda" else "gloo"  # NCCL reduces CUDA tensors; gloo, CPU ones
+            dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size)
         self.model = build_policy(recipe)  # same seed on every rank: identical initial weights
         self.engine = Engine(self.model, recipe.engine, eos_id=recipe.tokenizer.build().eos_id, device=recipe.run.device)
         self.trainer: Trainer | None = None

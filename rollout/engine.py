@@ -1,4 +1,4 @@
-"""Rollout engine v0: continuous batching over a paged KV cache, token-level interrupt and resume.
+"""The rollout engine: continuous batching over a paged KV cache, token-level interrupt and resume.
 
 The engine is a plain component (no Ray); an actor shell drives it. One `step()` advances every
 active sequence by exactly one token: newly admitted sequences are prefilled (which yields their first

@@ -10,7 +10,8 @@ bf16x2 channel pairs, `_E2M1X2_ENCODE_ASM`); the decode places E2M1's bits in an
 (exact, see `_e2m1_f16_bits`). Exactness tricks: no float8 casts (the interpreter's fp32 -> fp8 is not
 round-to-nearest-even) and no approximate division / log2 / exp2: the one division is `div_rn`, the
 E4M3 round-up works on float32 bits. On a machine without a GPU, tests run them with
-TRITON_INTERPRET=1. Callers choose this module or the reference (same contract); no switch is wired yet.
+TRITON_INTERPRET=1. The paged KV cache calls these on CUDA and the reference elsewhere (same contract,
+`model.kv_cache._fp4_impl`).
 """
 
 from __future__ import annotations
