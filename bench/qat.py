@@ -9,7 +9,8 @@ From one trained checkpoint (the quickstart's GRPO output), side by side in one 
   bf16_ft       control: the same GRPO fine-tune with the unquantised cache
 Goal: fp4_qat within 1 point of bf16 (and of bf16_ft).
 
-    python bench/qat.py --checkpoint runs/quickstart/checkpoints/stage1-grpo --minutes 3
+    python bench/qat.py --checkpoint runs/quickstart/checkpoints/step-<N>-000 --minutes 3   # the run's last
+                                     # stage-end checkpoint, the one `rl eval runs/quickstart` names
     python bench/qat.py --quick        # a briefly trained tiny model, 32 problems, seconds of fine-tune
 
 Last line: RESULT acc_bf16=<x> acc_fp4_noqat=<y> acc_fp4_qat=<z> acc_bf16_ft=<w> ...
@@ -62,7 +63,17 @@ def fine_tune(recipe_path: Path, ckpt: Path, run_dir: Path, kv: str, minutes: fl
                  f"optim: {{lr: 5.0e-5}}, dispatch: {{policy: sample, max_inflight: 128, max_version_lag: 4}}}}]", *extra]
     recipe = load_recipe(recipe_path, overrides)
     train(recipe, run_dir, say=lambda m: print("   ", m, flush=True))
-    return run_dir / "checkpoints" / "stage0-grpo"
+    return last_stage_end(run_dir)
+
+
+def last_stage_end(run_dir: Path) -> Path:
+    """The run's newest stage-end checkpoint (rl/checkpoint.py)."""
+    from rl.checkpoint import CheckpointManager
+
+    path = CheckpointManager(run_dir / "checkpoints").latest(stage_end_only=True)
+    if path is None:
+        raise SystemExit(f"{run_dir}: no stage-end checkpoint")
+    return path
 
 
 def main() -> None:
@@ -91,7 +102,7 @@ def main() -> None:
             r = load_recipe(recipe_path, [*extra, "runtime.ray=false", "logging.wandb=false", "logging.progress_bar=false",
                                           "stages=[{type: sft, max_steps: 150, batch_size: 32, optim: {lr: 3.0e-3}}]"])
             train(r, work / "base", say=lambda m: None)
-            args.checkpoint = str(work / "base" / "checkpoints" / "stage0-sft")
+            args.checkpoint = str(last_stage_end(work / "base"))
     ckpt = Path(args.checkpoint)
     recipe = load_recipe(recipe_path, [*extra, "runtime.ray=false"])
     problems = args.problems

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from rl.checkpoint import CheckpointManager
 from rl.config import Recipe
 from rl.driver import train
 from rl.recipe_io import load_recipe
@@ -36,7 +37,7 @@ def _variant(recipe: Recipe, *, stage_type: str, minutes: float | None, init: Pa
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default="configs/quickstart.yaml")
-    ap.add_argument("--from", dest="init", type=Path, help="SFT checkpoint to branch from")
+    ap.add_argument("--from", dest="init", type=Path, help="SFT stage-end checkpoint to branch from (RUN/checkpoints/step-*)")
     ap.add_argument("--minutes", type=float, default=10.0, help="budget of each branch")
     ap.add_argument("--out", type=Path, help="where to write runs and the JSON summary (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="tiny budgets: finishes in under a minute")
@@ -50,8 +51,11 @@ def main() -> None:
     if init is None:
         sft_minutes = 0.2 if args.quick else None
         train(_variant(recipe, stage_type="sft", minutes=sft_minutes, init=None, name="sft"), out / "sft")
-        init = out / "sft" / "checkpoints" / "stage0-sft"
-    sft_acc = json.loads((init / "meta.json").read_text())["eval"]["eval/accuracy"]
+        init = CheckpointManager(out / "sft" / "checkpoints").latest(stage_end_only=True)
+    marker = CheckpointManager.stage_end(init)  # a stage-end checkpoint carries its held-out evaluation
+    if marker is None:
+        raise SystemExit(f"{init} is not a stage-end checkpoint (rl/checkpoint.py): its SFT accuracy is unknown")
+    sft_acc = marker["eval"]["eval/accuracy"]
     grpo = train(_variant(recipe, stage_type="grpo", minutes=minutes, init=init, name="grpo"), out / "grpo")
     ctrl = train(_variant(recipe, stage_type="sft", minutes=minutes, init=init, name="control"), out / "control")
     summary = {"sft_acc": round(sft_acc, 4), "grpo_acc": grpo["grpo_acc"], "control_sft_acc": ctrl["sft_acc"],

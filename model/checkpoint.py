@@ -1,14 +1,22 @@
-"""Checkpoint I/O: a directory with `config.json` (ModelConfig) and `model.safetensors`.
+"""Checkpoint I/O: a directory with `config.json` (ModelConfig) and `model.safetensors`, and the one
+atomic directory writer that every checkpoint of this project goes through.
 
-Writes go to a temporary sibling directory that is renamed into place, so a reader never sees a
-half-written checkpoint.
+`publish_directory` is that writer: the files are written into a temporary sibling directory, fsynced,
+then `MANIFEST.json` (size and blake2b digest of every other file) is written last and fsynced, the
+directory is renamed into place (`os.replace`) and the parent directory fsynced. A reader therefore
+never sees a half-written checkpoint, and `verify_files` tells a complete one from one damaged later.
+rl/checkpoint.py (resumable training checkpoints) uses the same writer with its own manifest fields.
+
+Loading reads safetensors and JSON only: nothing in a checkpoint directory can run code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,7 +25,78 @@ from safetensors.torch import load_file, save_file
 from model.config import ModelConfig, same_weights
 from model.decoder import Decoder
 
+MANIFEST = "MANIFEST.json"
 
+
+# -- the atomic directory writer ----------------------------------------------------------------------------
+def file_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_directory(tmp: Path, final: Path, manifest: dict, before_manifest: Callable[[], None] | None = None) -> Path:
+    """Make the filled directory `tmp` appear as `final` (which must not exist), atomically and durably.
+
+    Every file of `tmp` is fsynced; then MANIFEST.json = `manifest` plus {"files": {name: {"bytes",
+    "blake2b"}}} is written last and fsynced (`before_manifest` runs just before it: rl's fault point);
+    then `os.replace(tmp, final)` and an fsync of the parent make the rename durable."""
+    tmp, final = Path(tmp), Path(final)
+    files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
+    for p in files:
+        with p.open("rb") as f:
+            os.fsync(f.fileno())
+    body = dict(manifest, files={p.name: {"bytes": p.stat().st_size, "blake2b": file_digest(p)} for p in files})
+    if before_manifest is not None:
+        before_manifest()
+    with (tmp / MANIFEST).open("w") as f:
+        json.dump(body, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    return final
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest of checkpoint directory `path`; ValueError (one line) when absent or not a JSON object."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"no {MANIFEST}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError(f"{MANIFEST} is not valid JSON") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError(f"{MANIFEST} has no file table")
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict) -> str | None:
+    """Why the files of `path` do not match `manifest` (missing, size, digest), or None."""
+    for name, meta in manifest["files"].items():
+        p = Path(path) / name
+        if not isinstance(name, str) or "/" in name or name.startswith(".") or not isinstance(meta, dict):
+            return f"the manifest lists a bad entry {name!r}"
+        if not p.is_file():
+            return f"{name} is missing"
+        if p.stat().st_size != meta.get("bytes"):
+            return f"{name} has {p.stat().st_size} bytes, the manifest says {meta.get('bytes')}"
+        if file_digest(p) != meta.get("blake2b"):
+            return f"{name} does not match its digest"
+    return None
+
+
+# -- model checkpoints ------------------------------------------------------------------------------------
 def write_weights(model: Decoder, directory: str | Path) -> None:
     """`model.safetensors` and `config.json` into an existing directory (no rename)."""
     directory = Path(directory)
@@ -42,6 +121,8 @@ def load_weights_into(model: Decoder, directory: str | Path) -> None:
 
 
 def save_checkpoint(model: Decoder, path: str | Path, extra: dict | None = None) -> Path:
+    """Weights (+ `meta.json` from `extra`) at `path`, through the atomic writer; replaces an existing
+    checkpoint there (the old one is moved aside first and deleted after the new one is in place)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
@@ -50,9 +131,13 @@ def save_checkpoint(model: Decoder, path: str | Path, extra: dict | None = None)
     write_weights(model, tmp)
     if extra is not None:
         (tmp / "meta.json").write_text(json.dumps(extra, indent=2))
+    old = path.with_name(path.name + ".old")
     if path.exists():
-        shutil.rmtree(path)
-    os.replace(tmp, path)
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(path, old)
+    publish_directory(tmp, path, {"kind": "model"})
+    shutil.rmtree(old, ignore_errors=True)
     return path
 
 

@@ -93,7 +93,8 @@ class AsyncGRPO:
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Controller state at a token boundary with pending rewards collected (see module docstring)."""
+        """Controller state at a token boundary with pending rewards collected (see module docstring); the
+        checkpoint stores it as records (rl/ckpt_records.py), and `load_state_dict` takes them parsed back."""
         assert not self.pending_rewards
         live = set(self.disp._groups) | set(self.disp._ready) | set(self.finished)
         return {"dispatcher": self.disp.state_dict(), "streams": {d: c.drawn for d, c in self.streams.items()},
@@ -212,7 +213,7 @@ class AsyncGRPO:
                 continue
             self.apply_patch(patch, pid)
 
-    def checkpoint_point(self, force: bool = False) -> None:
+    def checkpoint_point(self, force: bool = False, stage_end: bool = False) -> None:
         """A token boundary where the job may checkpoint (periodically, at the stage's end, or on
         SIGTERM: then exit)."""
         ctx = self.ctx
@@ -220,7 +221,7 @@ class AsyncGRPO:
             return
         self.policy.call_all("interrupt")
         self.collect_rewards(block=True)
-        ctx.save_checkpoint(self.stage_idx, self.state_dict())  # raises Preempted after a SIGTERM
+        ctx.save_checkpoint(self.stage_idx, self.state_dict(), stage_end=stage_end)  # raises Preempted after a SIGTERM
         self.policy.call_all("resume")
 
     def rollout_until_batch(self) -> list[str]:
@@ -348,7 +349,7 @@ class AsyncGRPO:
 
         # Stage over: checkpoint (a resume with a larger budget continues from here), then drop what is
         # still in flight; its prompts are recorded as dropped at the stage end.
-        self.checkpoint_point(force=True)
+        self.checkpoint_point(force=True, stage_end=True)
         policy.call_all("interrupt")
         policy.call_all("discard_held")
         self.collect_rewards(block=True)

@@ -210,7 +210,7 @@ class CheckpointConfig(StrictConfig):
     every_steps: int = Field(0, ge=0)
     """Write one every N train steps (counted over all stages); 0: only at stage ends and on SIGTERM."""
     keep_last: int = Field(3, gt=0)
-    """Keep the newest K checkpoints; older ones are deleted after a new one is complete."""
+    """Keep the newest K checkpoints, and every stage-end one; the others are deleted after a new one is complete."""
 
 
 class LoggingConfig(StrictConfig):

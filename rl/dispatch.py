@@ -30,11 +30,10 @@ group missing a member cannot be scored GRPO-style) and the prompt is re-drawn; 
 
 from __future__ import annotations
 
-import copy
 import random
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -162,19 +161,24 @@ class Dispatcher:
         self._discarded: set[str] = set()  # prompt ids of complete groups discarded at warm-up
         self._closed: list[tuple[str, str]] = []  # (prompt_id, outcome) not yet drained by the controller
 
-    # -- checkpoint ----------------------------------------------------------------------------------
-    _STATE = ("_counter", "version", "train_steps", "stats", "_credit", "_batches_owed", "inflight", "_groups",
-              "_ready", "_pending_draw", "_discarded", "_closed")
-
+    # -- checkpoint (record layout: rl/checkpoint.py, `Dispatcher`) ------------------------------------
     def state_dict(self) -> dict:
-        """Everything that decides future releases and batches (picklable; a deep copy)."""
-        return copy.deepcopy({k: getattr(self, k) for k in self._STATE} | {"rng": self._rng.getstate()})
+        """Everything that decides future releases and batches, as a plain JSON record (a copy)."""
+        version, internal, gauss = self._rng.getstate()
+        return {"counter": self._counter, "version": self.version, "train_steps": self.train_steps,
+                "stats": _fields(self.stats), "credit": self._credit, "batches_owed": self._batches_owed,
+                "inflight": dict(self.inflight), "open": [_group_record(g) for g in self._groups.values()],
+                "ready": [_group_record(g) for g in self._ready.values()], "pending_draw": self._pending_draw,
+                "discarded": sorted(self._discarded), "closed": [[pid, outcome] for pid, outcome in self._closed],
+                "rng": [version, list(internal), gauss]}
 
-    def load_state_dict(self, state: dict) -> None:
-        state = copy.deepcopy(state)
-        self._rng.setstate(state.pop("rng"))
-        for k in self._STATE:
-            setattr(self, k, state[k])
+    def load_state_dict(self, record: dict) -> None:
+        s = parse_state(record)
+        self._rng.setstate(s["rng"])
+        self._counter, self.version, self.train_steps, self.stats = s["counter"], s["version"], s["train_steps"], s["stats"]
+        self._credit, self._batches_owed, self.inflight = s["credit"], s["batches_owed"], s["inflight"]
+        self._groups, self._ready, self._pending_draw = s["open"], s["ready"], s["pending_draw"]
+        self._discarded, self._closed = s["discarded"], s["closed"]
 
     def drain_closed(self) -> list[tuple[str, str]]:
         """(prompt_id, outcome) of groups dropped since the last call: 'discarded' (warm-up) or
@@ -319,3 +323,39 @@ class Dispatcher:
     @property
     def num_ready_groups(self) -> int:
         return len(self._ready)
+
+
+# -- the dispatcher's checkpoint record ------------------------------------------------------------------------
+def _fields(obj) -> dict:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def _from_fields(cls, record: dict):
+    names = {f.name for f in fields(cls)}
+    if not isinstance(record, dict) or set(record) - names:
+        raise ValueError(f"unexpected fields {sorted(set(record) - names) if isinstance(record, dict) else record!r}")
+    return cls(**record)
+
+
+def _group_record(g: _Group) -> dict:
+    return {"ticket": _fields(g.ticket), "done": [_fields(m) for m in g.done], "discarded": g.discarded}
+
+
+def _group_from_record(r: dict) -> _Group:
+    return _Group(_from_fields(Ticket, r["ticket"]), [_from_fields(FinishedMeta, m) for m in r["done"]], bool(r["discarded"]))
+
+
+def parse_state(record: dict) -> dict:
+    """A `Dispatcher.state_dict()` record back to live values; ValueError (one line) when malformed."""
+    try:
+        version, internal, gauss = record["rng"]
+        return {"rng": (version, tuple(internal), gauss), "counter": int(record["counter"]),
+                "version": int(record["version"]), "train_steps": int(record["train_steps"]),
+                "stats": _from_fields(DispatchStats, record["stats"]), "credit": int(record["credit"]),
+                "batches_owed": int(record["batches_owed"]), "inflight": defaultdict(int, record["inflight"]),
+                "open": {g.ticket.prompt_id: g for g in map(_group_from_record, record["open"])},
+                "ready": OrderedDict((g.ticket.prompt_id, g) for g in map(_group_from_record, record["ready"])),
+                "pending_draw": record["pending_draw"], "discarded": set(record["discarded"]),
+                "closed": [(pid, outcome) for pid, outcome in record["closed"]]}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"dispatcher record: {type(e).__name__}: {e}") from None

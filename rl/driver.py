@@ -6,8 +6,9 @@ Stages:
 - `grpo`: asynchronous GRPO with sample-level dispatch, token-level interruption and state reuse
   across weight updates (rl/async_grpo.py); the `sync` dispatch policy is the no-overlap baseline.
 
-After every stage the driver evaluates greedy held-out accuracy, writes a checkpoint, and at the end
-returns the summary that `rl train` prints as `RESULT <stage>_acc=... minutes=...`.
+At the end of every stage the driver evaluates greedy held-out accuracy and writes a stage-end
+checkpoint that carries it; at the end it returns the summary that `rl train` prints as
+`RESULT <stage>_acc=... minutes=...`.
 
 Preemption and resume (rl/checkpoint.py, rl/preempt.py): every stage loop calls
 `checkpoint_wanted()` at its token boundaries; a resumable checkpoint is written every
@@ -29,6 +30,7 @@ from rewards.task import Task
 from rl import evaluation
 from rl.async_grpo import run_async_grpo
 from rl.checkpoint import CheckpointError, CheckpointManager
+from rl.ckpt_records import controller_from_record, controller_to_record
 from rl.config import GRPOStage, Recipe, SFTStage
 from rl.metrics import MetricsLogger
 from rl.preempt import Preempted, PreemptionGuard
@@ -66,6 +68,8 @@ class RunContext:
     t_start: float = 0.0
     first_token_pending: bool = False
     """Set on resume: the first generated token is reported as `resume/first_token_s` (since start)."""
+    stage_eval: dict | None = None
+    """Held-out metrics of the stage that just ended (taken for its stage-end checkpoint)."""
 
     def generated(self, tokens: int) -> None:
         if self.first_token_pending and tokens:
@@ -90,18 +94,24 @@ class RunContext:
         due = every > 0 and self.global_step > 0 and self.global_step % every == 0 and self.global_step != self.last_ckpt_step
         return due or (self.guard is not None and self.guard.requested)
 
-    def save_checkpoint(self, stage_idx: int, stage_state: dict) -> Path | None:
-        """Write a resumable checkpoint; call with every engine interrupted and rewards collected.
-        After a preemption request, raises `Preempted` once it is written. No-op without a manager."""
+    def save_checkpoint(self, stage_idx: int, stage_state: dict, stage_end: bool = False) -> Path | None:
+        """Write a resumable checkpoint; call with every engine interrupted and rewards collected. At a
+        stage end the stage is evaluated first (metrics kept in `stage_eval`) and the checkpoint is marked
+        with them. After a preemption request, raises `Preempted` once it is written. Without a manager
+        nothing is written."""
+        stage_type, marker = self.recipe.stages[stage_idx].type, None
+        if stage_end:
+            self.stage_eval = evaluate(self)
+            marker = {"stage": stage_idx, "type": stage_type, "eval": self.stage_eval}
         if self.ckpt is None:
             return None
         tmp = self.ckpt.begin(self.global_step)
         self.runtime.policy.call_all("save_state", str(tmp))
-        controller = {"stage_idx": stage_idx, "stage_state": stage_state, "global_step": self.global_step,
-                      "stage_minutes": self.stage_minutes_before + (time.monotonic() - self.stage_t0) / 60,
-                      "watermark": self.store.watermark(self.global_step), "summary": dict(self.summary),
-                      "recipe_yaml": recipe_to_yaml(self.recipe), "num_workers": len(self.runtime.policy)}
-        path = self.ckpt.commit(tmp, self.global_step, controller)
+        driver = {"stage_idx": stage_idx, "stage_type": stage_type, "global_step": self.global_step,
+                  "stage_minutes": self.stage_minutes_before + (time.monotonic() - self.stage_t0) / 60,
+                  "watermark": self.store.watermark(self.global_step), "summary": dict(self.summary),
+                  "recipe_yaml": recipe_to_yaml(self.recipe), "num_workers": len(self.runtime.policy), "stage_end": marker}
+        path = self.ckpt.commit(tmp, self.global_step, controller_to_record(driver, stage_state), stage_end=marker)
         self.last_ckpt_step = self.global_step
         self.logger.log({"checkpoint/global_step": self.global_step}, step=self.global_step)
         if self.guard is not None and self.guard.requested:
@@ -111,7 +121,7 @@ class RunContext:
     def restore_inflight(self) -> list[list[str]]:
         """Hand the restored checkpoint's in-flight states to the workers (parked; `resume` continues
         them); returns each worker's sample ids."""
-        files = sorted(str(p) for p in self.restore_from.glob("inflight-w*.msgpack"))
+        files = [str(p) for p in CheckpointManager.inflight_files(self.restore_from)]
         return self.runtime.policy.call_all("load_inflight", files)
 
     def restore_stage(self, stage: SFTStage | GRPOStage) -> dict | None:
@@ -120,7 +130,7 @@ class RunContext:
             return None
         self.runtime.policy.call_all("load_state", str(self.restore_from))
         self.runtime.policy.call_all("set_version", self.global_step)
-        return CheckpointManager.controller_state(self.restore_from)["stage_state"]
+        return controller_from_record(CheckpointManager.controller_state(self.restore_from))["stage_state"]
 
     def after_train_step(self, stage: SFTStage | GRPOStage, step: int, metrics: dict) -> None:
         if isinstance(stage, GRPOStage):
@@ -176,11 +186,11 @@ def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
     restored = ctx.restore_stage(stage)
     if restored is not None:
         start = restored["step"]
-        demos.load_state_dict(restored["demos"])
+        demos.load_state_dict({"drawn": restored["drawn"], "rng": restored["rng"]})
         ctx.restore_from = None
 
-    def checkpoint(step: int) -> None:
-        ctx.save_checkpoint(stage_idx, {"step": step, "demos": demos.state_dict()})
+    def checkpoint(step: int, stage_end: bool = False) -> None:
+        ctx.save_checkpoint(stage_idx, {"step": step, **demos.state_dict()}, stage_end=stage_end)
 
     step = start - 1
     for step in ctx.budget(stage, start):
@@ -193,7 +203,7 @@ def run_sft(ctx: RunContext, stage: SFTStage, stage_idx: int) -> None:
         ctx.global_step += 1
         policy.call_all("set_version", ctx.global_step)
         ctx.after_train_step(stage, step, metrics)
-    checkpoint(step + 1)  # stage end: a resume with a larger budget continues from here
+    checkpoint(step + 1, stage_end=True)  # a resume with a larger budget continues from here
 
 
 STAGE_RUNNERS = {"sft": run_sft, "grpo": run_async_grpo, "opd": run_async_grpo}
@@ -230,12 +240,18 @@ def _first_diff(a, b, path: str) -> str:
 
 def _find_resume_point(recipe: Recipe, store: TrajectoryStore, ckpt: CheckpointManager,
                        say: Callable[[str], None]) -> tuple[Path | None, dict | None]:
-    path = ckpt.latest()
+    path = ckpt.latest()  # a checkpoint of another format raises: refused, never skipped
     if path is None:
+        if ckpt.complete():  # starting over would roll the store back over the whole run
+            raise CheckpointError(f"none of the {len(ckpt.complete())} checkpoints under {ckpt.root} is usable (see the "
+                                  f"warnings); refusing to start the run over: restore one, or start a new run directory")
         say(f"resume: no complete checkpoint under {ckpt.root}; starting from the beginning")
         store.rollback_to(Watermark(0, 0), checkpoint="")
         return None, None
-    state = CheckpointManager.controller_state(path)
+    try:
+        state = controller_from_record(CheckpointManager.controller_state(path))
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {path}: {e}") from None
     from rl.recipe_io import recipe_from_yaml
 
     check_resumable(recipe_from_yaml(state["recipe_yaml"]), recipe)
@@ -282,10 +298,8 @@ def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, res
                 STAGE_RUNNERS[stage.type](ctx, stage, i)
                 ctx.bar.close()
                 ctx.stage_minutes_before = 0.0
-                metrics = evaluate(ctx)
+                metrics, ctx.stage_eval = ctx.stage_eval or evaluate(ctx), None  # taken at the stage-end checkpoint
                 logger.log(metrics, step=ctx.global_step)
-                runtime.policy.get(runtime.policy.submit(0, "save", str(run_dir / "checkpoints" / f"stage{i}-{stage.type}"),
-                                                         {"global_step": ctx.global_step, "stage": i, "eval": metrics}))
                 key = f"{stage.type}_acc" if f"{stage.type}_acc" not in summary else f"{stage.type}{i}_acc"
                 summary[key] = round(metrics["eval/accuracy"], 4)
                 n = int(sum(v for k, v in metrics.items() if k.endswith("/num_problems")))

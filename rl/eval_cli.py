@@ -39,11 +39,6 @@ def parse_efforts(text: str | None) -> list[int | None]:
     return levels
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = [p for p in (run_dir / "checkpoints").glob("stage*") if (p / "model.safetensors").is_file()]
-    return max(ckpts, key=lambda p: int(p.name[5:].split("-")[0]), default=None)
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "recipe.yaml").is_file():
@@ -52,7 +47,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         efforts = parse_efforts(args.effort)
     except ValueError as e:
         return _fail(str(e))
-    ckpt = Path(args.checkpoint) if args.checkpoint else latest_checkpoint(run_dir)
+    from rl.checkpoint import CheckpointError, CheckpointManager
+
+    try:  # the run's newest checkpoint that verifies (rl/checkpoint.py: the one finder)
+        ckpt = Path(args.checkpoint) if args.checkpoint else CheckpointManager(
+            run_dir / "checkpoints", warn=lambda m: print(m, file=sys.stderr)).latest()
+    except CheckpointError as e:
+        return _fail(str(e))
     if ckpt is None or not (ckpt / "model.safetensors").is_file():
         return _fail(f"no checkpoint with model.safetensors under {run_dir / 'checkpoints'}")
     from rl.recipe_io import load_recipe

@@ -1,8 +1,8 @@
 """PolicyWorker: the engine and the trainer of one device, sharing one policy module (seed §5.2.1).
 
 Phases alternate on the same device: ROLLOUT (`add`, `step`) → `interrupt` (every in-flight sample
-stops at the token boundary; its `RolloutState` moves to host memory) → TRAIN (`grpo_step` /
-`sft_step`; the weights change in place, version + 1) → `resume` (the states go back into the KV
+stops at the token boundary; its `RolloutState` moves to host memory) → TRAIN (`train_step` with the
+stage's objective; the weights change in place, version + 1) → `resume` (the states go back into the KV
 pool; no prefill) → ROLLOUT. The class is plain Python; `rl.runtime` wraps it in a Ray actor.
 """
 
@@ -12,13 +12,14 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import msgpack
 
-from model.checkpoint import load_weights_into, save_checkpoint, write_weights
+from model.checkpoint import load_weights_into, write_weights
 from model.decoder import Decoder
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.objectives import build_objective
@@ -26,7 +27,7 @@ from rl.trainer import StepMetrics, TrainBatch, Trainer
 from rollout.engine import Engine
 from teachers.config import TeacherSpec
 from teachers.pool import TeacherPool
-from rollout.types import Generation, GenerationRequest, RolloutState
+from rollout.types import Generation, GenerationRequest, RolloutState, unpack_plain
 
 
 @dataclass
@@ -142,25 +143,27 @@ class PolicyWorker:
 
     # -- checkpoint (rl/checkpoint.py) ------------------------------------------------------------------
     def save_state(self, directory: str) -> int:
-        """Rank 0 writes weights, optimizer, LR schedule and RNG; every rank writes its parked states.
-        Call while interrupted. Returns the bytes of state written by this rank."""
-        from rl.checkpoint import inflight_file
+        """Rank 0 writes weights and the trainer state (optimizer, LR schedule, RNG: safetensors + JSON,
+        rl/checkpoint.py); every rank writes its parked states. Call while interrupted. Returns the bytes
+        of in-flight state written by this rank."""
+        from rl.checkpoint import inflight_file, save_tree
 
         if self.rank == 0:
             write_weights(self.model, directory)
-            torch.save({"optimizer": self.trainer.opt.state_dict() if self.trainer else None,
-                        "scheduler": self.trainer.sched.state_dict() if self.trainer else None,
-                        "torch_rng": torch.get_rng_state(),
-                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                       os.path.join(directory, "trainer.pt"))
+            save_tree({"optimizer": self.trainer.opt.state_dict() if self.trainer else None,
+                       "scheduler": self.trainer.sched.state_dict() if self.trainer else None,
+                       "torch_rng": torch.get_rng_state(),
+                       "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, directory)
         blob = msgpack.packb([s.to_bytes() for s in self._held])
         inflight_file(directory, self.rank).write_bytes(blob)
         return len(blob)
 
     def load_state(self, directory: str) -> None:
         """Weights, optimizer, LR schedule and RNG from a checkpoint (after `begin_stage`)."""
+        from rl.checkpoint import load_tree
+
         load_weights_into(self.model, directory)
-        state = torch.load(os.path.join(directory, "trainer.pt"), weights_only=False)
+        state = load_tree(directory)
         if self.trainer is not None and state["optimizer"] is not None:
             self.trainer.opt.load_state_dict(state["optimizer"])
             self.trainer.sched.load_state_dict(state["scheduler"])
@@ -171,14 +174,16 @@ class PolicyWorker:
     def load_inflight(self, files: Sequence[str]) -> list[str]:
         """Park the checkpoint's in-flight states, this rank's share (states are portable between
         engines, so the worker count may change); `resume` continues them. Returns their sample ids."""
-        states = [RolloutState.from_bytes(b) for f in files for b in msgpack.unpackb(open(f, "rb").read())]
+        states = []
+        for f in files:
+            blobs = unpack_plain(Path(f).read_bytes())
+            if not isinstance(blobs, list) or not all(isinstance(b, bytes) for b in blobs):
+                raise ValueError(f"{f}: not a list of serialised rollout states")
+            states += [RolloutState.from_bytes(b) for b in blobs]
         self._held = states[self.rank :: self.world_size]
         return [s.request.sample_id for s in self._held]
 
     # -- misc ----------------------------------------------------------------------------------------
-    def save(self, path: str, extra: dict | None = None) -> str:
-        return str(save_checkpoint(self.model, path, extra))
-
     def info(self) -> dict:
         return {"num_parameters": self.model.num_parameters(), "pid": os.getpid(), "rank": self.rank,
                 "kv_blocks": self.engine.cache.num_blocks, "prefill_calls": self.engine.stats.prefill_calls,

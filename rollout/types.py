@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import msgpack
 import numpy as np
@@ -96,11 +96,15 @@ class RolloutState:
         n = sum(t.nbytes for t in self._tensors().values())
         return n + (0 if self.routing is None else self.routing.nbytes)
 
-    # -- serialisation: msgpack header + raw tensor bytes --------------------------------------------
+    # -- serialisation: msgpack header + raw tensor bytes (seed §5.2.3) ------------------------------
+    # Layout, version ROLLOUT_STATE_FORMAT: 8-byte little-endian header length, a msgpack map (plain
+    # types only: no extension types, so decoding cannot build objects or run code), then the raw bytes
+    # of each tensor in header order and of the routing trace (int16 little-endian).
     def to_bytes(self) -> bytes:
         tensors = self._tensors()
         header = {
-            "request": self.request.__dict__,
+            "format": ROLLOUT_STATE_FORMAT,
+            "request": {f.name: getattr(self.request, f.name) for f in fields(GenerationRequest)},
             "tokens": self.tokens,
             "logprobs": self.logprobs,
             "policy_versions": self.policy_versions,
@@ -118,37 +122,79 @@ class RolloutState:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RolloutState":
+        """Inverse of `to_bytes`; ValueError (one line) on anything that is not a well-formed state of
+        this format (the bytes come from a checkpoint directory: untrusted)."""
+        data = bytes(data)
         n = int.from_bytes(data[:8], "little")
-        header = msgpack.unpackb(data[8 : 8 + n])
-        req = header["request"]
-        req["prompt_tokens"] = tuple(req["prompt_tokens"])
-        offset, tensors = 8 + n, {}
-        for name, (dtype, shape) in header["tensors"].items():
-            dt = getattr(torch, dtype)
-            size = int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
-            if size == 0:  # torch.frombuffer refuses an empty buffer
-                tensors[name] = torch.empty(shape, dtype=dt)
-            else:
-                buf = bytearray(data[offset : offset + size])
-                tensors[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape)
-            offset += size
-        routing = None
-        if header["routing"] is not None:
-            shape = header["routing"]
-            size = int(np.prod(shape)) * 2
-            routing = np.frombuffer(data[offset : offset + size], dtype="<i2").reshape(shape).astype(np.int16)
-        csa2 = {n.removeprefix("csa2."): t for n, t in tensors.items() if n.startswith("csa2.")}
-        return cls(
-            request=GenerationRequest(**req),
-            tokens=list(header["tokens"]),
-            logprobs=list(header["logprobs"]),
-            policy_versions=list(header["policy_versions"]),
-            k=tensors.get("k"),
-            v=tensors.get("v"),
-            routing=routing,
-            generate_s=header["generate_s"],
-            kv_format=header.get("kv_format", "bf16"),
-            k_scale=tensors.get("k_scale"),
-            v_scale=tensors.get("v_scale"),
-            csa2=csa2 if header.get("csa2") else None,
-        )
+        if len(data) < 8 or n > len(data) - 8:
+            raise ValueError(f"rollout state: truncated ({len(data)} bytes)")
+        header = unpack_plain(data[8 : 8 + n])
+        if not isinstance(header, dict) or header.get("format") != ROLLOUT_STATE_FORMAT:
+            found = header.get("format") if isinstance(header, dict) else None
+            raise ValueError(f"rollout state: format {found!r}, this asyncrl reads {ROLLOUT_STATE_FORMAT}")
+        try:
+            req = dict(header["request"])
+            req["prompt_tokens"] = tuple(_ints(req["prompt_tokens"]))
+            request = GenerationRequest(**req)
+            offset, tensors = 8 + n, {}
+            for name, (dtype, shape) in header["tensors"].items():
+                dt, shape = _DTYPES[dtype], _ints(shape)
+                size = int(np.prod(shape)) * torch.empty((), dtype=dt).element_size()
+                if offset + size > len(data):
+                    raise ValueError(f"tensor {name} runs past the end")
+                if size == 0:  # torch.frombuffer refuses an empty buffer
+                    tensors[name] = torch.empty(shape, dtype=dt)
+                else:
+                    buf = bytearray(data[offset : offset + size])
+                    tensors[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dt).reshape(shape)
+                offset += size
+            routing = None
+            if header["routing"] is not None:
+                shape = _ints(header["routing"])
+                size = int(np.prod(shape)) * 2
+                if offset + size > len(data):
+                    raise ValueError("the routing trace runs past the end")
+                routing = np.frombuffer(data[offset : offset + size], dtype="<i2").reshape(shape).astype(np.int16)
+            csa2 = {n.removeprefix("csa2."): t for n, t in tensors.items() if n.startswith("csa2.")}
+            return cls(
+                request=request,
+                tokens=_ints(header["tokens"]),
+                logprobs=[float(x) for x in header["logprobs"]],
+                policy_versions=_ints(header["policy_versions"]),
+                k=tensors.get("k"),
+                v=tensors.get("v"),
+                routing=routing,
+                generate_s=float(header["generate_s"]),
+                kv_format=str(header["kv_format"]),
+                k_scale=tensors.get("k_scale"),
+                v_scale=tensors.get("v_scale"),
+                csa2=csa2 if header["csa2"] else None,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"rollout state: malformed header ({type(e).__name__}: {e})") from None
+
+
+ROLLOUT_STATE_FORMAT = 1
+"""Version of the `RolloutState.to_bytes` layout; resumable checkpoints record it in their manifest."""
+
+_DTYPES = {name: getattr(torch, name) for name in
+           ("float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")}
+"""Tensor dtypes a serialised state may name (an allow-list: a name is never looked up on torch)."""
+
+
+def unpack_plain(data: bytes):
+    """msgpack → plain Python values only (str keys, no extension types, no raw bytes as str)."""
+
+    def no_ext(code, _data):
+        raise ValueError(f"msgpack extension type {code} is not allowed")
+
+    try:
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=no_ext, use_list=True)
+    except (ValueError, msgpack.UnpackException, TypeError) as e:
+        raise ValueError(f"not valid msgpack ({type(e).__name__}: {e})") from None
+
+
+def _ints(xs) -> list[int]:
+    if not isinstance(xs, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs):
+        raise ValueError(f"expected a list of non-negative ints, got {type(xs).__name__}")
+    return xs

@@ -1,19 +1,26 @@
 """Preemption and resume through the real CLI: SIGTERM mid-rollout, kill -9 (external and at fail
-points inside the checkpoint write and the train phase), a damaged checkpoint, an incompatible recipe.
-With deterministic settings (in-process runtime, fixed seeds) every interrupted run, once resumed,
-must store exactly the uninterrupted run's trained samples and losses."""
+points inside the checkpoint write and the train phase), a damaged checkpoint, an incompatible recipe,
+code whose controller classes were renamed since the checkpoint, a format-1 checkpoint, poisoned pickles
+planted in the run directory. With deterministic settings (in-process runtime, fixed seeds) every
+interrupted run, once resumed, must store exactly the uninterrupted run's trained samples and losses."""
 
 import json
 import os
+import pickle  # only to plant poisoned files that must never be loaded
+import re
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import pytest
 import yaml
 
+from model.checkpoint import file_digest
 from rl.checkpoint import CheckpointManager, inflight_file
 from rl.store import TrajectoryStore, recorded_train_steps
 
@@ -34,15 +41,16 @@ RECIPE = {
     "logging": {"wandb": False, "progress_bar": False},
 }
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _start(*args, env=None) -> subprocess.Popen:
+def _start(*args, env=None, cwd=None) -> subprocess.Popen:
     return subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+                            env={**os.environ, **(env or {})}, cwd=cwd)
 
 
-def _run(*args, env=None) -> subprocess.CompletedProcess:
-    p = _start(*args, env=env)
+def _run(*args, env=None, cwd=None) -> subprocess.CompletedProcess:
+    p = _start(*args, env=env, cwd=cwd)
     out, err = p.communicate(timeout=300)
     return subprocess.CompletedProcess(args, p.returncode, out, err)
 
@@ -128,19 +136,125 @@ def test_kill9_then_resume_equals_uninterrupted(recipe_file, reference, tmp_path
     assert len(TrajectoryStore.for_run_dir(run_dir).restarts()) == 1
 
 
-def test_damaged_checkpoint_is_skipped_for_the_previous_one(recipe_file, reference, tmp_path):
-    run_dir = tmp_path / "run"
+def _killed_in_grpo(recipe_file, run_dir):
     proc = _start("train", str(recipe_file), "--run-dir", str(run_dir), env={"ASYNCRL_FAULT": "train:5"})
     proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "trainer.safetensors", "controller.json"])
+def test_damaged_checkpoint_is_skipped_for_the_previous_one(recipe_file, reference, tmp_path, name):
+    run_dir = tmp_path / "run"
+    _killed_in_grpo(recipe_file, run_dir)
     newest = CheckpointManager(run_dir / "checkpoints").complete()[-1]
-    weights = newest / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-10] ^= 0xFF
-    weights.write_bytes(bytes(data))
+    damaged = newest / name
+    data = bytearray(damaged.read_bytes())
+    data[-10] ^= 0x01
+    damaged.write_bytes(bytes(data))
     resumed = _run("resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"skipping checkpoint {newest}" in resumed.stdout and "does not match its digest" in resumed.stdout
+    assert f"skipping checkpoint {newest}: {name} does not match its digest" in resumed.stdout
     _assert_same_as_reference(run_dir, reference)
+
+
+RENAMES = {"Ticket": "ReleasedPrompt", "FinishedMeta": "SampleDone", "_Group": "_OpenGroup", "DispatchStats": "DispatchCounters",
+           "Dispatcher": "PromptDispatcher", "RolloutClock": "PhaseClock", "AsyncGRPO": "AsyncLoop", "LiveConfig": "LiveSettings",
+           "TeacherSpec": "TeacherEntry", "Prompt": "DispatchedPrompt", "Problem": "TaskProblem", "Watermark": "StoreMark",
+           "RolloutState": "SampleState", "GenerationRequest": "GenRequest"}
+"""Every class whose instances the format-1 checkpoint pickled (and a few more), renamed."""
+
+
+def _renamed_source(dest: Path) -> Path:
+    """A copy of the packages with every class in RENAMES renamed (definitions and uses alike)."""
+    word = re.compile(r"\b(" + "|".join(RENAMES) + r")\b")
+    for pkg in ("model", "rollout", "rewards", "teachers", "rl"):
+        shutil.copytree(ROOT / pkg, dest / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in dest.rglob("*.py"):
+        f.write_text(word.sub(lambda m: RENAMES[m.group(1)], f.read_text()))
+    return dest
+
+
+def test_a_checkpoint_survives_renaming_the_controller_classes(recipe_file, reference, tmp_path):
+    run_dir = tmp_path / "run"
+    _killed_in_grpo(recipe_file, run_dir)
+    src = _renamed_source(tmp_path / "src")
+    probe = subprocess.run([sys.executable, "-c", "import rl.dispatch as d, rl.async_grpo as a; "
+                            "print(d.__file__, hasattr(d, 'Ticket'), hasattr(d, 'ReleasedPrompt'), hasattr(a, 'PhaseClock'))"],
+                           cwd=src, capture_output=True, text=True)
+    assert probe.stdout.split() == [str(src / "rl" / "dispatch.py"), "False", "True", "True"], probe.stderr
+    resumed = _run("resume", str(run_dir), cwd=src)  # the renamed code resumes the checkpoint the original wrote
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resume: step-" in resumed.stdout
+    _assert_same_as_reference(run_dir, reference)
+
+
+class _Poison:
+    """Unpickling this creates the marker file: proof that a loader ran code from the run directory."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _plant(path: Path, marker: Path) -> None:
+    path.write_bytes(pickle.dumps(_Poison(marker)))
+
+
+def test_poisoned_pickles_in_the_run_directory_are_never_loaded(recipe_file, reference, tmp_path):
+    run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
+    _killed_in_grpo(recipe_file, run_dir)
+    for ckpt in CheckpointManager(run_dir / "checkpoints").complete():  # where format 1 kept its pickles
+        _plant(ckpt / "controller.pkl", marker)
+        _plant(ckpt / "trainer.pt", marker)
+        _plant(ckpt / "inflight-w7.msgpack", marker)  # not in the manifest: never read as an in-flight state
+    resumed = _run("resume", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert not marker.exists()
+    _assert_same_as_reference(run_dir, reference)
+
+
+def _format_1(ckpt: Path, marker: Path) -> None:
+    """Turn a checkpoint into what the format-1 code wrote: controller.pkl (here a poisoned one) and a
+    format-1 manifest of digests."""
+    (ckpt / "controller.json").unlink()
+    _plant(ckpt / "controller.pkl", marker)
+    files = {p.name: {"bytes": p.stat().st_size, "blake2b": file_digest(p)} for p in sorted(ckpt.iterdir())
+             if p.name != "MANIFEST.json"}
+    (ckpt / "MANIFEST.json").write_text(json.dumps({"format": 1, "global_step": 66, "created_at": 0.0, "files": files}))
+
+
+def test_a_format_1_checkpoint_is_refused_and_the_store_kept(reference, tmp_path):
+    run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
+    shutil.copytree(reference[0], run_dir)
+    newest = CheckpointManager(run_dir / "checkpoints").complete()[-1]
+    _format_1(newest, marker)
+    before = _trained(run_dir)
+    for args in (["resume", str(run_dir)], ["eval", str(run_dir), "--max-problems", "2"]):
+        proc = _run(*args)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].endswith(
+            f"checkpoint {newest} has format 1 (pickled controller state, written before format 2); "
+            f"this asyncrl reads format 2: start a new run directory"), lines
+    assert not marker.exists()
+    assert _trained(run_dir) == before and TrajectoryStore.for_run_dir(run_dir).restarts() == []  # not rolled back
+
+
+def test_resume_refuses_to_start_over_when_every_checkpoint_is_damaged(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0], run_dir)
+    ckpts = CheckpointManager(run_dir / "checkpoints").complete()
+    for ckpt in ckpts:
+        (ckpt / "trainer.json").write_text("{}")
+    before = _trained(run_dir)
+    proc = _run("resume", str(run_dir))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"none of the {len(ckpts)} checkpoints" in lines[0] and "refusing to start the run over" in lines[0]
+    assert proc.stdout.count("warning: skipping checkpoint") == len(ckpts)
+    assert _trained(run_dir) == before and TrajectoryStore.for_run_dir(run_dir).restarts() == []
 
 
 def test_incompatible_recipe_is_refused_with_one_line(recipe_file, reference):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import yaml
 
+from rl.checkpoint import CheckpointManager
 from rl.store import TrajectoryStore
 
 pytestmark = pytest.mark.integration
@@ -46,8 +47,11 @@ def test_train_prints_result_and_writes_run_dir(tiny_run):
     assert proc.returncode == 0, proc.stderr[-2000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT sft_acc=") and " grpo_acc=" in last and " minutes=" in last
-    for ckpt in ("stage0-sft", "stage1-grpo"):
-        assert (run_dir / "checkpoints" / ckpt / "model.safetensors").is_file()
+    mgr = CheckpointManager(run_dir / "checkpoints")
+    ends = [mgr.stage_end(p) for p in mgr.complete() if mgr.stage_end(p)]  # one stage-end checkpoint per stage
+    assert [(e["stage"], e["type"]) for e in ends] == [(0, "sft"), (1, "grpo")]
+    assert ends[-1]["eval"]["eval/accuracy"] == pytest.approx(float(last.split(" grpo_acc=")[1].split()[0]), abs=1e-4)
+    assert (mgr.latest() / "model.safetensors").is_file() and mgr.stage_end(mgr.latest()) == ends[-1]
     saved = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     assert saved["stages"][1]["optim"]["lr"] == pytest.approx(3e-4)  # --set applied and recorded
 
@@ -92,6 +96,8 @@ def test_rl_eval_per_effort_and_bad_input(tiny_run):
     run_dir, _ = tiny_run
     out = _rl("eval", str(run_dir), "--effort", "10,100", "--max-problems", "8", cwd=run_dir.parent)
     assert out.returncode == 0, out.stderr[-1000:]
+    newest = CheckpointManager(run_dir / "checkpoints").complete()[-1]  # the GRPO stage-end checkpoint
+    assert out.stdout.splitlines()[0] == f"checkpoint {newest}" and CheckpointManager.stage_end(newest)["stage"] == 1
     rows = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0] in ("10", "100")]
     assert [r[0] for r in rows] == ["10", "100"] and all(r[-1] == "8" for r in rows)
     assert 0.0 <= float(rows[0][2]) <= 1.0

@@ -7,10 +7,12 @@ import os
 import signal
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig
-from rl.checkpoint import CheckpointError, CheckpointManager
+from rl.checkpoint import CheckpointError, CheckpointManager, save_tree
 from rl.dispatch import DispatchConfig, Dispatcher, FinishedMeta
 from rl.driver import check_resumable
 from rl.preempt import PreemptionGuard
@@ -21,10 +23,13 @@ from rl.types import Prompt
 from tests.unit.test_store import make_sample
 
 
-def _write(mgr: CheckpointManager, step: int, payload: bytes = b"weights") -> object:
+def _write(mgr: CheckpointManager, step: int, payload: bytes = b"weights", stage_end: dict | None = None) -> object:
+    """A checkpoint with stand-in contents (what the manager itself reads: manifest, headers, records)."""
     tmp = mgr.begin(step)
-    (tmp / "model.safetensors").write_bytes(payload)
-    return mgr.commit(tmp, step, {"global_step": step})
+    save_file({"w": torch.frombuffer(bytearray(payload), dtype=torch.uint8)}, str(tmp / "model.safetensors"))
+    (tmp / "config.json").write_text("{}")
+    save_tree({"torch_rng": torch.get_rng_state()}, tmp)
+    return mgr.commit(tmp, step, {"global_step": step}, stage_end=stage_end)
 
 
 def test_commit_renames_into_place_and_keeps_the_last_k(tmp_path):
