@@ -38,3 +38,25 @@ def dense_model():
 
     torch.manual_seed(0)
     return Decoder(debug_config(moe=False)).eval()
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server for the session (tests/postgres.py). Missing PostgreSQL skips locally and
+    fails under CI=true (.ci/run installs it), so CI never passes without running these tests."""
+    from tests.postgres import PostgresServer, unavailable
+
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but the PostgreSQL tests cannot run: {why}")
+        pytest.skip(why)
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server):
+    """The URL of a new, empty database on the session's PostgreSQL server."""
+    return postgres_server.create_database()
