@@ -75,11 +75,10 @@ def _engine(url: URL, **kw) -> Engine:
 
 
 def _sqlite_writer_pragmas(dbapi_connection, connection_record) -> None:
-    # WAL lets readers read while the controller writes; NORMAL is durable across process crashes
-    # (only an OS crash may lose the last commits), the right trade for a run log. Foreign keys on,
-    # as PostgreSQL always checks them, so a bad delete order fails here too.
+    # WAL (set by `upgrade_store`) lets readers read while the controller writes; NORMAL is durable
+    # across process crashes (only an OS crash may lose the last commits), the right trade for a run
+    # log. Foreign keys on, as PostgreSQL always checks them, so a bad delete order fails here too.
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
@@ -196,6 +195,17 @@ def _migration_engine(url: URL) -> Engine:
     return engine
 
 
+def _use_wal(engine: Engine) -> None:
+    # WAL is a property of the file, and switching to it needs the file to itself: done here, under
+    # the migration lock, not in the first connection of every writer (which would race).
+    raw = engine.raw_connection()
+    try:
+        if raw.driver_connection.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            raw.driver_connection.execute("PRAGMA journal_mode=WAL")
+    finally:
+        raw.close()
+
+
 def upgrade_store(url: str | URL) -> tuple[str, str]:
     """Bring the database at `url` to this code's revision (creating the store in an empty database),
     under the migration lock, in one transaction; returns (state before, state after)."""
@@ -209,23 +219,24 @@ def upgrade_store(url: str | URL) -> tuple[str, str]:
     engine = _migration_engine(url)
     head = head_revision()
     try:
-        with _file_lock(path), engine.begin() as conn:
-            if conn.dialect.name == "postgresql":
-                conn.execute(select(func.pg_advisory_xact_lock(MIGRATION_LOCK_KEY)))
-            before = schema_state(conn)
-            if before == head:
-                return before, head
-            if not (before == "empty" or before.startswith("unversioned") or _is_known(before)):
-                raise StoreError(f"the trajectory store {redacted(url)} has schema {before}, newer than this code's "
-                                 f"{head}; update asyncrl")
-            if before == "empty":  # a new store: the current tables at once, recorded as the head revision
-                from rl.store_schema import Base
+        with _file_lock(path):
+            with engine.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    conn.execute(select(func.pg_advisory_xact_lock(MIGRATION_LOCK_KEY)))
+                before = schema_state(conn)
+                if not (before in ("empty", head) or before.startswith("unversioned") or _is_known(before)):
+                    raise StoreError(f"the trajectory store {redacted(url)} has schema {before}, newer than this "
+                                     f"code's {head}; update asyncrl")
+                if before == "empty":  # a new store: the current tables at once, recorded as the head revision
+                    from rl.store_schema import Base
 
-                Base.metadata.create_all(conn)
-                MigrationContext.configure(conn).stamp(_script(), head)
-            else:
-                command.upgrade(alembic_config(conn), head)
-            return before, head
+                    Base.metadata.create_all(conn)
+                    MigrationContext.configure(conn).stamp(_script(), head)
+                elif before != head:
+                    command.upgrade(alembic_config(conn), head)
+            if path is not None:
+                _use_wal(engine)
+        return before, head
     except SQLAlchemyError as e:
         raise StoreError(f"cannot open or upgrade the trajectory store {redacted(url)}: {getattr(e, 'orig', None) or e}") from None
     finally:
