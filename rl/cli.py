@@ -6,6 +6,7 @@
     rl reconfigure RUN_DIR [PATCH.yaml] [--set mixture.arith=2 ...]   change a running job live
     rl traj ls RUN_DIR [filters]      rl traj show RUN_DIR SAMPLE_ID
     rl eval RUN_DIR [--effort 10,25,50,75,90,100]
+    rl db upgrade RUN_DIR | DB_FILE | URL     bring a trajectory store to this code's schema
 
 A bad recipe prints one line naming the field (and YAML line) and exits 2. torch is imported only by
 commands that need it, so `rl validate` is instant.
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 
 from rl.recipe_io import RecipeError, load_recipe
+from rl.db_cli import add_db_parser
 from rl.eval_cli import add_eval_parser
 from rl.traj_cli import add_traj_parser
 
@@ -55,10 +57,11 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def _train(recipe, run_dir: Path, resume: bool) -> int:
     from rl.checkpoint import CheckpointError
     from rl.driver import train  # heavy: torch
+    from rl.store_db import StoreError
 
     try:
         summary = train(recipe, run_dir, resume=resume)
-    except CheckpointError as e:
+    except (CheckpointError, StoreError) as e:
         print(f"rl: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))
@@ -126,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_reconfigure)
     add_traj_parser(sub)
     add_eval_parser(sub)
+    add_db_parser(sub)
     return parser
 
 

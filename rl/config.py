@@ -201,7 +201,8 @@ class StoreConfig(StrictConfig):
     """Trajectory store."""
 
     url: str | None = None
-    """SQLAlchemy URL; default sqlite:///<run_dir>/trajectories.db (WAL mode)."""
+    """SQLAlchemy URL; default sqlite:///<run_dir>/trajectories.db (WAL mode). Many runs may share one
+    database, e.g. postgresql+psycopg://user@host/asyncrl (rl/store.py)."""
 
 
 class CheckpointConfig(StrictConfig):

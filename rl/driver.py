@@ -267,7 +267,8 @@ def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, res
     t_start = time.monotonic()
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe_yaml = recipe_to_yaml(recipe)
-    store = TrajectoryStore.for_run_dir(run_dir, url=recipe.store.url)
+    # Upgrades the store under its lock; the run id is RUN_DIR/run.json's (created on the first start).
+    store = TrajectoryStore.for_run_dir(run_dir, url=recipe.store.url, name=recipe.run.name)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, warn=say)
     restore_from, state = _find_resume_point(recipe, store, ckpt, say) if resume else (None, None)
     (run_dir / "recipe.yaml").write_text(recipe_yaml)

@@ -1,15 +1,27 @@
 """Trajectory store: every prompt, sample and train step of a run, in SQL (SQLAlchemy 2.x).
 
-The tables are a storage mapping kept apart from the domain records in `rl.types` (which stay frozen
-dataclasses); `TrajectoryStore` converts between the two. One writer, the controller; readers
-(`rl traj ...`) may open the same file while it runs (SQLite in WAL mode).
+The tables (rl/store_schema.py) are a storage mapping kept apart from the domain records in
+`rl.types` (which stay frozen dataclasses); `TrajectoryStore` converts between the two. One writer
+per run, the controller; readers (`rl traj ...`) may open the store while it runs (SQLite in WAL mode).
+
+Many runs, one database: the default store is `RUN_DIR/trajectories.db` (SQLite), and `store.url`
+may name any SQLAlchemy database (e.g. `postgresql+psycopg://user@host/asyncrl`) that many runs
+share. A run's identity is the UUID in `RUN_DIR/run.json` (rl/run_id.py), not its directory's name;
+every row carries it, the ids a run chooses are unique only within the run (keys (run_id, prompt_id),
+(run_id, sample_id); segments and `trained` rows reference (run_id, sample_id)), and every read,
+update and delete here filters on the store's `run_id`, so one run never sees or changes another's rows.
+
+Schema versions (rl/store_db.py): the writer upgrades the database to this code's revision when it
+opens it, under a lock; readers open read-only and refuse an older store with one line naming
+`rl db upgrade`.
 
 Tables:
 - `runs`        one row per run: name, creation time, the recipe as JSON.
 - `prompts`     one row per dispatched prompt: dataset, text, answer, group size, policy version and
                 time at dispatch.
 - `samples`     one row per trajectory: ids, status, reward, texts, the token arrays, version range,
-                timings and `train_step` (the optimizer step that consumed it; NULL until trained).
+                timings, effort, teacher, config version and `train_step` (the optimizer step that
+                consumed it; NULL until trained).
 - `segments`    one row per maximal run of equal policy versions over a sample's response tokens,
                 [start, end) in response-token indices; derived from `policy_versions_T` at insert,
                 so "which samples span versions 3..5" is a SQL query rather than a blob scan.
@@ -21,12 +33,13 @@ Tables:
 - `restarts`    one row per resume: the checkpoint it restarted from and what the rollback removed.
 
 Resume (rl/checkpoint.py): every prompt, sample and outcome write takes the next number of one
-run-wide `seq` counter; a checkpoint records a *watermark* (the last `seq` and the train step). On resume, rows written after the watermark belong to work the
-restored job redoes with the same ids (prompts re-dispatched, samples regenerated, train steps
-re-run), so `rollback_to` deletes them and resets `train_step` on samples consumed by a rolled-back
-step (they are in the checkpoint's untrained buffer and train again once); the `restarts` row
-counts each kind, so nothing disappears unrecorded. Each prompt's `outcome` says how its group
-ended: trained, discarded (warm-up), dropped_stale (past max_version_lag), dropped_stage_end.
+run-wide `seq` counter; a checkpoint records a *watermark* (the last `seq` and the train step). On
+resume, rows written after the watermark belong to work the restored job redoes with the same ids
+(prompts re-dispatched, samples regenerated, train steps re-run), so `rollback_to` deletes them (of
+this run only) and resets `train_step` on samples consumed by a rolled-back step (they are in the
+checkpoint's untrained buffer and train again once); the `restarts` row counts each kind, so
+nothing disappears unrecorded. Each prompt's `outcome` says how its group ended: trained, discarded
+(warm-up), dropped_stale (past max_version_lag), dropped_stage_end.
 
 Token arrays (token ids, behaviour logprobs, per-token policy versions, MoE routing traces) are
 blobs of raw little-endian numpy bytes: a sample has hundreds to thousands of values per array that
@@ -45,11 +58,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import Float, ForeignKey, LargeBinary, String, Text, create_engine, delete, event, func, insert, select, update
-from sqlalchemy.engine import make_url
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, sessionmaker
+from sqlalchemy import Engine, delete, func, insert, select, union, update
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import sessionmaker
 
+from rl.run_id import own_store_url, read_run_file, read_run_identity, run_identity, run_store_url
+from rl.store_db import (DB_FILE, StoreError, check_readable, parse_url, reader_engine, redacted, sqlite_file,
+                         upgrade_store, writer_engine)
+from rl.store_schema import (ConfigVersionTable, PromptTable, RestartTable, RunTable, SampleTable, SegmentTable,
+                             TrainedTable, TrainStepTable)
 from rl.types import Prompt, Sample
+
+__all__ = ["DB_FILE", "ConfigVersionTable", "PromptTable", "RestartTable", "RunTable", "SampleRow", "SampleTable",
+           "SegmentTable", "StoreError", "TrainStepTable", "TrainedTable", "TrajectoryStore", "Watermark",
+           "decode_array", "encode_array", "recorded_train_steps", "segments_from_versions"]
 
 TOKEN_DTYPE = "<i4"
 LOGPROB_DTYPE = "<f4"
@@ -58,7 +81,6 @@ ROUTING_DTYPE = "<i2"
 PREVIEW_CHARS = 120
 """How much of the response `query` returns (the rest stays in the database)."""
 _TIMING_KEYS = ("dispatched_at", "finished_at", "generate_s")
-_ID = String(255)
 
 
 def encode_array(values: Sequence | np.ndarray, dtype: str) -> bytes:
@@ -86,136 +108,42 @@ def segments_from_versions(policy_versions_T: Sequence[int]) -> list[tuple[int, 
     return segments
 
 
-DB_FILE = "trajectories.db"
-"""A run directory's default store file."""
+_step_counters: dict[str, Engine] = {}
+"""Reader engines of `recorded_train_steps` for server databases, kept across its polls."""
 
 
-def recorded_train_steps(run_dir: str | Path) -> int:
-    """Train steps a (possibly live) run has recorded so far, read through a read-only SQLite connection
-    so that a watcher never contends with the job's writer; 0 while the store does not exist yet."""
+def recorded_train_steps(run_dir: str | Path, url: str | URL | None = None) -> int:
+    """Train steps a (possibly live) run has recorded so far, read-only so that a watcher never
+    contends with the job's writer; 0 while the store (or the run's run.json) does not exist yet.
+    The store is `url`, else the run's own (rl/run_id.py `run_store_url`)."""
+    run_dir = Path(run_dir)
     try:
-        with sqlite3.connect(f"file:{Path(run_dir) / DB_FILE}?mode=ro", uri=True, timeout=1) as c:
-            return c.execute("select count(*) from train_steps").fetchone()[0]
-    except sqlite3.Error:
+        run_id = read_run_file(run_dir)
+        url, own = (parse_url(url), False) if url is not None else run_store_url(run_dir)
+    except StoreError:
         return 0
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class RunTable(Base):
-    __tablename__ = "runs"
-    run_id: Mapped[str] = mapped_column(_ID, primary_key=True)
-    name: Mapped[str] = mapped_column(Text)
-    created_at: Mapped[float] = mapped_column(Float)
-    recipe_json: Mapped[str] = mapped_column(Text)
-
-
-class PromptTable(Base):
-    __tablename__ = "prompts"
-    prompt_id: Mapped[str] = mapped_column(_ID, primary_key=True)
-    run_id: Mapped[str] = mapped_column(_ID, index=True)
-    dataset: Mapped[str] = mapped_column(_ID)
-    text: Mapped[str] = mapped_column(Text)
-    tokens: Mapped[bytes] = mapped_column(LargeBinary)
-    answer: Mapped[str] = mapped_column(Text)
-    group_size: Mapped[int]
-    policy_version: Mapped[int]
-    dispatched_at: Mapped[float] = mapped_column(Float)
-    seq: Mapped[int] = mapped_column(index=True)
-    """Write order within the run (the resume watermark compares against it)."""
-    config_version: Mapped[int] = mapped_column(default=0)
-    outcome: Mapped[str | None] = mapped_column(String(32))
-    """NULL while open; trained | discarded | dropped_stale | dropped_stage_end."""
-    outcome_seq: Mapped[int | None]
-
-
-class SampleTable(Base):
-    __tablename__ = "samples"
-    sample_id: Mapped[str] = mapped_column(_ID, primary_key=True)
-    run_id: Mapped[str] = mapped_column(_ID, index=True)
-    prompt_id: Mapped[str] = mapped_column(_ID, index=True)
-    dataset: Mapped[str] = mapped_column(_ID, index=True)
-    group_id: Mapped[str] = mapped_column(_ID)
-    status: Mapped[str] = mapped_column(String(32))
-    reward: Mapped[float] = mapped_column(Float, index=True)
-    correct: Mapped[bool]
-    finish_reason: Mapped[str] = mapped_column(String(32))
-    prompt_text: Mapped[str] = mapped_column(Text)
-    response_text: Mapped[str] = mapped_column(Text)
-    prompt_tokens: Mapped[bytes] = mapped_column(LargeBinary)
-    response_tokens: Mapped[bytes] = mapped_column(LargeBinary)
-    behavior_logprobs: Mapped[bytes] = mapped_column(LargeBinary)
-    policy_versions: Mapped[bytes] = mapped_column(LargeBinary)
-    routing_trace: Mapped[bytes | None] = mapped_column(LargeBinary)
-    routing_shape: Mapped[str | None] = mapped_column(String(64))
-    num_response_tokens: Mapped[int]
-    # NULL only for an empty response (e.g. a sample that failed before its first token).
-    min_version: Mapped[int | None]
-    max_version: Mapped[int | None]
-    dispatched_at: Mapped[float | None] = mapped_column(Float)
-    finished_at: Mapped[float | None] = mapped_column(Float)
-    generate_s: Mapped[float | None] = mapped_column(Float)
-    train_step: Mapped[int | None] = mapped_column(index=True)
-    teacher: Mapped[str | None] = mapped_column(_ID, index=True)
-    config_version: Mapped[int] = mapped_column(default=0)
-    effort: Mapped[int | None] = mapped_column(index=True)
-    """Effort level b of the prompt (seed §5.1.4); NULL without effort control."""
-    seq: Mapped[int] = mapped_column(index=True)
-    """Write order within the run (the resume watermark compares against it)."""
-
-
-class SegmentTable(Base):
-    __tablename__ = "segments"
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    sample_id: Mapped[str] = mapped_column(_ID, ForeignKey("samples.sample_id"), index=True)
-    start: Mapped[int]
-    end: Mapped[int]
-    policy_version: Mapped[int]
-
-
-class TrainStepTable(Base):
-    __tablename__ = "train_steps"
-    run_id: Mapped[str] = mapped_column(_ID, primary_key=True)
-    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-    created_at: Mapped[float] = mapped_column(Float)
-    metrics_json: Mapped[str] = mapped_column(Text)
-
-
-class TrainedTable(Base):
-    __tablename__ = "trained"
-    run_id: Mapped[str] = mapped_column(_ID, primary_key=True)
-    sample_id: Mapped[str] = mapped_column(_ID, primary_key=True)
-    step: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
-
-
-class ConfigVersionTable(Base):
-    __tablename__ = "config_versions"
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(_ID, index=True)
-    version: Mapped[int | None]
-    """The version an applied patch created; NULL for a refused one."""
-    status: Mapped[str] = mapped_column(String(16))
-    patch_json: Mapped[str] = mapped_column(Text)
-    reason: Mapped[str | None] = mapped_column(Text)
-    train_step: Mapped[int]
-    created_at: Mapped[float] = mapped_column(Float)
-    seq: Mapped[int] = mapped_column(index=True)
-
-
-class RestartTable(Base):
-    __tablename__ = "restarts"
-    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
-    run_id: Mapped[str] = mapped_column(_ID, index=True)
-    restarted_at: Mapped[float] = mapped_column(Float)
-    checkpoint: Mapped[str] = mapped_column(Text)
-    train_step: Mapped[int]
-    """The checkpoint's train step: the job continues with step train_step + 1."""
-    prompts_redispatched: Mapped[int]
-    samples_regenerated: Mapped[int]
-    samples_untrained: Mapped[int]
-    train_steps_rolled_back: Mapped[int]
+    steps = TrainStepTable.__table__
+    count = select(func.count()).select_from(steps)
+    if run_id is not None:
+        count = count.where(steps.c.run_id == run_id)
+    elif not own:  # a shared database without this run's identity: nothing to count yet
+        return 0
+    path = sqlite_file(url)
+    try:
+        if path is not None:  # a fresh read-only connection per poll: no engine to keep per file
+            engine = reader_engine(url)
+            try:
+                with engine.connect() as conn:
+                    return conn.scalar(count)
+            finally:
+                engine.dispose()
+        key = url.render_as_string(hide_password=False)
+        if key not in _step_counters:
+            _step_counters[key] = reader_engine(url)
+        with _step_counters[key].connect() as conn:
+            return conn.scalar(count)
+    except (StoreError, SQLAlchemyError, sqlite3.Error):
+        return 0
 
 
 @dataclass(frozen=True)
@@ -244,44 +172,70 @@ class SampleRow:
     """The first `PREVIEW_CHARS` characters of the response."""
 
 
-def _set_sqlite_pragmas(dbapi_connection, connection_record) -> None:
-    # WAL lets `rl traj` read while the controller writes; NORMAL is durable across process crashes
-    # (only an OS crash may lose the last commits), which is the right trade for a run log.
-    cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA synchronous=NORMAL")
-    cursor.close()
-
-
 class TrajectoryStore:
-    """Writes and reads one run's trajectories. Not shared across threads (one writer)."""
+    """Writes and reads one run's trajectories. Not shared across threads (one writer per run).
 
-    def __init__(self, url: str, run_id: str):
-        self.url = url
+    `TrajectoryStore(url, run_id)` and `for_run_dir` open for writing (upgrading the database
+    first); `read_run` and `readonly=True` open for reading only (see rl/store_db.py)."""
+
+    def __init__(self, url: str | URL, run_id: str, *, readonly: bool = False, name: str | None = None):
+        """`name`: how a reader's errors name the store, e.g. its run directory (default: the URL)."""
+        self.url = parse_url(url)
         self.run_id = run_id
-        self._engine = create_engine(url)
-        if make_url(url).get_backend_name() == "sqlite":
-            event.listen(self._engine, "connect", _set_sqlite_pragmas)
-        Base.metadata.create_all(self._engine)
+        self.readonly = readonly
+        if readonly:
+            self._engine = reader_engine(self.url)
+            try:
+                check_readable(self._engine, redacted(self.url) if name is None else name)
+            except StoreError:
+                self._engine.dispose()
+                raise
+        else:
+            upgrade_store(self.url)
+            self._engine = writer_engine(self.url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
-        self._seq = max(self._max(PromptTable.seq, PromptTable), self._max(PromptTable.outcome_seq, PromptTable),
-                        self._max(SampleTable.seq, SampleTable), self._max(ConfigVersionTable.seq, ConfigVersionTable))
+        self._seq = 0 if readonly else self._last_seq()
 
-    def _max(self, column, table) -> int:
+    def _last_seq(self) -> int:
+        P, S, C = PromptTable, SampleTable, ConfigVersionTable
         with self._sessions() as s:
-            return s.scalar(select(func.coalesce(func.max(column), 0)).where(table.run_id == self.run_id))
+            return max(s.scalar(select(func.coalesce(func.max(col), 0)).where(table.run_id == self.run_id))
+                       for col, table in ((P.seq, P), (P.outcome_seq, P), (S.seq, S), (C.seq, C)))
 
     @classmethod
-    def for_run_dir(
-        cls, run_dir: str | Path, url: str | None = None, run_id: str | None = None
-    ) -> TrajectoryStore:
-        """The store of a run directory: `sqlite:///RUN_DIR/trajectories.db` unless `url` is given;
-        `run_id` defaults to the directory's name."""
+    def for_run_dir(cls, run_dir: str | Path, url: str | URL | None = None, run_id: str | None = None,
+                    name: str | None = None) -> TrajectoryStore:
+        """The writing job's store of a run directory: `RUN_DIR/trajectories.db` unless `url` is given;
+        `run_id` defaults to the run's identity (rl/run_id.py `run_identity`, which creates run.json
+        with `name` the first time)."""
         run_dir = Path(run_dir).resolve()
-        if url is None:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            url = f"sqlite:///{run_dir / DB_FILE}"
-        return cls(url, run_id if run_id is not None else run_dir.name)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        store = own_store_url(run_dir) if url is None else parse_url(url)
+        if run_id is None:
+            run_id = run_identity(run_dir, name=name, store=None if url is None else store)
+        return cls(store, run_id)
+
+    @classmethod
+    def read_run(cls, run_dir: str | Path, url: str | URL | None = None) -> TrajectoryStore:
+        """A run's store opened read-only (nothing is created, migrated or written): its recipe's
+        `store.url` or `RUN_DIR/trajectories.db` unless `url` is given. Raises `StoreError` (one
+        line) for a missing directory or store, a file that is not a store, or an old schema."""
+        run_dir = Path(run_dir)
+        if not run_dir.is_dir():
+            raise StoreError(f"run directory not found: {run_dir}")
+        store, own = run_store_url(run_dir) if url is None else (parse_url(url), False)
+        path = sqlite_file(store)
+        if path is not None and not path.is_file():
+            raise StoreError(f"no {path.name} in {path.parent} (was the run started with a store?)"
+                             if own else f"no trajectory store at {path}")
+        own = own or (path is not None and path.resolve() == (run_dir / DB_FILE).resolve())
+        reader = cls(store, "", readonly=True, name=str(run_dir) if url is None else None)
+        try:
+            reader.run_id = read_run_identity(run_dir, reader.run_ids(), own_store=own)
+        except Exception:
+            reader.close()
+            raise
+        return reader
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -314,7 +268,8 @@ class TrajectoryStore:
         self._seq += 1
         with self._sessions.begin() as s:
             for i in range(0, len(prompt_ids), 500):
-                s.execute(update(PromptTable).where(PromptTable.prompt_id.in_(list(prompt_ids[i : i + 500])),
+                s.execute(update(PromptTable).where(PromptTable.run_id == self.run_id,
+                                                    PromptTable.prompt_id.in_(list(prompt_ids[i : i + 500])),
                                                     PromptTable.outcome.is_(None))
                           .values(outcome=outcome, outcome_seq=self._seq))
 
@@ -348,7 +303,7 @@ class TrajectoryStore:
                 **{k: None if x.timings.get(k) is None else float(x.timings[k]) for k in _TIMING_KEYS},
             ))
             segment_rows += [
-                dict(sample_id=x.sample_id, start=a, end=b, policy_version=v)
+                dict(run_id=self.run_id, sample_id=x.sample_id, start=a, end=b, policy_version=v)
                 for a, b, v in segments_from_versions(x.policy_versions_T)
             ]
         with self._sessions.begin() as s:
@@ -369,7 +324,8 @@ class TrajectoryStore:
                 chunk = ids[i : i + 500]
                 matched += s.execute(
                     update(SampleTable)
-                    .where(SampleTable.sample_id.in_(chunk), SampleTable.train_step.is_(None))
+                    .where(SampleTable.run_id == self.run_id, SampleTable.sample_id.in_(chunk),
+                           SampleTable.train_step.is_(None))
                     .values(train_step=int(step))
                 ).rowcount
             if matched != len(ids):
@@ -401,7 +357,10 @@ class TrajectoryStore:
     def set_teacher(self, sample_ids: Sequence[str], teacher: str) -> None:
         """Re-assign samples to the teacher that actually scores them (their own one was removed)."""
         with self._sessions.begin() as s:
-            s.execute(update(SampleTable).where(SampleTable.sample_id.in_(list(sample_ids))).values(teacher=teacher))
+            for i in range(0, len(sample_ids), 500):  # stay under the backends' bound-parameter limits
+                s.execute(update(SampleTable).where(SampleTable.run_id == self.run_id,
+                                                    SampleTable.sample_id.in_(list(sample_ids[i : i + 500])))
+                          .values(teacher=teacher))
 
     def watermark(self, train_step: int) -> Watermark:
         return Watermark(self._seq, int(train_step))
@@ -409,10 +368,12 @@ class TrajectoryStore:
     def rollback_to(self, wm: Watermark, checkpoint: str) -> dict[str, int]:
         """Undo what was written after `wm` (see the module docstring), in one transaction; returns and
         records the counts."""
-        P, S, t = PromptTable, SampleTable, TrainStepTable
+        P, S, t, G = PromptTable, SampleTable, TrainStepTable, SegmentTable
         with self._sessions.begin() as s:
+            # Rows that reference samples go first (the database checks the references).
+            s.execute(delete(TrainedTable).where(TrainedTable.run_id == self.run_id, TrainedTable.step > wm.train_step))
             late_samples = select(S.sample_id).where(S.run_id == self.run_id, S.seq > wm.seq)
-            s.execute(delete(SegmentTable).where(SegmentTable.sample_id.in_(late_samples)))
+            s.execute(delete(G).where(G.run_id == self.run_id, G.sample_id.in_(late_samples)))
             counts = dict(
                 samples_regenerated=s.execute(delete(S).where(S.run_id == self.run_id, S.seq > wm.seq)).rowcount,
                 prompts_redispatched=s.execute(delete(P).where(P.run_id == self.run_id, P.seq > wm.seq)).rowcount,
@@ -420,7 +381,6 @@ class TrajectoryStore:
                                             .values(train_step=None)).rowcount,
                 train_steps_rolled_back=s.execute(delete(t).where(t.run_id == self.run_id, t.step > wm.train_step)).rowcount,
             )
-            s.execute(delete(TrainedTable).where(TrainedTable.run_id == self.run_id, TrainedTable.step > wm.train_step))
             s.execute(delete(ConfigVersionTable).where(ConfigVersionTable.run_id == self.run_id, ConfigVersionTable.seq > wm.seq))
             s.execute(update(P).where(P.run_id == self.run_id, P.outcome_seq > wm.seq).values(outcome=None, outcome_seq=None))
             s.add(RestartTable(run_id=self.run_id, restarted_at=time.time(), checkpoint=checkpoint,
@@ -433,7 +393,7 @@ class TrajectoryStore:
     def get_sample(self, sample_id: str) -> Sample | None:
         """The full record back, or None. Logprobs come back float32-rounded."""
         with self._sessions() as s:
-            r = s.get(SampleTable, sample_id)
+            r = s.get(SampleTable, (self.run_id, sample_id))
         if r is None:
             return None
         trace = None
@@ -456,12 +416,13 @@ class TrajectoryStore:
     def sample_train_step(self, sample_id: str) -> int | None:
         """The step that consumed the sample; None if untrained (or unknown)."""
         with self._sessions() as s:
-            return s.scalar(select(SampleTable.train_step).where(SampleTable.sample_id == sample_id))
+            return s.scalar(select(SampleTable.train_step).where(SampleTable.run_id == self.run_id,
+                                                                 SampleTable.sample_id == sample_id))
 
     def segments(self, sample_id: str) -> list[tuple[int, int, int]]:
         """(start, end, policy_version) over the response tokens, in order."""
         q = (select(SegmentTable.start, SegmentTable.end, SegmentTable.policy_version)
-             .where(SegmentTable.sample_id == sample_id).order_by(SegmentTable.start))
+             .where(SegmentTable.run_id == self.run_id, SegmentTable.sample_id == sample_id).order_by(SegmentTable.start))
         with self._sessions() as s:
             return [tuple(row) for row in s.execute(q)]
 
@@ -512,9 +473,9 @@ class TrajectoryStore:
             return s.scalar(select(func.count()).select_from(SampleTable).where(SampleTable.run_id == self.run_id))
 
     def run_ids(self) -> list[str]:
-        """Every run id that has samples in this database (one, for a run directory's own file)."""
+        """Every run id recorded in this database (one, for a run directory's own file)."""
         with self._sessions() as s:
-            return list(s.scalars(select(SampleTable.run_id).distinct().order_by(SampleTable.run_id)))
+            return sorted(s.scalars(union(select(RunTable.run_id), select(SampleTable.run_id))))
 
     def restarts(self) -> list[dict]:
         with self._sessions() as s:
@@ -530,7 +491,8 @@ class TrajectoryStore:
             twice = s.scalar(select(func.count()).select_from(
                 select(T.sample_id).where(T.run_id == self.run_id).group_by(T.sample_id).having(func.count() > 1).subquery()))
             trained = s.scalar(select(func.count()).select_from(S).where(S.run_id == self.run_id, S.train_step.is_not(None)))
-            agree = s.scalar(select(func.count()).select_from(S).join(T, (T.sample_id == S.sample_id) & (T.step == S.train_step))
+            agree = s.scalar(select(func.count()).select_from(S)
+                             .join(T, (T.run_id == S.run_id) & (T.sample_id == S.sample_id) & (T.step == S.train_step))
                              .where(S.run_id == self.run_id))
             open_ = s.scalar(select(func.count()).select_from(P).where(P.run_id == self.run_id, P.outcome.is_(None)))
             prompts = s.scalar(select(func.count()).select_from(P).where(P.run_id == self.run_id))

@@ -3,8 +3,10 @@
     rl traj ls RUN_DIR [--dataset D] [--min-reward X] [--max-reward X] [--step N] [--status S] [--limit N]
     rl traj show RUN_DIR SAMPLE_ID
 
-Both read `RUN_DIR/trajectories.db` unless `--url` names another SQLAlchemy database. Errors are one
-line on stderr and exit code 2.
+Both read the run's store (`store.url` of RUN_DIR/recipe.yaml, else `RUN_DIR/trajectories.db`) unless
+`--url` names another SQLAlchemy database, and show the run whose identity RUN_DIR/run.json holds.
+They only read: the store opens read-only, nothing is created or migrated; a store older than the
+code is refused with a line naming `rl db upgrade`. Errors are one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from sqlalchemy.exc import SQLAlchemyError
 
 from model.tokenizer import CharTokenizer
-from rl.store import SampleRow, TrajectoryStore
+from rl.store import SampleRow, StoreError, TrajectoryStore
 
 PREVIEW_WIDTH = 40
 TOKEN_GRID_WIDTH = 100
@@ -43,13 +45,13 @@ def add_traj_parser(subparsers) -> None:
     ls.add_argument("--effort", type=int, help="only prompts at reasoning-effort level B")
     ls.add_argument("--teacher", help="only samples scored by this OPD teacher")
     ls.add_argument("--limit", type=_positive_int, default=50, help="at most N rows (default 50)")
-    ls.add_argument("--url", help="SQLAlchemy URL of the store (default: sqlite in RUN_DIR)")
+    ls.add_argument("--url", help="SQLAlchemy URL of the store (default: the run's store.url, else RUN_DIR/trajectories.db)")
     ls.set_defaults(func=cmd_ls)
 
     show = sub.add_parser("show", help="one sample in full: texts, reward, per-token policy versions")
     show.add_argument("run_dir", help="run directory (holds trajectories.db)")
     show.add_argument("sample_id")
-    show.add_argument("--url", help="SQLAlchemy URL of the store (default: sqlite in RUN_DIR)")
+    show.add_argument("--url", help="SQLAlchemy URL of the store (default: the run's store.url, else RUN_DIR/trajectories.db)")
     show.set_defaults(func=cmd_show)
 
 
@@ -63,7 +65,7 @@ def cmd_ls(args) -> int:
             )
         finally:
             store.close()
-    except (_UserError, SQLAlchemyError) as e:
+    except (_UserError, StoreError, SQLAlchemyError) as e:
         return _fail(e)
     print(format_table(rows))
     print(f"{len(rows)} samples shown" + (f" (--limit {args.limit} reached)" if len(rows) == args.limit else ""))
@@ -81,7 +83,7 @@ def cmd_show(args) -> int:
             segments = store.segments(args.sample_id)
         finally:
             store.close()
-    except (_UserError, SQLAlchemyError) as e:
+    except (_UserError, StoreError, SQLAlchemyError) as e:
         return _fail(e)
 
     versions = sample.policy_versions_T
@@ -172,20 +174,11 @@ def _token_pieces(tokens: tuple[int, ...], text: str) -> list[str]:
 
 
 def _open_store(run_dir: str, url: str | None) -> TrajectoryStore:
-    path = Path(run_dir)
-    if not path.is_dir():
-        raise _UserError(f"run directory not found: {run_dir}")
-    if url is None and not (path / "trajectories.db").is_file():
-        raise _UserError(f"no trajectories.db in {run_dir} (was the run started with a store?)")
-    store = TrajectoryStore.for_run_dir(path, url=url)
-    # A renamed run directory keeps its old run id inside the file: use the file's only run.
-    if store.count_samples() == 0 and len(ids := store.run_ids()) == 1:
-        store.run_id = ids[0]
-    return store
+    return TrajectoryStore.read_run(Path(run_dir), url=url)
 
 
 def _fail(e: Exception) -> int:
-    if not isinstance(e, _UserError):  # the driver's own message, without SQLAlchemy's SQL echo
+    if not isinstance(e, (_UserError, StoreError)):  # the driver's own message, without SQLAlchemy's SQL echo
         e = f"cannot read the trajectory store: {getattr(e, 'orig', None) or e}"
     msg = str(e)
     print("error: " + " ".join(msg.split()), file=sys.stderr)  # one line, whatever the driver said

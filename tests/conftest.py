@@ -54,3 +54,25 @@ def parsed(verdict) -> str | None:
 def len_reasoning(task, response: str) -> int:
     """ℓ of the length penalty under the char tokenizer (one token per character)."""
     return len(task.reasoning(response))
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server for the session (tests/postgres.py). Missing PostgreSQL skips locally and
+    fails under CI=true (.ci/run installs it), so CI never passes without running these tests."""
+    from tests.postgres import PostgresServer, unavailable
+
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI=true but the PostgreSQL tests cannot run: {why}")
+        pytest.skip(why)
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server):
+    """The URL of a new, empty database on the session's PostgreSQL server."""
+    return postgres_server.create_database()

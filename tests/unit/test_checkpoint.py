@@ -159,7 +159,7 @@ def test_store_audit_sees_a_sample_trained_by_two_steps(tmp_path):
     store.mark_trained(["s0"], 1)
     with store._engine.begin() as c:  # ... then a bug re-links it without a rollback
         from sqlalchemy import text
-        c.execute(text("INSERT INTO trained (run_id, sample_id, step) VALUES ('run', 's0', 3)"))
+        c.execute(text("INSERT INTO trained (run_id, sample_id, step) VALUES (:run, 's0', 3)"), {"run": store.run_id})
     assert store.audit()["trained_twice"] == 1
     store.close()
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import uuid
 
 import numpy as np
 import pytest
@@ -200,8 +202,10 @@ def test_sqlite_uses_wal(store, tmp_path):
 
 def test_for_run_dir_defaults(tmp_path):
     s = TrajectoryStore.for_run_dir(f"{tmp_path}/exp-1/")
-    assert s.run_id == "exp-1"
-    assert s.url == f"sqlite:///{tmp_path / 'exp-1' / 'trajectories.db'}"
+    # The run's identity is a UUID kept in run.json, not the directory's name (rl/run_id.py).
+    assert str(uuid.UUID(s.run_id)) == s.run_id
+    assert json.loads((tmp_path / "exp-1" / "run.json").read_text())["run_id"] == s.run_id
+    assert s.url.get_backend_name() == "sqlite" and s.url.database == str(tmp_path / "exp-1" / "trajectories.db")
     assert (tmp_path / "exp-1" / "trajectories.db").is_file()
     s.close()
     s = TrajectoryStore.for_run_dir(tmp_path / "d", url=f"sqlite:///{tmp_path / 'other.db'}", run_id="r")
@@ -214,7 +218,7 @@ def test_add_run_is_idempotent(store):
     store.add_run("second", '{"lr": 2e-5}')
     with store._engine.connect() as conn:
         rows = conn.execute(text("SELECT run_id, name, recipe_json FROM runs")).all()
-    assert rows == [("run", "first", '{"lr": 1e-5}')]
+    assert rows == [(store.run_id, "first", '{"lr": 1e-5}')]
 
 
 def test_train_step_metrics_round_trip(store):
@@ -234,7 +238,7 @@ def test_add_prompts(store):
     with store._sessions() as s:
         row = s.scalars(select(PromptTable)).one()
     assert (row.run_id, row.dataset, row.text, row.answer, row.group_size, row.policy_version) == (
-        "run", "arith", "1+1=", "2", 8, 4)
+        store.run_id, "arith", "1+1=", "2", 8, 4)
     assert decode_array(row.tokens, "<i4").tolist() == [1, 20, 21] and row.dispatched_at > 0
     with store._sessions() as s:
         assert s.scalars(select(SampleTable)).all() == []

@@ -1,0 +1,155 @@
+"""The store on a real PostgreSQL server (tests/postgres.py; skipped locally without one, a failure
+under CI=true) and, where the rule is the store's rather than the backend's, on SQLite side by side:
+runs that share a database and reuse ids, migrations of unversioned stores, the migration lock,
+read-only readers."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+import pytest
+from sqlalchemy import MetaData, create_engine, insert, select, text
+from sqlalchemy.exc import SQLAlchemyError
+
+from rl.cli import main
+from rl.store import StoreError, TrajectoryStore, Watermark
+from rl.store_db import alembic_config, sqlite_url, upgrade_store
+from rl.types import Prompt
+from tests.unit.test_store import make_sample
+from tests.unit.test_store_migrations import LEGACY, OLD_TABLES, schema_of
+
+TABLES = ("runs", "prompts", "samples", "segments", "train_steps", "trained", "config_versions", "restarts")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def shared_url(request, tmp_path):
+    if request.param == "sqlite":
+        return sqlite_url(tmp_path / "shared.db")
+    return request.getfixturevalue("postgres_url")
+
+
+def rows_of(url, run_id: str) -> dict[str, list[tuple]]:
+    """Every row of one run, every column, in a stable order."""
+    engine = create_engine(url)
+    meta = MetaData()
+    meta.reflect(engine, only=TABLES)
+    with engine.connect() as conn:
+        out = {t: sorted(conn.execute(select(meta.tables[t]).where(meta.tables[t].c.run_id == run_id)).all(), key=repr)
+               for t in TABLES}
+    engine.dispose()
+    return out
+
+
+def test_two_runs_reusing_ids_never_touch_each_others_rows(shared_url):
+    a, b = TrajectoryStore(shared_url, "run-a"), TrajectoryStore(shared_url, "run-b")
+    ids = ["s1-p0000000-0", "s1-p0000000-1"]
+    for store, reward in ((a, 1.0), (b, -1.0)):
+        store.add_run(store.run_id, "{}")
+        store.add_prompts([Prompt("p0", "arith", "1+1=", (1, 20, 21), "2", group_size=2, policy_version=0)])
+        store.add_samples([make_sample(i, reward=reward, versions=(0, 0, 1)) for i in ids])
+        store.add_config_version(1, "applied", {"mixture": {"arith": 1}}, train_step=0)
+    b_before = rows_of(shared_url, "run-b")
+    assert sum(len(v) for v in b_before.values()) == 1 + 1 + 2 + 4 + 1
+
+    # Every write of run a, including one that names ids run b also has ...
+    a.set_teacher([ids[0]], "t-a")
+    a.mark_trained(ids, step=1)
+    a.add_train_step(1, {"rl/loss": 0.5})
+    a.set_outcome(["p0"], "trained")
+    assert rows_of(shared_url, "run-b") == b_before  # ... leaves run b's rows as they were
+    assert (a.get_sample(ids[0]).teacher, b.get_sample(ids[0]).teacher) == ("t-a", None)
+    assert (a.get_sample(ids[0]).reward, b.get_sample(ids[0]).reward) == (1.0, -1.0)
+    assert (a.sample_train_step(ids[0]), b.sample_train_step(ids[0])) == (1, None)
+    assert a.segments(ids[0]) == b.segments(ids[0]) == [(0, 2, 0), (2, 3, 1)]
+    assert a.audit()["trained"] == 2 and b.audit()["trained"] == 0
+
+    b.mark_trained([ids[1]], step=1)  # run b trains its own sample of the same id once
+    b_after = rows_of(shared_url, "run-b")
+    assert a.rollback_to(Watermark(0, 0), checkpoint="") == {
+        "samples_regenerated": 2, "prompts_redispatched": 1, "samples_untrained": 0, "train_steps_rolled_back": 1}
+    assert a.count_samples() == 0 and a.segments(ids[0]) == [] and a.train_step_metrics(1) is None
+    assert a.config_versions() == [] and a.audit()["prompts"] == 0
+    assert rows_of(shared_url, "run-b") == b_after and b.audit() == {
+        "trained_twice": 0, "trained": 1, "link_mismatch": 0, "prompts": 1, "prompts_open": 1}
+    assert a.run_ids() == ["run-a", "run-b"]
+    a.close(), b.close()
+
+
+def _legacy_rows(which: str) -> dict[str, list[dict]]:
+    with sqlite3.connect(LEGACY[which]) as c:
+        c.row_factory = sqlite3.Row
+        return {t: [dict(r) for r in c.execute(f"select * from {t}")] for t in (*OLD_TABLES, "segments")}  # noqa: S608
+
+
+@pytest.mark.parametrize("which", sorted(LEGACY))
+def test_an_unversioned_postgres_store_upgrades_with_every_row(postgres_server, capsys, which):
+    from alembic import command
+
+    url = postgres_server.create_database()
+    engine = create_engine(url)
+    data = _legacy_rows(which)
+    with engine.begin() as conn:  # what the old code's create_all made, with an old run's rows
+        command.upgrade(alembic_config(conn), "0001")
+        conn.execute(text("DROP TABLE alembic_version"))
+        if which == "pre-effort":
+            conn.execute(text("ALTER TABLE samples DROP COLUMN effort"))
+        meta = MetaData()
+        meta.reflect(conn)
+        for t, rows in data.items():
+            for r in rows if t == "samples" else []:
+                r["correct"] = bool(r["correct"])  # SQLite's 0/1
+            if rows:
+                conn.execute(insert(meta.tables[t]), rows)
+    engine.dispose()
+
+    assert main(["db", "upgrade", url.render_as_string(hide_password=False)]) == 0
+    assert capsys.readouterr().out == f"{url.render_as_string()}: unversioned-{which} -> 0002\n"
+    fresh = postgres_server.create_database()
+    upgrade_store(fresh)
+    assert schema_of(url) == schema_of(fresh)
+    store = TrajectoryStore(url, f"store-{which}", readonly=True)
+    got = rows_of(url, store.run_id)
+    for t in OLD_TABLES:
+        columns = [c for c in data[t][0]] if data[t] else []
+        assert sorted((tuple(r._mapping[c] for c in columns) for r in got[t]), key=repr) == sorted(
+            (tuple(bool(v) if c == "correct" else v for c, v in r.items()) for r in data[t]), key=repr), t
+    assert sorted((r.sample_id, r.start, r.end, r.policy_version) for r in got["segments"]) == sorted(
+        (r["sample_id"], r["start"], r["end"], r["policy_version"]) for r in data["segments"])
+    assert store.audit() == {"trained_twice": 0, "trained": 32, "link_mismatch": 0, "prompts": 12, "prompts_open": 0}
+    store.close()
+
+
+def test_concurrent_jobs_create_one_postgres_store(postgres_url):
+    barrier, results, errors = threading.Barrier(4), [], []
+
+    def upgrade() -> None:
+        try:
+            barrier.wait()
+            results.append(upgrade_store(postgres_url))
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=upgrade) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and sorted(results) == [("0002", "0002")] * 3 + [("empty", "0002")]
+
+
+def test_postgres_readers_cannot_write_and_refuse_an_older_store(postgres_url):
+    writer = TrajectoryStore(postgres_url, "r")
+    writer.add_train_step(1, {"rl/loss": 1.0})
+    writer.close()
+    reader = TrajectoryStore(postgres_url, "r", readonly=True)
+    assert reader.train_step_metrics(1) == {"rl/loss": 1.0}
+    with pytest.raises(SQLAlchemyError, match="read-only"):
+        reader.add_train_step(2, {})
+    reader.close()
+    engine = create_engine(postgres_url)
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE alembic_version SET version_num = '0001'"))
+    engine.dispose()
+    with pytest.raises(StoreError, match="schema 0001, older than this code's 0002; upgrade it with: rl db upgrade"):
+        TrajectoryStore(postgres_url, "r", readonly=True)
