@@ -96,7 +96,7 @@ class AsyncGRPO:
         """Controller state at a token boundary with pending rewards collected (see module docstring); the
         checkpoint stores it as records (rl/ckpt_records.py), and `load_state_dict` takes them parsed back."""
         assert not self.pending_rewards
-        live = set(self.disp._groups) | set(self.disp._ready) | set(self.finished)
+        live = set(self.disp.unfinished_prompt_ids()) | set(self.finished)
         return {"dispatcher": self.disp.state_dict(), "streams": {d: c.drawn for d, c in self.streams.items()},
                 "prompts": {pid: self.prompts[pid] for pid in live},
                 "finished": {pid: [s.sample_id for s in ss] for pid, ss in self.finished.items()},
@@ -179,8 +179,7 @@ class AsyncGRPO:
     # -- live reconfiguration (rl/reconfigure.py) --------------------------------------------------------
     def use_live(self, live: reconfigure.LiveConfig) -> None:
         self.live = live
-        self.disp.cfg = self.disp.cfg.model_copy(update={"mixture": dict(live.mixture),
-                                                          "dataset_max_inflight": dict(live.caps)})
+        self.disp.reconfigure(live.mixture, live.caps)
 
     def apply_patch(self, patch: reconfigure.ReconfigPatch, pid: str | None) -> dict:
         """Apply (new config version) or refuse one patch; `pid`: answer that inbox entry."""
@@ -353,7 +352,7 @@ class AsyncGRPO:
         policy.call_all("interrupt")
         policy.call_all("discard_held")
         self.collect_rewards(block=True)
-        ctx.store.set_outcome(sorted(set(self.disp._groups) | set(self.disp._ready) | set(self.finished)),
+        ctx.store.set_outcome(sorted(set(self.disp.unfinished_prompt_ids()) | set(self.finished)),
                               "dropped_stage_end")
         return clock
 

@@ -34,7 +34,7 @@ import random
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -126,6 +126,117 @@ class DispatchStats:
     """Times a batch could not be filled within max_stale_token_frac."""
 
 
+class DispatchPolicy:
+    """When prompts are released: one small strategy per `DispatchConfig.policy`. The dispatcher asks
+    `budget` (how many prompts this call may release at most; None: as many as `admits`), then `admits`
+    before each release, and tells the policy about releases, finished samples, complete groups and
+    train steps. `credit` and `batches_owed` are the policy's own counters (checkpointed)."""
+
+    name: ClassVar[str]
+    waits_for_open_groups: ClassVar[bool] = False
+    """Train only when no group is still generating (the synchronous baseline)."""
+
+    def __init__(self, cfg: DispatchConfig, *, max_group_size: int, prompts_per_step: int):
+        self.cfg, self.prompts_per_step = cfg, prompts_per_step
+        self.credit, self.batches_owed = 0, 0
+
+    def budget(self, d: "Dispatcher") -> int | None:
+        return None
+
+    def admits(self, group_size: int, total_inflight: int) -> bool:
+        return True
+
+    def on_release(self, group_size: int) -> None:
+        pass
+
+    def on_sample_finished(self) -> None:
+        pass
+
+    def on_group_complete(self) -> None:
+        pass
+
+    def on_train_step(self) -> None:
+        pass
+
+    def after_dispatch(self, budget: int | None, released: int) -> None:
+        pass
+
+
+class SampleDispatch(DispatchPolicy):
+    """Seed §5.2.1: a credit of `max_inflight` samples; every finished sample adds one, and the next prompt
+    is released as soon as the credit covers its group, whichever groups the finished samples came from."""
+
+    name = "sample"
+
+    def __init__(self, cfg: DispatchConfig, *, max_group_size: int, prompts_per_step: int):
+        super().__init__(cfg, max_group_size=max_group_size, prompts_per_step=prompts_per_step)
+        self.credit = cfg.max_inflight
+
+    def admits(self, group_size: int, total_inflight: int) -> bool:
+        return self.credit >= group_size and total_inflight + group_size <= self.cfg.max_inflight
+
+    def on_release(self, group_size: int) -> None:
+        self.credit -= group_size
+
+    def on_sample_finished(self) -> None:
+        self.credit += 1
+
+
+class PromptDispatch(DispatchPolicy):
+    """A new prompt when a whole group finishes (initial fill: max_inflight // group_size prompts)."""
+
+    name = "prompt"
+
+    def __init__(self, cfg: DispatchConfig, *, max_group_size: int, prompts_per_step: int):
+        super().__init__(cfg, max_group_size=max_group_size, prompts_per_step=prompts_per_step)
+        self.credit = max(1, cfg.max_inflight // max_group_size)
+
+    def admits(self, group_size: int, total_inflight: int) -> bool:
+        return self.credit >= 1 and total_inflight + group_size <= self.cfg.max_inflight
+
+    def on_release(self, group_size: int) -> None:
+        self.credit -= 1
+
+    def on_group_complete(self) -> None:
+        self.credit += 1
+
+
+class BatchDispatch(DispatchPolicy):
+    """`batch_prefill` batches of prompts at the start, one more batch after each train step."""
+
+    name = "batch"
+
+    def __init__(self, cfg: DispatchConfig, *, max_group_size: int, prompts_per_step: int):
+        super().__init__(cfg, max_group_size=max_group_size, prompts_per_step=prompts_per_step)
+        self.batches_owed = cfg.batch_prefill
+
+    def budget(self, d: "Dispatcher") -> int | None:
+        budget, self.batches_owed = self.batches_owed * self.prompts_per_step, 0
+        return budget
+
+    def on_train_step(self) -> None:
+        self.batches_owed += 1
+
+    def after_dispatch(self, budget: int | None, released: int) -> None:
+        if budget is not None and released < budget:  # capped: release the rest later
+            self.batches_owed += -(-(budget - released) // self.prompts_per_step)
+
+
+class SyncDispatch(DispatchPolicy):
+    """One batch when nothing is in flight; training waits for all of it: no overlap (the baseline)."""
+
+    name = "sync"
+    waits_for_open_groups = True
+
+    def budget(self, d: "Dispatcher") -> int | None:
+        return 0 if d.total_inflight or d.num_open_groups or d.num_ready_groups else self.prompts_per_step
+
+
+DISPATCH_POLICIES: dict[str, type[DispatchPolicy]] = {
+    cls.name: cls for cls in (SampleDispatch, PromptDispatch, BatchDispatch, SyncDispatch)}
+"""Dispatch policy by `DispatchConfig.policy`."""
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -150,10 +261,8 @@ class Dispatcher:
         self.version = 0
         self.train_steps = 0
         self.stats = DispatchStats()
-        self._credit = cfg.max_inflight  # `sample`: samples' worth of room; `prompt`: groups' worth
-        if cfg.policy == "prompt":
-            self._credit = max(1, cfg.max_inflight // max(self._group_size(d) for d in self.datasets))
-        self._batches_owed = cfg.batch_prefill if cfg.policy == "batch" else 0
+        self.policy = DISPATCH_POLICIES[cfg.policy](cfg, max_group_size=max(self._group_size(d) for d in self.datasets),
+                                                    prompts_per_step=prompts_per_step)
         self.inflight: dict[str, int] = defaultdict(int)  # per dataset, samples
         self._groups: dict[str, _Group] = {}  # open groups (some member still generating)
         self._ready: OrderedDict[str, _Group] = OrderedDict()  # complete, untrained
@@ -166,7 +275,7 @@ class Dispatcher:
         """Everything that decides future releases and batches, as a plain JSON record (a copy)."""
         version, internal, gauss = self._rng.getstate()
         return {"counter": self._counter, "version": self.version, "train_steps": self.train_steps,
-                "stats": _fields(self.stats), "credit": self._credit, "batches_owed": self._batches_owed,
+                "stats": _fields(self.stats), "credit": self.policy.credit, "batches_owed": self.policy.batches_owed,
                 "inflight": dict(self.inflight), "open": [_group_record(g) for g in self._groups.values()],
                 "ready": [_group_record(g) for g in self._ready.values()], "pending_draw": self._pending_draw,
                 "discarded": sorted(self._discarded), "closed": [[pid, outcome] for pid, outcome in self._closed],
@@ -176,7 +285,7 @@ class Dispatcher:
         s = parse_state(record)
         self._rng.setstate(s["rng"])
         self._counter, self.version, self.train_steps, self.stats = s["counter"], s["version"], s["train_steps"], s["stats"]
-        self._credit, self._batches_owed, self.inflight = s["credit"], s["batches_owed"], s["inflight"]
+        self.policy.credit, self.policy.batches_owed, self.inflight = s["credit"], s["batches_owed"], s["inflight"]
         self._groups, self._ready, self._pending_draw = s["open"], s["ready"], s["pending_draw"]
         self._discarded, self._closed = s["discarded"], s["closed"]
 
@@ -194,15 +303,13 @@ class Dispatcher:
     def on_finished(self, meta: FinishedMeta) -> None:
         g = self._groups[meta.prompt_id]
         self.inflight[g.ticket.dataset] -= 1
-        if self.cfg.policy == "sample":
-            self._credit += 1
+        self.policy.on_sample_finished()
         if self._in_warmup() and meta.num_tokens < self.cfg.warmup_discard.min_response_tokens:
             g.discarded = True
         g.done.append(meta)
         if len(g.done) == g.ticket.group_size:
             del self._groups[meta.prompt_id]
-            if self.cfg.policy == "prompt":
-                self._credit += 1
+            self.policy.on_group_complete()
             if g.discarded:
                 self.stats.discarded_samples += len(g.done)
                 self._discarded.add(meta.prompt_id)
@@ -217,8 +324,7 @@ class Dispatcher:
     def on_train_step(self) -> None:
         self.version += 1
         self.train_steps += 1
-        if self.cfg.policy == "batch":
-            self._batches_owed += 1
+        self.policy.on_train_step()
 
     def _in_warmup(self) -> bool:
         return self.train_steps < self.cfg.warmup_discard.steps
@@ -252,36 +358,26 @@ class Dispatcher:
         return t
 
     def dispatch(self) -> list[Ticket]:
-        """Prompts to release now, per the policy."""
+        """Prompts to release now, per the policy; a prompt drawn but not admitted is the next one released."""
         out: list[Ticket] = []
-        policy = self.cfg.policy
-        if policy == "sync":
-            if self.total_inflight or self._groups or self._ready:
-                return out
-            budget = self.prompts_per_step
-        elif policy == "batch":
-            budget, self._batches_owed = self._batches_owed * self.prompts_per_step, 0
-        else:
-            budget = None
+        budget = self.policy.budget(self)
         while budget is None or len(out) < budget:
             d = self._draw_dataset()
             if d is None:
                 break
             g = self._group_size(d)
-            if policy == "sample":
-                if self._credit < g or self.total_inflight + g > self.cfg.max_inflight:
-                    self._pending_draw = d
-                    break
-                self._credit -= g
-            elif policy == "prompt":
-                if self._credit < 1 or self.total_inflight + g > self.cfg.max_inflight:
-                    self._pending_draw = d
-                    break
-                self._credit -= 1
+            if not self.policy.admits(g, self.total_inflight):
+                self._pending_draw = d
+                break
+            self.policy.on_release(g)
             out.append(self._release(d))
-        if budget is not None and len(out) < budget and policy == "batch":
-            self._batches_owed += -(-(budget - len(out)) // self.prompts_per_step)  # capped: release later
+        self.policy.after_dispatch(budget, len(out))
         return out
+
+    # -- live reconfiguration (rl/reconfigure.py) ------------------------------------------------------
+    def reconfigure(self, mixture: dict[str, float], caps: dict[str, int]) -> None:
+        """New dispatch weights and per-dataset caps, from the next draw on (the policy is unchanged)."""
+        self.cfg = self.cfg.model_copy(update={"mixture": dict(mixture), "dataset_max_inflight": dict(caps)})
 
     # -- the train-batch wait condition -------------------------------------------------------------
     def take_batch(self, inflight_min_versions: Sequence[int], tokens_of: Callable[[str], tuple[int, int]]) -> list[str] | None:
@@ -298,7 +394,7 @@ class Dispatcher:
                 self._closed.append((pid, "dropped_stale"))
         if len(self._ready) < self.prompts_per_step:
             return None
-        if self.cfg.policy == "sync" and self._groups:
+        if self.policy.waits_for_open_groups and self._groups:
             return None
         if K is not None and any(v - mv > K - 1 for mv in inflight_min_versions):
             self.stats.lag_waits += 1
@@ -323,6 +419,14 @@ class Dispatcher:
     @property
     def num_ready_groups(self) -> int:
         return len(self._ready)
+
+    @property
+    def num_open_groups(self) -> int:
+        return len(self._groups)
+
+    def unfinished_prompt_ids(self) -> list[str]:
+        """Prompts whose groups are still generating or complete but untrained (what a stage end drops)."""
+        return [*self._groups, *self._ready]
 
 
 # -- the dispatcher's checkpoint record ------------------------------------------------------------------------
