@@ -23,10 +23,7 @@ from pathlib import Path
 
 from rl.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.driver import make_context
-from rl.metrics import MetricsLogger
-from rl.runtime import Runtime
-from rl.store import TrajectoryStore
+from rl.job import open_job
 
 POLICIES = ("sync", "batch", "prompt", "sample")
 
@@ -52,19 +49,11 @@ def run(policy: str, a, out: Path) -> dict:
     recipe = recipe_for(policy, a)
     run_dir = out / policy
     run_dir.mkdir(parents=True)
-    store = TrajectoryStore.for_run_dir(run_dir)
-    logger = MetricsLogger(run_dir, recipe.logging, run_name=policy, config={})
-    rt = Runtime(recipe)
-    try:
-        ctx = make_context(recipe, run_dir, rt, store, logger)
+    with open_job(recipe, run_dir, checkpoints=False) as job:
         t0 = time.perf_counter()
-        clock = run_async_grpo(ctx, recipe.stages[0], 0)
+        clock = run_async_grpo(job, recipe.stages[0], 0).clock
         wall = time.perf_counter() - t0
-        info = rt.policy.call_all("info")
-    finally:
-        rt.shutdown()
-        logger.close()
-        store.close()
+        info = job.policy.info()
     inflight = a.prompts * a.group
     conc = clock.concurrency
     late = sorted(clock.interrupt_late_steps)

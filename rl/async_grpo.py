@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from rewards.task import Problem
 from rl import reconfigure
@@ -37,8 +36,9 @@ from rl.config import GRPOStage, OPDStage
 from rl.dispatch import Dispatcher, FinishedMeta, Ticket
 from rl.faults import fault_point
 from rl.losses import group_advantages
-from rl.metrics import rollout_breakdown
+from rl.metrics import RolloutClock, rollout_breakdown
 from rl.streams import Cursor
+from rl.job import Job, StageResult
 from rl.trainer import TrainBatch, merge_step_metrics
 from rl.types import Prompt, Sample
 from rollout.types import Generation, GenerationRequest
@@ -48,35 +48,19 @@ def prompt_id_of(sample_id: str) -> str:
     return sample_id.rsplit("-", 1)[0]
 
 
-@dataclass
-class RolloutClock:
-    """Concurrency and time accounting of the rollout phases (metrics and benchmarks)."""
-
-    concurrency: list[float] = field(default_factory=list)
-    """Sequences generating per engine step (tokens generated ÷ steps), summed over engines, per call."""
-    interrupt_s: list[float] = field(default_factory=list)
-    """Signal-to-idle time of every interrupt."""
-    interrupt_late_steps: list[int] = field(default_factory=list)
-    """Engine steps run after the batch became ready and before the engines stopped."""
-    rollout_s: float = 0.0
-    train_s: float = 0.0
-    generated_tokens: int = 0
-    bytes_moved: int = 0
-
-
 class AsyncGRPO:
-    """One GRPO stage's controller state and loop; `ctx` is the driver's RunContext."""
+    """One GRPO or OPD stage's controller state and loop, on the job's workers."""
 
-    def __init__(self, ctx, stage: GRPOStage, stage_idx: int):
-        self.ctx, self.stage, self.stage_idx = ctx, stage, stage_idx
-        self.rt, recipe = ctx.runtime, ctx.recipe
-        self.policy = self.rt.policy
+    def __init__(self, job: Job, stage: GRPOStage, stage_idx: int):
+        self.job, self.stage, self.stage_idx = job, stage, stage_idx
+        recipe, tasks = job.recipe, job.tasks
+        self.policy = job.policy
         self.n_workers = len(self.policy)
-        self.disp = Dispatcher(stage.dispatch, datasets=list(ctx.tasks), group_size=stage.group_size,
+        self.disp = Dispatcher(stage.dispatch, datasets=list(tasks), group_size=stage.group_size,
                                prompts_per_step=stage.prompts_per_step, seed=recipe.run.seed + stage_idx,
                                id_prefix=f"s{stage_idx}-p")
-        self.disp.version = ctx.global_step
-        self.streams = {d: Cursor(task, seed_offset=2000 + stage_idx) for d, task in ctx.tasks.items()}
+        self.disp.version = job.state.global_step
+        self.streams = {d: Cursor(task, seed_offset=2000 + stage_idx) for d, task in tasks.items()}
         self.prompts: dict[str, tuple[Prompt, Problem]] = {}
         self.finished: dict[str, list[Sample]] = defaultdict(list)  # prompt_id -> rewarded samples
         self.load = [0] * self.n_workers  # unfinished samples per worker
@@ -87,7 +71,7 @@ class AsyncGRPO:
         opd = stage.teachers if isinstance(stage, OPDStage) else None
         self.live = reconfigure.LiveConfig(
             version=0, mixture=dict(stage.dispatch.mixture), caps=dict(stage.dispatch.dataset_max_inflight),
-            assignment={d: opd.teacher_for(d) for d in ctx.tasks if opd and opd.teacher_for(d)},
+            assignment={d: opd.teacher_for(d) for d in tasks if opd and opd.teacher_for(d)},
             teachers={t.name: t for t in opd.teachers} if opd else {})
         self.teacher_of: dict[str, str | None] = {}  # prompt_id -> teacher assigned at dispatch
 
@@ -108,7 +92,7 @@ class AsyncGRPO:
         for d, n in state["streams"].items():
             self.streams[d].skip_to(n)
         self.prompts = dict(state["prompts"])
-        self.finished = defaultdict(list, {pid: [self.ctx.store.get_sample(i) for i in ids]
+        self.finished = defaultdict(list, {pid: [self.job.store.get_sample(i) for i in ids]
                                            for pid, ids in state["finished"].items()})
         self.effort_of, self.clock, self.step = dict(state["effort_of"]), state["clock"], state["step"]
         self.load = [len(ids) for ids in inflight_ids]
@@ -118,23 +102,23 @@ class AsyncGRPO:
         original = {t.name for t in self.stage.teachers.teachers} if isinstance(self.stage, OPDStage) else set()
         added = [t for name, t in self.live.teachers.items() if name not in original]
         if added:
-            self.policy.call_all("add_teachers", added)
+            self.policy.add_teachers(added)
         # patches applied after this checkpoint (answered, so out of the inbox) are applied again, in order
-        for answer in sorted(reconfigure.answers(self.ctx.run_dir), key=lambda a: a.get("version") or 0):
+        for answer in sorted(reconfigure.answers(self.job.run_dir), key=lambda a: a.get("version") or 0):
             if answer.get("status") == "applied" and answer.get("stage") == self.stage_idx and answer["version"] > self.live.version:
                 self.apply_patch(reconfigure.ReconfigPatch.model_validate(answer["patch"]), pid=None)
 
     # -- the phases ------------------------------------------------------------------------------------
     def release(self, tickets: list[Ticket]) -> None:
-        ctx, effort, sampling = self.ctx, self.ctx.recipe.effort, self.ctx.recipe.engine.sampling
+        job, effort, sampling = self.job, self.job.recipe.effort, self.job.recipe.engine.sampling
         per_worker: dict[int, list[GenerationRequest]] = defaultdict(list)
         for t in tickets:
             problem = next(self.streams[t.dataset])
-            prompt = Prompt(t.prompt_id, t.dataset, ctx.renderer.prompt_text(problem), ctx.renderer.prompt_tokens(problem),
+            prompt = Prompt(t.prompt_id, t.dataset, job.renderer.prompt_text(problem), job.renderer.prompt_tokens(problem),
                             problem.answer, t.group_size, t.version, self.live.version)
             self.teacher_of[t.prompt_id] = self.live.teacher_for(t.dataset)
             self.prompts[t.prompt_id] = (prompt, problem)
-            ctx.store.add_prompts([prompt])
+            job.store.add_prompts([prompt])
             # With effort conditioning the group is M_b samples at each level b (one group to the dispatcher).
             levels = [b for b in effort.levels for _ in range(effort.samples_per_level)] if effort else [None] * t.group_size
             for j, b in enumerate(levels):  # engines split the in-flight samples, least-loaded first
@@ -142,23 +126,23 @@ class AsyncGRPO:
                 self.load[w] += 1
                 sid = f"{t.prompt_id}-{j}"
                 self.effort_of[sid] = b
-                toks = ctx.renderer.prompt_tokens(problem, b)
-                forced = ctx.tasks[t.dataset].response_budget(problem, j)
+                toks = job.renderer.prompt_tokens(problem, b)
+                forced = job.tasks[t.dataset].response_budget(problem, j)
                 per_worker[w].append(GenerationRequest(
-                    sid, toks, forced or ctx.recipe.engine.max_new_tokens, seed=ctx.renderer.sample_seed(sid),
+                    sid, toks, forced or job.recipe.engine.max_new_tokens, seed=job.renderer.sample_seed(sid),
                     temperature=sampling.temperature, top_p=sampling.top_p, ignore_eos=forced is not None))
-        self.policy.get([self.policy.submit(w, "add", reqs) for w, reqs in per_worker.items()])
+        self.policy.add_requests(dict(per_worker))
 
     def collect_rewards(self, block: bool) -> None:
-        rewards = self.rt.rewards
-        while self.pending_rewards and (block or rewards.ready([self.pending_rewards[0][0]])):
+        rewards = self.job.rewards
+        while self.pending_rewards and (block or rewards.ready(self.pending_rewards[0][0])):
             fut, gens = self.pending_rewards.pop(0)
-            samples = [self.ctx.renderer.to_sample(*self.prompts[prompt_id_of(g.sample_id)], g, verdict,
+            samples = [self.job.renderer.to_sample(*self.prompts[prompt_id_of(g.sample_id)], g, verdict,
                                           status="discarded" if self.disp.is_discarded(prompt_id_of(g.sample_id)) else "finished",
                                           effort=self.effort_of.pop(g.sample_id),
                                           teacher=self.teacher_of.get(prompt_id_of(g.sample_id)))
                        for g, verdict in zip(gens, rewards.get(fut))]
-            self.ctx.store.add_samples(samples)
+            self.job.store.add_samples(samples)
             for s in samples:
                 if s.status == "finished":
                     self.finished[s.prompt_id].append(s)
@@ -170,7 +154,7 @@ class AsyncGRPO:
             by_outcome[outcome].append(pid)
             self.finished.pop(pid, None)
         for outcome, pids in by_outcome.items():
-            self.ctx.store.set_outcome(pids, outcome)
+            self.job.store.set_outcome(pids, outcome)
 
     def tokens_of(self, pid: str) -> tuple[int, int]:
         ss = self.finished[pid]
@@ -183,45 +167,42 @@ class AsyncGRPO:
 
     def apply_patch(self, patch: reconfigure.ReconfigPatch, pid: str | None) -> dict:
         """Apply (new config version) or refuse one patch; `pid`: answer that inbox entry."""
-        ctx = self.ctx
+        job, step = self.job, self.job.state.global_step
         try:
-            new = reconfigure.apply_patch(self.live, patch, list(ctx.tasks), ctx.recipe.model.vocab_size, ctx.global_step)
+            new = reconfigure.apply_patch(self.live, patch, list(job.tasks), job.recipe.model.vocab_size, step)
         except reconfigure.ReconfigError as e:
             result = {"status": "refused", "reason": str(e), "patch": patch.model_dump(mode="json", exclude_defaults=True)}
-            ctx.store.add_config_version(None, "refused", result["patch"], ctx.global_step, reason=str(e))
+            job.store.add_config_version(None, "refused", result["patch"], step, reason=str(e))
         else:
             if patch.add_teachers:
-                self.policy.call_all("add_teachers", patch.add_teachers)
+                self.policy.add_teachers(list(patch.add_teachers))
             self.use_live(new)
-            result = {"status": "applied", "version": new.version, "train_step": ctx.global_step, "stage": self.stage_idx,
+            result = {"status": "applied", "version": new.version, "train_step": step, "stage": self.stage_idx,
                       "patch": new.history[-1]["patch"]}
-            ctx.store.add_config_version(new.version, "applied", result["patch"], ctx.global_step)
-            ctx.say(f"reconfigure: config version {new.version} at train step {ctx.global_step}: {result['patch']}")
-            ctx.logger.log({"config/version": new.version}, step=ctx.global_step)
+            job.store.add_config_version(new.version, "applied", result["patch"], step)
+            job.say(f"reconfigure: config version {new.version} at train step {step}: {result['patch']}")
+            job.logger.log({"config/version": new.version}, step=step)
         if pid is not None:
-            reconfigure.answer(ctx.run_dir, pid, result)
+            reconfigure.answer(job.run_dir, pid, result)
         return result
 
     def poll_control(self) -> None:
-        for pid, path in reconfigure.pending(self.ctx.run_dir):
+        for pid, path in reconfigure.pending(self.job.run_dir):
             try:
                 patch = reconfigure.parse_patch(path.read_text(), source=path.name)
             except reconfigure.ReconfigError as e:
-                reconfigure.answer(self.ctx.run_dir, pid, {"status": "refused", "reason": str(e)})
-                self.ctx.store.add_config_version(None, "refused", {}, self.ctx.global_step, reason=str(e))
+                reconfigure.answer(self.job.run_dir, pid, {"status": "refused", "reason": str(e)})
+                self.job.store.add_config_version(None, "refused", {}, self.job.state.global_step, reason=str(e))
                 continue
             self.apply_patch(patch, pid)
 
-    def checkpoint_point(self, force: bool = False, stage_end: bool = False) -> None:
-        """A token boundary where the job may checkpoint (periodically, at the stage's end, or on
-        SIGTERM: then exit)."""
-        ctx = self.ctx
-        if ctx.ckpt is None or not (force or ctx.checkpoint_wanted()):
-            return
-        self.policy.call_all("interrupt")
-        self.collect_rewards(block=True)
-        ctx.save_checkpoint(self.stage_idx, self.state_dict(), stage_end=stage_end)  # raises Preempted after a SIGTERM
-        self.policy.call_all("resume")
+    def checkpoint_point(self) -> None:
+        """A token boundary where the job may checkpoint (periodically, or on SIGTERM: then exit)."""
+        if self.job.checkpointer.wanted(self.job.state.global_step):
+            self.policy.interrupt()
+            self.collect_rewards(block=True)
+            self.job.checkpointer.save(self.job, self.stage_idx, self.state_dict())  # raises Preempted after a SIGTERM
+            self.policy.resume()
 
     def rollout_until_batch(self) -> list[str]:
         """ROLLOUT until the dispatcher's train-batch condition holds; returns the batch's prompt ids."""
@@ -231,19 +212,19 @@ class AsyncGRPO:
             self.checkpoint_point()
             tickets = disp.dispatch()
             self.release(tickets)
-            results = policy.call_all("step", stage.steps_per_call)
+            results = policy.rollout(stage.steps_per_call)
             gens = [g for r in results for g in r.finished]
             for w, r in enumerate(results):
                 self.load[w] -= len(r.finished)
             clock.concurrency.append(sum(r.generated / max(r.steps, 1) for r in results))
             clock.generated_tokens += sum(r.generated for r in results)
-            self.ctx.generated(sum(r.generated for r in results))
+            self.job.progress.generated(sum(r.generated for r in results), self.job.state.global_step)
             for g in gens:
                 disp.on_finished(FinishedMeta(g.sample_id, prompt_id_of(g.sample_id), len(g.response_tokens),
                                               min(g.policy_versions)))
             if gens:
-                items = [self.ctx.renderer.trajectory(self.prompts[prompt_id_of(g.sample_id)][1], g) for g in gens]
-                self.pending_rewards.append((self.rt.rewards.submit(len(self.pending_rewards) % len(self.rt.rewards), "verify", items), gens))
+                items = [self.job.renderer.trajectory(self.prompts[prompt_id_of(g.sample_id)][1], g) for g in gens]
+                self.pending_rewards.append((self.job.rewards.submit(items), gens))
             self.collect_rewards(block=False)
             batch = None
             if disp.num_ready_groups >= stage.prompts_per_step:
@@ -264,7 +245,7 @@ class AsyncGRPO:
 
     def train_step(self, batch: list[str], held: list[dict]) -> dict:
         """TRAIN one optimizer step on whole groups, data-parallel across the workers."""
-        ctx, stage, policy, disp, clock = self.ctx, self.stage, self.policy, self.disp, self.clock
+        job, stage, policy, disp, clock = self.job, self.stage, self.policy, self.disp, self.clock
         t_train = time.perf_counter()
         groups = [self.finished.pop(pid) for pid in batch]
         samples = [s for g in groups for s in g]
@@ -281,24 +262,23 @@ class AsyncGRPO:
                 if teacher[s.sample_id] != s.teacher:
                     moved[teacher[s.sample_id]].append(s.sample_id)
             for name, ids in moved.items():
-                ctx.store.set_teacher(ids, name)
+                job.store.set_teacher(ids, name)
         batches = [TrainBatch.from_samples(shard, [adv[s.sample_id] for s in shard], num_tokens,
                                            [teacher[s.sample_id] for s in shard] if teacher else None) for shard in shards]
-        metrics = merge_step_metrics(policy.get([policy.submit(w, "train_step", b, stage) for w, b in enumerate(batches)]))
+        metrics = merge_step_metrics(policy.train_step(batches, stage))
         if isinstance(stage, OPDStage):
             metrics["opd/teachers_in_step"] = len(set(teacher.values()))  # across ranks, not rank 0's
         fault_point("train")
-        ctx.global_step += 1
+        version = job.advance_version()
         disp.on_train_step()
-        policy.call_all("set_version", ctx.global_step)
-        ctx.store.mark_trained([s.sample_id for s in samples], ctx.global_step)
-        ctx.store.set_outcome(batch, "trained")
+        job.store.mark_trained([s.sample_id for s in samples], version)
+        job.store.set_outcome(batch, "trained")
         for pid in batch:
             self.prompts.pop(pid, None)
             self.teacher_of.pop(pid, None)
         clock.train_s += time.perf_counter() - t_train
 
-        trained_version = ctx.global_step - 1  # the weights this step's gradient was taken at
+        trained_version = version - 1  # the weights this step's gradient was taken at
         versions = [v for s in samples for v in s.policy_versions_T]
         metrics.update({
             "rollout/reward": sum(s.reward for s in samples) / len(samples),
@@ -316,7 +296,7 @@ class AsyncGRPO:
             "dispatch/discarded_samples": disp.stats.discarded_samples,
             "dispatch/dropped_stale_groups": disp.stats.dropped_stale_groups,
             "dispatch/lag_waits": disp.stats.lag_waits,
-            "train/policy_version": ctx.global_step,
+            "train/policy_version": version,
             "config/version": self.live.version,
             "time/rollout_s": clock.rollout_s,
             "time/train_s": clock.train_s,
@@ -324,45 +304,46 @@ class AsyncGRPO:
         metrics.update(rollout_breakdown(samples))
         return metrics
 
-    def run(self) -> RolloutClock:
-        ctx, stage, policy, clock = self.ctx, self.stage, self.policy, self.clock
-        for step in ctx.budget(stage, start=self.step):
+    def run(self) -> StageResult:
+        """The stage: ROLLOUT until a batch is ready -> INTERRUPT -> TRAIN -> RESUME, `max_steps` times (or
+        until the time budget ends), then a stage-end checkpoint with the held-out evaluation."""
+        job, stage, policy, clock = self.job, self.stage, self.policy, self.clock
+        for step in job.budget(stage, start=self.step):
             t_roll = time.perf_counter()
             batch = self.rollout_until_batch()
             clock.rollout_s += time.perf_counter() - t_roll
 
             # INTERRUPT at the token boundary; in-flight states move to host memory.
             t_sig = time.perf_counter()
-            held = policy.call_all("interrupt")
+            held = policy.interrupt()
             clock.interrupt_s.append(time.perf_counter() - t_sig)
 
             metrics = self.train_step(batch, held)
             self.step = step + 1
 
             # RESUME: the engines continue every parked sample from its exact token, with no prefill.
-            resumed = policy.call_all("resume")
+            resumed = policy.resume()
             moved = sum(h["bytes"] for h in held) + sum(r["bytes"] for r in resumed)
             clock.bytes_moved += moved
             metrics["async/state_bytes_moved"] = moved
-            ctx.after_train_step(stage, step, metrics)
+            job.record_train_step(stage, step, metrics)
 
-        # Stage over: checkpoint (a resume with a larger budget continues from here), then drop what is
-        # still in flight; its prompts are recorded as dropped at the stage end.
-        self.checkpoint_point(force=True, stage_end=True)
-        policy.call_all("interrupt")
-        policy.call_all("discard_held")
+        # Stage over: evaluate and checkpoint (a resume with a larger budget continues from here), then drop
+        # what is still in flight; its prompts are recorded as dropped at the stage end.
+        policy.interrupt()
         self.collect_rewards(block=True)
-        ctx.store.set_outcome(sorted(set(self.disp.unfinished_prompt_ids()) | set(self.finished)),
-                              "dropped_stage_end")
-        return clock
+        metrics = job.stage_end_checkpoint(self.stage_idx, self.state_dict())
+        policy.drop_inflight()
+        self.collect_rewards(block=True)
+        job.store.set_outcome(sorted(set(self.disp.unfinished_prompt_ids()) | set(self.finished)), "dropped_stage_end")
+        return StageResult(metrics, clock)
 
 
-def run_async_grpo(ctx, stage: GRPOStage, stage_idx: int) -> RolloutClock:
-    ctx.runtime.policy.call_all("begin_stage", stage)
-    loop = AsyncGRPO(ctx, stage, stage_idx)
-    restored = ctx.restore_stage(stage)
+def run_async_grpo(job: Job, stage: GRPOStage, stage_idx: int) -> StageResult:
+    job.policy.begin_stage(stage)
+    loop = AsyncGRPO(job, stage, stage_idx)
+    restored = job.checkpointer.restore_stage(job)
     if restored is not None:  # the checkpoint's in-flight samples continue from their exact token
-        loop.load_state_dict(restored, ctx.restore_inflight())
-        ctx.runtime.policy.call_all("resume")
-        ctx.restore_from = None
+        loop.load_state_dict(restored, job.checkpointer.restore_inflight(job))
+        job.policy.resume()
     return loop.run()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from rewards.task import Problem
-from rl.async_grpo import RolloutClock
+from rl.metrics import RolloutClock
 from rl.checkpoint import CheckpointError, check_plain
 from rl.dispatch import parse_state as parse_dispatcher_state
 from rl.reconfigure import LiveConfig

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl.config import LoggingConfig
@@ -69,3 +70,19 @@ def rollout_breakdown(samples) -> dict[str, float]:
         out[f"rollout/accuracy/{name}"] = sum(s.correct for s in group) / n
         out[f"rollout/response_len/{name}"] = sum(s.num_response_tokens for s in group) / n
     return out
+
+
+@dataclass
+class RolloutClock:
+    """Concurrency and time accounting of the rollout phases (metrics and benchmarks)."""
+
+    concurrency: list[float] = field(default_factory=list)
+    """Sequences generating per engine step (tokens generated ÷ steps), summed over engines, per call."""
+    interrupt_s: list[float] = field(default_factory=list)
+    """Signal-to-idle time of every interrupt."""
+    interrupt_late_steps: list[int] = field(default_factory=list)
+    """Engine steps run after the batch became ready and before the engines stopped."""
+    rollout_s: float = 0.0
+    train_s: float = 0.0
+    generated_tokens: int = 0
+    bytes_moved: int = 0

@@ -1,9 +1,10 @@
 """Where the components run: Ray actors (default) or in-process objects (tests, debugging).
 
 `Runtime` starts Ray locally (`ray.init`) or joins the cluster at `runtime.ray_address`, creates one
-`PolicyWorker` actor per device and a pool of CPU `RewardWorker` actors, and exposes both through
-`Group`, which calls a method on one or all members and returns futures. The controller code is the
-same for both modes; only `Group` knows whether a call crosses a process boundary.
+`PolicyWorker` actor per device and a pool of CPU `RewardWorker` actors, and exposes them as
+`PolicyGroup` and `RewardGroup`: typed methods that call every worker (or one) and gather the results.
+The controller code is the same for both modes; only `Group` knows whether a call crosses a process
+boundary.
 """
 
 from __future__ import annotations
@@ -11,11 +12,17 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from rewards.task import Trajectory, Verdict, VerifyContext
-from rl.config import Recipe
-from rl.worker import PolicyWorker
+from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
+from rl.trainer import StepMetrics, TrainBatch
+from rl.worker import PolicyWorker, StepResult
+from rollout.types import Generation, GenerationRequest
+from teachers.config import TeacherSpec
+
+R = TypeVar("R")
 
 
 class RewardWorker:
@@ -88,6 +95,90 @@ class Group:
         return self.get(self.submit_all(method, *args, **kwargs))
 
 
+class PolicyGroup:
+    """The PolicyWorkers (one per device) behind `PolicyWorker`'s public API: each method runs on every
+    worker (or the one named) and returns when all are done."""
+
+    def __init__(self, group: Group):
+        self.group = group
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+    def _all(self, method: Callable[..., R], *args) -> list[R]:
+        return self.group.call_all(method.__name__, *args)
+
+    def _each(self, method: Callable[..., R], args_per_worker: dict[int, tuple]) -> list[R]:
+        futures = [self.group.submit(w, method.__name__, *args) for w, args in args_per_worker.items()]
+        return self.group.get(futures)
+
+    def begin_stage(self, stage: SFTStage | GRPOStage | OPDStage) -> None:
+        self._all(PolicyWorker.begin_stage, stage)
+
+    def add_requests(self, per_worker: dict[int, list[GenerationRequest]]) -> None:
+        self._each(PolicyWorker.add_requests, {w: (reqs,) for w, reqs in per_worker.items()})
+
+    def rollout(self, num_steps: int) -> list[StepResult]:
+        return self._all(PolicyWorker.rollout, num_steps)
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
+        """Run requests to completion, spread over the workers (rows i, i + n, ...), in request order."""
+        n = len(self)
+        parts = self._each(PolicyWorker.generate, {w: (requests[w::n],) for w in range(n)})
+        by_id = {g.sample_id: g for part in parts for g in part}
+        return [by_id[r.sample_id] for r in requests]
+
+    def interrupt(self) -> list[dict[str, float]]:
+        return self._all(PolicyWorker.interrupt)
+
+    def resume(self) -> list[dict[str, float]]:
+        return self._all(PolicyWorker.resume)
+
+    def drop_inflight(self) -> None:
+        self._all(PolicyWorker.drop_inflight)
+
+    def train_step(self, batches: list[TrainBatch], stage: SFTStage | GRPOStage | OPDStage) -> list[StepMetrics]:
+        """Worker w trains on batches[w] (data parallel: every batch carries the step's global token count)."""
+        return self._each(PolicyWorker.train_step, {w: (b, stage) for w, b in enumerate(batches)})
+
+    def update_weights(self, version: int) -> None:
+        self._all(PolicyWorker.update_weights, version)
+
+    def add_teachers(self, specs: list[TeacherSpec]) -> None:
+        self._all(PolicyWorker.add_teachers, specs)
+
+    def save(self, directory: str) -> None:
+        self._all(PolicyWorker.save, directory)
+
+    def load(self, directory: str) -> None:
+        self._all(PolicyWorker.load, directory)
+
+    def load_inflight(self, files: list[str]) -> list[list[str]]:
+        return self._all(PolicyWorker.load_inflight, files)
+
+    def info(self) -> list[dict]:
+        return self._all(PolicyWorker.info)
+
+
+class RewardGroup:
+    """CPU reward workers: verification runs beside generation, collected when ready."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self._next = 0
+
+    def submit(self, trajectories: list[Trajectory]):
+        """Start verifying; returns a handle for `ready` / `get` (workers take turns)."""
+        w, self._next = self._next, (self._next + 1) % len(self.group)
+        return self.group.submit(w, RewardWorker.verify.__name__, trajectories)
+
+    def ready(self, handle) -> bool:
+        return self.group.ready([handle])
+
+    def get(self, handle) -> list[Verdict]:
+        return self.group.get(handle)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -102,8 +193,8 @@ class Runtime:
         if not self.remote:
             if n != 1:
                 raise ValueError("runtime.num_workers > 1 needs runtime.ray: true")
-            self.policy = Group([PolicyWorker(recipe)], remote=False)
-            self.rewards = Group([RewardWorker(recipe)], remote=False)
+            self.policy = PolicyGroup(Group([PolicyWorker(recipe)], remote=False))
+            self.rewards = RewardGroup(Group([RewardWorker(recipe)], remote=False))
             return
         import ray
 
@@ -116,17 +207,17 @@ class Runtime:
         dist_init = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else None
         threads = max(1, recipe.run.num_threads // n)
         actor = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=1 if recipe.run.device == "cuda" else 0)(PolicyWorker)
-        self.policy = Group([actor.remote(recipe, rank=r, world_size=n, dist_init=dist_init, num_threads=threads)
-                             for r in range(n)], remote=True)
+        self.policy = PolicyGroup(Group([actor.remote(recipe, rank=r, world_size=n, dist_init=dist_init, num_threads=threads)
+                                         for r in range(n)], remote=True))
         reward_actor = ray.remote(num_cpus=0)(RewardWorker)
-        self.rewards = Group([reward_actor.remote(recipe) for _ in range(cfg.num_reward_workers)], remote=True)
-        self.policy.call_all("info")  # surface construction errors now
+        self.rewards = RewardGroup(Group([reward_actor.remote(recipe) for _ in range(cfg.num_reward_workers)], remote=True))
+        self.policy.info()  # surface construction errors now
 
     def shutdown(self) -> None:
         if self.remote:
             import ray
 
-            for m in self.policy.members + self.rewards.members:
+            for m in self.policy.group.members + self.rewards.group.members:
                 ray.kill(m)
             if getattr(self, "_owns_ray", False) and ray.is_initialized():
                 ray.shutdown()

@@ -1,9 +1,11 @@
 """PolicyWorker: the engine and the trainer of one device, sharing one policy module (seed §5.2.1).
 
-Phases alternate on the same device: ROLLOUT (`add`, `step`) → `interrupt` (every in-flight sample
-stops at the token boundary; its `RolloutState` moves to host memory) → TRAIN (`train_step` with the
-stage's objective; the weights change in place, version + 1) → `resume` (the states go back into the KV
-pool; no prefill) → ROLLOUT. The class is plain Python; `rl.runtime` wraps it in a Ray actor.
+Phases alternate on the same device: ROLLOUT (`add_requests`, `rollout`) → `interrupt` (every in-flight
+sample stops at the token boundary; its `RolloutState` moves to host memory) → TRAIN (`train_step` with
+the stage's objective; the weights change in place) → `update_weights` (version + 1) → `resume` (the
+states go back into the KV pool; no prefill) → ROLLOUT. Checkpoints: `save` / `load` /
+`load_inflight`. The class is plain Python with this small public API; `rl.runtime.PolicyGroup` calls it
+on every worker, in-process or as Ray actors.
 """
 
 from __future__ import annotations
@@ -70,10 +72,12 @@ class PolicyWorker:
         self._held: list[RolloutState] = []  # in-flight states parked in host memory during TRAIN
 
     # -- ROLLOUT -------------------------------------------------------------------------------------
-    def add(self, requests: Sequence[GenerationRequest]) -> None:
+    def add_requests(self, requests: Sequence[GenerationRequest]) -> None:
+        """Queue requests; the engine admits them as KV blocks allow."""
         self.engine.add(list(requests))
 
-    def step(self, num_steps: int = 1) -> StepResult:
+    def rollout(self, num_steps: int = 1) -> StepResult:
+        """Advance every active sequence by up to `num_steps` tokens (a token boundary after each)."""
         self.model.eval()
         finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
         for i in range(num_steps):
@@ -110,15 +114,15 @@ class PolicyWorker:
         self.engine.resume(states)
         return {"states": len(states), "bytes": sum(s.nbytes for s in states)}
 
-    def held_states(self) -> list[RolloutState]:
-        return list(self._held)
-
-    def discard_held(self) -> int:
-        """Drop parked states (end of a stage); returns how many."""
+    def drop_inflight(self) -> int:
+        """Stop and drop every in-flight sample, parked or generating (end of a stage); returns how many."""
+        self.engine.interrupt()
         n, self._held = len(self._held), []
         return n
 
-    def set_version(self, version: int) -> None:
+    def update_weights(self, version: int) -> None:
+        """The new weights are in place already (engine and trainer share the module): new tokens carry
+        `version` from here on."""
         self.engine.policy_version = version
 
     # -- TRAIN ---------------------------------------------------------------------------------------
@@ -142,7 +146,7 @@ class PolicyWorker:
         return self.trainer.train_step(batch, objective)
 
     # -- checkpoint (rl/checkpoint.py) ------------------------------------------------------------------
-    def save_state(self, directory: str) -> int:
+    def save(self, directory: str) -> int:
         """Rank 0 writes weights and the trainer state (optimizer, LR schedule, RNG: safetensors + JSON,
         rl/checkpoint.py); every rank writes its parked states. Call while interrupted. Returns the bytes
         of in-flight state written by this rank."""
@@ -158,7 +162,7 @@ class PolicyWorker:
         inflight_file(directory, self.rank).write_bytes(blob)
         return len(blob)
 
-    def load_state(self, directory: str) -> None:
+    def load(self, directory: str) -> None:
         """Weights, optimizer, LR schedule and RNG from a checkpoint (after `begin_stage`)."""
         from rl.checkpoint import load_tree
 
@@ -185,11 +189,10 @@ class PolicyWorker:
 
     # -- misc ----------------------------------------------------------------------------------------
     def info(self) -> dict:
+        """Size, engine counters and a checksum of the weights (data-parallel ranks must agree)."""
         return {"num_parameters": self.model.num_parameters(), "pid": os.getpid(), "rank": self.rank,
                 "kv_blocks": self.engine.cache.num_blocks, "prefill_calls": self.engine.stats.prefill_calls,
                 "prefill_tokens": self.engine.stats.prefill_tokens, "resumed_tokens": self.engine.stats.resumed_tokens,
                 "reprefill_tokens": self.engine.stats.reprefill_tokens,
-                "free_blocks": self.engine.cache.num_free_blocks}
-
-    def weights_checksum(self) -> float:
-        return float(sum(p.detach().double().sum() for p in self.model.parameters()))
+                "free_blocks": self.engine.cache.num_free_blocks,
+                "weights_checksum": float(sum(p.detach().double().sum() for p in self.model.parameters()))}

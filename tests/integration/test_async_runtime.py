@@ -4,9 +4,7 @@ import pytest
 
 from rl.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.driver import make_context
-from rl.metrics import MetricsLogger
-from rl.runtime import Runtime
+from rl.job import open_job
 from rl.store import TrajectoryStore
 
 pytestmark = pytest.mark.integration
@@ -31,18 +29,11 @@ RECIPE = {
 def async_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("async")
     recipe = Recipe.model_validate(RECIPE)
-    store = TrajectoryStore.for_run_dir(run_dir)
-    logger = MetricsLogger(run_dir, recipe.logging, run_name="async", config={})
-    rt = Runtime(recipe)
-    try:
-        ctx = make_context(recipe, run_dir, rt, store, logger)
-        clock = run_async_grpo(ctx, recipe.stages[0], 0)
-        info = rt.policy.call_all("info")
-        checksums = rt.policy.call_all("weights_checksum")
-    finally:
-        rt.shutdown()
-        logger.close()
-    yield store, clock, info, checksums
+    with open_job(recipe, run_dir, checkpoints=False) as job:
+        clock = run_async_grpo(job, recipe.stages[0], 0).clock
+        info = job.policy.info()
+    store = TrajectoryStore.read_run(run_dir)
+    yield store, clock, info, [i["weights_checksum"] for i in info]
     store.close()
 
 

@@ -7,9 +7,7 @@ import pytest
 from rewards.effort import effort_prefix
 from rl.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.driver import make_context
-from rl.metrics import MetricsLogger
-from rl.runtime import Runtime
+from rl.job import open_job
 from rl.store import TrajectoryStore
 
 pytestmark = pytest.mark.integration
@@ -30,16 +28,13 @@ RECIPE = {
 
 def test_effort_groups_subgroups_and_penalty(tmp_path):
     recipe = Recipe.model_validate(RECIPE)
-    store = TrajectoryStore.for_run_dir(tmp_path)
-    logger = MetricsLogger(tmp_path, recipe.logging, run_name="e", config={})
-    rt = Runtime(recipe)
-    ctx = make_context(recipe, tmp_path, rt, store, logger)
-    run_async_grpo(ctx, recipe.stages[0], 0)
-    logger.close()
+    with open_job(recipe, tmp_path, checkpoints=False) as job:
+        run_async_grpo(job, recipe.stages[0], 0)
+        task = job.tasks["arith"]
+    store = TrajectoryStore.read_run(tmp_path)
     trained = [store.get_sample(r.sample_id) for r in store.query(limit=1000) if r.train_step is not None]
     assert len(trained) == 2 * 4 * 6
     per_prompt = defaultdict(Counter)
-    task = ctx.tasks["arith"]
     for s in trained:
         prompt_id, effort = s.group_id.split("@")
         assert prompt_id == s.prompt_id and s.effort == int(effort)

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from model.tokenizer import CharTokenizer
 from rewards.arithmetic import ArithmeticTask, worked_solution
-from rewards.task import Problem, Trajectory
+from rewards.task import Problem
 from rewards.config import ArithmeticConfig
 from tests.conftest import parsed, verify_text
 

@@ -14,7 +14,7 @@ from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig
 from rl.checkpoint import CheckpointError, CheckpointManager, save_tree
 from rl.dispatch import DispatchConfig, Dispatcher, FinishedMeta
-from rl.driver import check_resumable
+from rl.resume import check_resumable
 from rl.preempt import PreemptionGuard
 from rl.recipe_io import recipe_from_yaml, recipe_to_yaml
 from rl.store import TrajectoryStore, Watermark

@@ -20,11 +20,11 @@ from rewards.config import ArithmeticConfig, ReverseConfig
 from rewards.longtail import LongTailConfig
 from rl import ckpt_records as rec
 from rl import reconfigure
-from rl.async_grpo import RolloutClock
+from rl.metrics import RolloutClock
 from rl.checkpoint import CheckpointError, CheckpointManager, flatten_tree, load_tree, save_tree, unflatten_tree
 from rl.config import Recipe
 from rl.dispatch import DispatchConfig, Dispatcher
-from rl.driver import _find_resume_point
+from rl.resume import find_resume_point
 from rl.recipe_io import recipe_from_yaml
 from rl.store import TrajectoryStore, Watermark
 from rl.types import Prompt
@@ -190,7 +190,7 @@ def test_trainer_state_round_trip(tmp_path):
     w.begin_stage(recipe.stages[0])
     for _ in range(3):
         sft_loss(w)
-    w.save_state(str(tmp_path))
+    w.save(str(tmp_path))
     saved = {i: {k: v.clone() for k, v in s.items()} for i, s in w.trainer.opt.state_dict()["state"].items()}
     expected_draw = torch.rand(4)
     expected_loss = sft_loss(w)
@@ -199,7 +199,7 @@ def test_trainer_state_round_trip(tmp_path):
 
     w2 = PolicyWorker(recipe)  # reseeds torch: the RNG must come from the checkpoint
     w2.begin_stage(recipe.stages[0])
-    w2.load_state(str(tmp_path))
+    w2.load(str(tmp_path))
     state = w2.trainer.opt.state_dict()["state"]
     assert state.keys() == saved.keys() and all(torch.equal(state[i][k], saved[i][k]) for i in saved for k in saved[i])
     assert w2.trainer.sched.last_epoch == 3
@@ -299,10 +299,10 @@ def test_resume_refuses_to_start_over_when_no_checkpoint_is_usable(tmp_path):
     (bad / "controller.json").write_text("{}")
     recipe = recipe_from_yaml(_yaml(minimal_recipe_dict()))
     with pytest.raises(CheckpointError, match=r"^none of the 1 checkpoints under .* is usable"):
-        _find_resume_point(recipe, store, mgr, say=lambda m: None)
+        find_resume_point(recipe, store, mgr, say=lambda m: None)
     assert store.get_sample("s0") is not None and store.restarts() == []  # the store was not rolled back
     empty = CheckpointManager(tmp_path / "never", warn=lambda m: None)  # no checkpoint ever written: start over
-    assert _find_resume_point(recipe, store, empty, say=lambda m: None) == (None, None)
+    assert find_resume_point(recipe, store, empty, say=lambda m: None) is None
     store.close()
 
 

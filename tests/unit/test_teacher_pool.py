@@ -3,7 +3,6 @@ teacher once, prefetch, counters, config validation; the teacher-zoo builder at 
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
 import weakref

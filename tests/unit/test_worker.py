@@ -28,20 +28,20 @@ def _reqs():
 
 def test_interrupt_update_resume_continues_exact_tokens_without_prefill():
     w = _worker()
-    w.add(_reqs())
+    w.add_requests(_reqs())
     for _ in range(5):
-        w.step()
+        w.rollout()
     held = w.interrupt()
-    states = {s.request.sample_id: s for s in w.held_states()}
+    states = {s.request.sample_id: s for s in w._held}  # the parked states, white-box
     assert held["states"] == len(states) > 0 and held["bytes"] == sum(s.nbytes for s in states.values())
     assert w.engine.cache.num_free_blocks == w.engine.cache.num_blocks  # device KV released during TRAIN
     with torch.no_grad():  # the weight update, in place, on the module the engine shares
         for p in w.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    w.set_version(1)
+    w.update_weights(1)
     prefills = w.engine.stats.prefill_calls
     w.resume()
-    w.step()
+    w.rollout()
     assert w.engine.stats.prefill_calls == prefills  # no prompt or response token prefilled again
     # The KV the engine now holds for each resumed sample is the persisted one, slot for slot.
     for seq in w.engine._active:
@@ -51,7 +51,7 @@ def test_interrupt_update_resume_continues_exact_tokens_without_prefill():
         assert torch.equal(w.engine.cache.k[:, slots], st.k) and torch.equal(w.engine.cache.v[:, slots], st.v)
     gens = []
     while w.engine.has_work():
-        gens += w.step().finished
+        gens += w.rollout().finished
     for g in gens:
         st = states[g.sample_id]
         full = list(g.prompt_tokens) + list(g.response_tokens)
@@ -70,9 +70,9 @@ def test_new_segment_uses_new_weights():
     base = _worker()
     ref = {g.sample_id: g for g in base.generate(_reqs())}
     w = _worker()
-    w.add(_reqs())
+    w.add_requests(_reqs())
     for _ in range(3):
-        w.step()
+        w.rollout()
     w.interrupt()
     with torch.no_grad():
         for p in w.model.parameters():
@@ -80,6 +80,6 @@ def test_new_segment_uses_new_weights():
     w.resume()
     gens = []
     while w.engine.has_work():
-        gens += w.step().finished
+        gens += w.rollout().finished
     assert any(g.response_tokens != ref[g.sample_id].response_tokens for g in gens)
     assert all(g.response_tokens[:2] == ref[g.sample_id].response_tokens[:2] for g in gens)
