@@ -174,7 +174,7 @@ def bench_attention(contexts: list[int], B: int, H: int, kvh: int, d: int, page:
         res[str(ctx)] = dict(bf16_us_per_step=t16 * 1e6, fp4_us_per_step=t4 * 1e6, bf16_us_per_token=t16 * 1e6 / B,
                              fp4_us_per_token=t4 * 1e6 / B, bf16_TBps=bw16 / 1e12, fp4_TBps=bw4 / 1e12,
                              speedup=t16 / t4, parity_max_abs_err=err)
-        del k, v, k4, v4, kd, vd
+        k = v = k4 = v4 = kd = vd = None  # free the context's caches before the next one (lambdas above hold the names)
     return res
 
 
@@ -219,7 +219,7 @@ def main() -> None:
     else:
         t_q = _time(lambda: ref.quantize(x), 3)
         print(f"reference quantise on {a.device}: {x.numel() / t_q / 1e6:.1f} M values/s")
-    del x, packed, scales
+    x = packed = scales = None  # free before the attention part
 
     if gpu:
         contexts, B, H, kvh, d, page, iters = [8192, 16384, 32768, 65536, 131072], a.batch, a.q_heads, a.kv_heads, a.head_dim, a.page, 20

@@ -204,7 +204,7 @@ def _breakdown(args, x, iters=20):
         f"K_{n_t}_forward_sweep": t_(lambda: reverse_kl_rows(zs[:n_t], zt, scale, g, out=kl, reverse=False)),
         f"K_{n_t}_reverse_sweep": t_(lambda: reverse_kl_rows(zs[:n_t], zt, scale, g, out=kl, reverse=True)),
     }
-    del gh
+    gh = None  # free it (the timed lambdas above read the name)
     side = torch.cuda.Stream()
 
     def both():
