@@ -14,7 +14,6 @@ Last line: RESULT dlogp_free_k<K>=.. dlogp_replay_k<K>=.. flip_free_k<K>=.. (for
 from __future__ import annotations
 
 import argparse
-import random
 
 import torch
 
@@ -27,7 +26,9 @@ from rewards.config import ArithmeticConfig
 from rl.config import OptimConfig, SFTStage
 from rl.losses import token_logprobs
 from rl.objectives import SFTObjective
-from rl.trainer import TrainBatch, Trainer, pack
+from rl.rendering import Renderer
+from rl.sft import DemonstrationStream
+from rl.trainer import Trainer, pack
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.types import GenerationRequest
@@ -55,11 +56,6 @@ def drift(model, gens, tok) -> dict[str, float]:
 SFT = SFTObjective(SFTStage())
 
 
-def sft_batch(tok, task, problems, rng) -> TrainBatch:
-    responses = [tok.encode(task.demonstration(p, rng), eos=True) for p in problems]
-    return TrainBatch([tok.encode(p.prompt, bos=True) for p in problems], responses, float(sum(map(len, responses))))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -72,7 +68,7 @@ def main() -> None:
     torch.manual_seed(0)
     tok = CharTokenizer()
     task = ArithmeticTask(ArithmeticConfig(max_digits=4))
-    rng = random.Random(0)
+    demos = DemonstrationStream({task.name: task}, Renderer(tok, {task.name: task}), SFTStage(), seed_offset=1, rng_seed="bench")
     stream = task.train_stream()
     if a.checkpoint:
         model = load_checkpoint(a.checkpoint)
@@ -81,8 +77,7 @@ def main() -> None:
                                     ffn=MoEFFNConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)))
         warm = Trainer(model, OptimConfig(lr=2e-3))
         for _ in range(40 if a.quick else 150):  # a policy with some structure, so routing is not arbitrary
-            batch = [next(stream) for _ in range(32)]
-            warm.train_step(sft_batch(tok, task, batch, rng), SFT)
+            warm.train_step(demos.next_batch(32), SFT)
     n = 64 if a.quick else a.samples
     problems = [next(stream) for _ in range(n)]
     model.eval()
@@ -93,8 +88,7 @@ def main() -> None:
     rows, done = [], 0
     for k in ks:
         while done < k:
-            batch = [next(stream) for _ in range(32)]
-            trainer.train_step(sft_batch(tok, task, batch, rng), SFT)
+            trainer.train_step(demos.next_batch(32), SFT)
             done += 1
         model.eval()
         rows.append((k, drift(model, gens, tok)))

@@ -32,16 +32,11 @@ import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from rewards.procedural import ProceduralTask, in_heldout_split, last_line_verdict
+from rewards.procedural import ProceduralTask, last_line_verdict
 from rewards.task import Problem, Trajectory, Verdict, VerifyContext
 
 if TYPE_CHECKING:
     from rewards.config import ArithmeticConfig
-
-
-def is_heldout(a: int, b: int) -> bool:
-    """The pair belongs to the held-out set."""
-    return in_heldout_split(f"{a}+{b}")
 
 
 def worked_solution(a: int, b: int, slip: Callable[[int], bool] | None = None) -> str:

@@ -279,15 +279,6 @@ PROCEDURAL_DOMAIN_CONFIGS = (
 )
 """Every procedural domain's config class, besides ArithmeticConfig (recipe unions list these)."""
 
-DomainConfig = Annotated[
-    Union[
-        ArithmeticConfig, ReverseConfig, UppercaseConfig, SortDigitsConfig, CountCharConfig, SubtractionConfig,
-        MultiplyDigitConfig, ModuloConfig, MaxListConfig, BaseConversionConfig, DigitSumConfig,
-    ],
-    Field(discriminator="type"),
-]
-"""Any procedural task domain, chosen by its `type:` key."""
-
 DatasetConfig = Annotated[
     Union[(ArithmeticConfig, LongTailConfig, CustomTaskConfig, *PROCEDURAL_DOMAIN_CONFIGS)], Field(discriminator="type")]
 """A recipe's dataset: any task family, chosen by its `type:` key."""
@@ -295,7 +286,3 @@ DatasetConfig = Annotated[
 DEFAULT_DOMAIN_CONFIGS = tuple(cls() for cls in PROCEDURAL_DOMAIN_CONFIGS)
 """One default-configured dataset per procedural domain (unique names), e.g. for a teacher per domain."""
 
-
-def build_task(cfg: Any) -> Task:
-    """The task a dataset config describes."""
-    return cfg.build()

@@ -34,10 +34,6 @@ class MetricsLogger:
                     config=config, reinit="finish_previous",
                 )
 
-    @property
-    def wandb_dir(self) -> str | None:
-        return None if self._wandb is None else self._wandb.dir
-
     def log(self, metrics: dict[str, float], *, step: int) -> None:
         record = {"step": step, "time": time.time(), **metrics}
         self._file.write(json.dumps(record) + "\n")

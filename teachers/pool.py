@@ -44,6 +44,9 @@ On CPU the "device" is the CPU itself and a load is still a real copy: the host 
 freshly allocated storage (the resized buffer), so loads cost what they cost and the budget, LRU and
 prefetch logic run and are tested exactly as on a GPU. (Where the allocator hands out fresh pages, the
 copy also pays their first-touch faults: part of a CPU load's cost, hidden by prefetch like the rest.)
+
+One file on purpose (~600 lines): the host store, residency, binding and prefetch share one lock and
+the invariants above; split, each part would need the others' internals.
 """
 
 from __future__ import annotations

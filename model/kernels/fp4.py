@@ -32,12 +32,6 @@ def _pow2(e):
 
 
 @triton.jit
-def _floor_log2(s):
-    """floor(log2(s)) for positive normal float32 s, read from the exponent bits (exact)."""
-    return (((s.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127).to(tl.float32)
-
-
-@triton.jit
 def _e2m1_code(x, sc):
     """E2M1 code (sign in bit 3) of x / sc, ties to even, without forming the quotient.
 

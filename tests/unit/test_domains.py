@@ -15,14 +15,14 @@ from rewards.config import (
     ArithmeticConfig,
     BaseConversionConfig,
     CountCharConfig,
-    DomainConfig,
+    DatasetConfig,
     MaxListConfig,
     ModuloConfig,
     MultiplyDigitConfig,
     ReverseConfig,
     SubtractionConfig,
 )
-from rewards.config import DEFAULT_DOMAIN_CONFIGS, build_task
+from rewards.config import DEFAULT_DOMAIN_CONFIGS
 from rewards.domains import DOMAIN_CLASSES
 from rewards.procedural import ProceduralTask, in_heldout_split
 from tests.conftest import parsed, verify_text
@@ -41,14 +41,14 @@ def test_registry_covers_every_config_type():
     assert len(DOMAIN_CLASSES) >= 8
     assert {c.model_fields["type"].default for c in PROCEDURAL_DOMAIN_CONFIGS} == set(DOMAIN_CLASSES)
     assert len({c.name for c in DEFAULT_DOMAIN_CONFIGS}) == len(DEFAULT_DOMAIN_CONFIGS)  # one recipe can hold all
-    assert isinstance(build_task(ArithmeticConfig()), ArithmeticTask)
+    assert isinstance(ArithmeticConfig().build(), ArithmeticTask)
     for cfg in DEFAULT_DOMAIN_CONFIGS:
         task = cfg.build()
         assert type(task) is DOMAIN_CLASSES[cfg.type] and task.name == cfg.name
 
 
 def test_union_discriminates_on_type_and_rejects_unknown_keys():
-    adapter = TypeAdapter(list[DomainConfig])
+    adapter = TypeAdapter(list[DatasetConfig])
     cfgs = adapter.validate_python([{"type": "arithmetic"}, {"type": "modulo", "name": "par", "moduli": [2]},
                                     {"type": "reverse", "max_len": 5}])
     assert [type(c) for c in cfgs] == [ArithmeticConfig, ModuloConfig, ReverseConfig]
