@@ -120,7 +120,7 @@ def main() -> None:
         res[key] = accuracy(model, recipe, problems)
         print(key, res[key], flush=True)
     res["qat_gap_points"] = round(100 * (res["acc_bf16"] - res["acc_fp4_qat"]), 2)
-    res["problems"] = len(problems)
+    res["problems"] = problems
     res["per_arm"] = f"{args.steps}steps" if args.steps else f"{args.minutes}min"
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
