@@ -74,5 +74,5 @@ class Renderer:
             policy_versions_T=g.policy_versions, reward=reward, correct=verdict.correct,
             finish_reason=g.finish_reason, status=status, routing_trace=g.routing_trace,
             timings={"finished_at": time.time(), "generate_s": g.generate_s},
-            teacher=teacher, config_version=prompt.config_version, effort=effort,
+            teacher=teacher, config_version=prompt.config_version, effort=effort, reason=verdict.reason,
         )

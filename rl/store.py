@@ -297,7 +297,7 @@ class TrajectoryStore:
                 routing_trace=None if trace is None else encode_array(trace, ROUTING_DTYPE),
                 routing_shape=None if trace is None else ",".join(str(d) for d in trace.shape),
                 num_response_tokens=x.num_response_tokens, seq=self._seq + 1 + len(sample_rows),
-                teacher=x.teacher, config_version=int(x.config_version), effort=x.effort,
+                teacher=x.teacher, config_version=int(x.config_version), effort=x.effort, reason=x.reason,
                 min_version=int(min(x.policy_versions_T)) if x.policy_versions_T else None,
                 max_version=int(max(x.policy_versions_T)) if x.policy_versions_T else None,
                 **{k: None if x.timings.get(k) is None else float(x.timings[k]) for k in _TIMING_KEYS},
@@ -410,7 +410,7 @@ class TrajectoryStore:
             policy_versions_T=tuple(decode_array(r.policy_versions, VERSION_DTYPE).tolist()),
             reward=r.reward, correct=r.correct, finish_reason=r.finish_reason, status=r.status,
             timings=timings, routing_trace=trace, teacher=r.teacher, config_version=r.config_version,
-            effort=r.effort,
+            effort=r.effort, reason=r.reason or "",
         )
 
     def sample_train_step(self, sample_id: str) -> int | None:

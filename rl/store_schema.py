@@ -81,6 +81,8 @@ class SampleTable(Base):
     config_version: Mapped[int] = mapped_column(default=0)
     effort: Mapped[int | None] = mapped_column(index=True)
     """Effort level b of the prompt (seed §5.1.4); NULL without effort control."""
+    reason: Mapped[str | None] = mapped_column(Text)
+    """The verifier's reason for the reward (rewards.task.Verdict.reason); NULL before revision 0003."""
     seq: Mapped[int] = mapped_column(index=True)
     """Write order within the run (the resume watermark compares against it)."""
 

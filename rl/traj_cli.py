@@ -91,7 +91,8 @@ def cmd_show(args) -> int:
     print(f"sample         {sample.sample_id}")
     print(f"prompt_id      {sample.prompt_id}   group {sample.group_id}   dataset {sample.dataset}")
     print(f"status         {sample.status}   finish_reason {sample.finish_reason}")
-    print(f"reward         {sample.reward:.4f}   correct {'yes' if sample.correct else 'no'}")
+    print(f"reward         {sample.reward:.4f}   correct {'yes' if sample.correct else 'no'}"
+          + (f"   ({sample.reason})" if sample.reason else ""))
     print(f"train step     {step if step is not None else '- (not trained)'}   config version {sample.config_version}")
     if sample.effort is not None or sample.teacher is not None:
         print(f"effort         {sample.effort if sample.effort is not None else '-'}   teacher {sample.teacher or '-'}")

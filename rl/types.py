@@ -64,6 +64,8 @@ class Sample:
     every token fed to the model (the last sampled token is never fed), concatenated over segments."""
     effort: int | None = None
     """Effort control (seed §5.1.4): the reasoning-effort level b the prompt carried; None without."""
+    reason: str = ""
+    """Why the verifier scored it so (rewards.task.Verdict.reason)."""
 
     @property
     def num_response_tokens(self) -> int:

@@ -44,15 +44,18 @@ def test_custom_task_trains_through_the_recipe(tmp_path):
     assert "RESULT sft_acc=" in proc.stdout and "grpo_acc=" in proc.stdout
     task = Palindromes("pal")
     with sqlite3.connect(run_dir / "trajectories.db") as c:
-        rows = c.execute("select prompt_text, response_text, reward, correct, train_step from samples").fetchall()
+        rows = c.execute("select prompt_text, response_text, reward, correct, train_step, reason, sample_id "
+                         "from samples").fetchall()
     assert sum(r[4] is not None for r in rows) == 3 * 4 * 4  # every GRPO step trained whole groups
-    for prompt_text, response, reward, correct, _ in rows:
+    for prompt_text, response, reward, correct, _, reason, _ in rows:
         system, user = prompt_text.split("\n")  # the char tokenizer's chat template: one message per line
         assert system == Palindromes.SYSTEM and user.startswith("pal ") and user.endswith("?")
         word = user[4:-1]
         problem = task.problem_for(word)
         verdict = task.verify(Trajectory.single(problem, response), VerifyContext())
-        assert (verdict.reward, verdict.correct) == (reward, bool(correct))  # the task's own verifier scored it
+        assert (verdict.reward, verdict.correct, verdict.reason) == (reward, bool(correct), reason)  # its own verifier
+    show = _cli("traj", "show", str(run_dir), rows[0][6])
+    assert show.returncode == 0 and f"({rows[0][5]})" in show.stdout  # the verdict's reason, beside the reward
 
 
 @pytest.mark.parametrize("dataset, message", [

@@ -18,6 +18,9 @@ from rl.store import StoreError, TrajectoryStore, decode_array
 from rl.store_db import alembic_config, head_revision, schema_state, sqlite_url, upgrade_store
 from tests.unit.test_store import make_sample
 
+HEAD = "0003"
+"""The newest schema revision (rl/migrations/versions)."""
+
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 LEGACY = {"d07e8ae": FIXTURES / "store-d07e8ae.db", "pre-effort": FIXTURES / "store-pre-effort.db"}
 OLD_TABLES = ("runs", "prompts", "samples", "train_steps", "trained", "config_versions", "restarts")
@@ -61,10 +64,10 @@ def legacy_run(tmp_path: Path, which: str) -> Path:
     return run_dir
 
 
-def test_head_is_0002_and_the_baseline_is_d07e8ae_exactly(tmp_path):
+def test_head_is_0003_and_the_baseline_is_d07e8ae_exactly(tmp_path):
     from alembic import command
 
-    assert head_revision() == "0002"
+    assert head_revision() == HEAD
     engine = create_engine(sqlite_url(tmp_path / "base.db"))
     with engine.begin() as conn:
         command.upgrade(alembic_config(conn), "0001")
@@ -87,7 +90,7 @@ def test_a_migrated_store_equals_a_new_one(tmp_path):
     assert expected["segments"]["fks"] == [("fk_segments_samples", ("run_id", "sample_id"), "samples", ("run_id", "sample_id"))]
     for which in LEGACY:
         shutil.copyfile(LEGACY[which], tmp_path / f"{which}.db")
-        assert upgrade_store(sqlite_url(tmp_path / f"{which}.db")) == (f"unversioned-{which}", "0002")
+        assert upgrade_store(sqlite_url(tmp_path / f"{which}.db")) == (f"unversioned-{which}", HEAD)
         assert schema_of(sqlite_url(tmp_path / f"{which}.db")) == expected, which
 
 
@@ -101,10 +104,11 @@ def test_rl_db_upgrade_keeps_every_row_and_the_new_code_reads_them(tmp_path, cap
 
     assert main(["db", "upgrade", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert out == f"{sqlite_url(db).render_as_string()}: unversioned-{which} -> 0002\n"
-    assert main(["db", "upgrade", str(db)]) == 0 and capsys.readouterr().out.endswith(": already at 0002\n")
+    assert out == f"{sqlite_url(db).render_as_string()}: unversioned-{which} -> {HEAD}\n"
+    assert main(["db", "upgrade", str(db)]) == 0 and capsys.readouterr().out.endswith(f": already at {HEAD}\n")
 
     after = {t: rows(db, t) for t in OLD_TABLES}
+    assert all(r.pop("reason") is None for r in after["samples"])  # revision 0003's column: unknown for old rows
     if which == "pre-effort":  # the column is new to these rows: NULL, as for a run without effort control
         assert all(r.pop("effort") is None for r in after["samples"])
     else:
@@ -182,9 +186,9 @@ def test_a_store_newer_than_the_code_is_refused(tmp_path, capsys):
     TrajectoryStore(url, "r").close()
     with sqlite3.connect(tmp_path / "new.db") as c:
         c.execute("update alembic_version set version_num = '0099'")
-    with pytest.raises(StoreError, match="newer than this code's 0002"):
+    with pytest.raises(StoreError, match=f"newer than this code's {HEAD}"):
         TrajectoryStore(url, "r")
-    with pytest.raises(StoreError, match="newer than this code's 0002"):
+    with pytest.raises(StoreError, match=f"newer than this code's {HEAD}"):
         TrajectoryStore(url, "r", readonly=True)
     _assert_one_line_error(main(["db", "upgrade", str(tmp_path / "new.db")]), capsys, "update asyncrl")
 
@@ -225,7 +229,7 @@ def test_an_upgrade_waits_for_the_migration_lock(tmp_path):
         engine.dispose()
         fcntl.flock(held, fcntl.LOCK_UN)
     worker.join(timeout=30)
-    assert result == [("unversioned-d07e8ae", "0002")]
+    assert result == [("unversioned-d07e8ae", HEAD)]
 
 
 def test_two_writers_creating_one_store_at_once(tmp_path):
@@ -249,7 +253,7 @@ def test_two_writers_creating_one_store_at_once(tmp_path):
     assert errors == []
     engine = create_engine(url)
     with engine.connect() as conn:
-        assert conn.execute(text("select version_num from alembic_version")).scalars().all() == ["0002"]
+        assert conn.execute(text("select version_num from alembic_version")).scalars().all() == [HEAD]
         assert conn.execute(text("select run_id, reward from samples order by run_id")).all() == [
             (f"run-{i}", float(i)) for i in range(4)]
     engine.dispose()
