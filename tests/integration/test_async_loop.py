@@ -128,9 +128,9 @@ class Crash(Exception):
 
 def test_a_crash_after_an_optimizer_step_resumes_to_the_uninterrupted_result_and_patches_show_once(
         reference, tmp_path, monkeypatch):
-    """Checkpoint at step 2; a live patch applied before it and one after it; the job dies inside step 4's
-    train phase (optimizer stepped, store not told). The resume rolls the store back to step 2, applies the
-    later patch again and redoes steps 3-6."""
+    """Checkpoint at step 2; a live patch applied before it, one applied and one refused after it; the job
+    dies inside step 4's train phase (optimizer stepped, store not told). The resume rolls the store back to
+    step 2, applies the later patch again and redoes steps 3-6."""
     _, samples, losses = reference
     run_dir = tmp_path / "run"
     reconfigure.submit(run_dir, reconfigure.parse_patch(NEUTRAL_PATCHES[0]))
@@ -138,8 +138,9 @@ def test_a_crash_after_an_optimizer_step_resumes_to_the_uninterrupted_result_and
 
     def fault_point(name: str) -> None:
         calls.append(name)
-        if len(calls) == 3:  # step 3: the next patch arrives, applied at the next token boundary
+        if len(calls) == 3:  # step 3: two patches arrive, answered at the next token boundary
             reconfigure.submit(run_dir, reconfigure.parse_patch(NEUTRAL_PATCHES[1]))
+            reconfigure.submit(run_dir, reconfigure.parse_patch("mixture: {nope: 1.0}"))  # refused: no such dataset
         if len(calls) == 4:
             raise Crash(name)
 
@@ -151,7 +152,8 @@ def test_a_crash_after_an_optimizer_step_resumes_to_the_uninterrupted_result_and
     assert trained(run_dir) == (samples, losses)
     store = TrajectoryStore.read_run(run_dir)
     assert [(v["version"], v["status"], v["patch"]) for v in store.config_versions()] == [
-        (1, "applied", {"mixture": {"arith": 2.0}}), (2, "applied", {"mixture": {"arith": 3.0}})]
+        (1, "applied", {"mixture": {"arith": 2.0}}), (None, "refused", {"mixture": {"nope": 1.0}}),
+        (2, "applied", {"mixture": {"arith": 3.0}})]  # the refusal is not retried; the applied patch shows once
     (restart,) = store.restarts()
     assert restart["train_step"] == 2 and restart["train_steps_rolled_back"] == 1 and restart["samples_regenerated"] > 0
     assert store.audit()["trained_twice"] == 0 and store.audit()["prompts_open"] == 0

@@ -29,18 +29,20 @@ def store(tmp_path):
     s.close()
 
 
-def test_rollback_removes_config_versions_after_the_watermark_and_a_reapplied_patch_shows_once(store):
+def test_rollback_removes_applied_config_versions_after_the_watermark_and_a_reapplied_patch_shows_once(store):
     store.add_prompts([_prompt("p0")])
     store.add_config_version(1, "applied", {"mixture": {"arith": 2.0}}, train_step=0)
     store.add_config_version(None, "refused", {}, train_step=0, reason="mixture names unknown datasets")
     wm = store.watermark(0)
     store.add_config_version(2, "applied", {"dataset_max_inflight": {"arith": 8}}, train_step=1)  # after the checkpoint
-    before = store.config_versions()[:2]
+    store.add_config_version(None, "refused", {"teachers": {"arith": "t9"}}, train_step=1, reason="unknown teacher")
+    kept = store.config_versions()[:2] + store.config_versions()[3:]
     store.rollback_to(wm, checkpoint="ckpt")
-    assert store.config_versions() == before
+    assert store.config_versions() == kept  # a refused patch is answered and never retried: its row stays
     # the restored controller applies the answered patch again: the table shows it once
     store.add_config_version(2, "applied", {"dataset_max_inflight": {"arith": 8}}, train_step=1)
-    assert [(r["version"], r["status"]) for r in store.config_versions()] == [(1, "applied"), (None, "refused"), (2, "applied")]
+    assert [(r["version"], r["status"]) for r in store.config_versions()] == [
+        (1, "applied"), (None, "refused"), (None, "refused"), (2, "applied")]
 
 
 def test_a_reopened_store_continues_after_its_last_config_version(tmp_path):
