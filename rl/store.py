@@ -38,7 +38,8 @@ resume, rows written after the watermark belong to work the restored job redoes 
 (prompts re-dispatched, samples regenerated, train steps re-run), so `rollback_to` deletes them (of
 this run only) and resets `train_step` on samples consumed by a rolled-back step (they are in the
 checkpoint's untrained buffer and train again once); the `restarts` row counts each kind, so
-nothing disappears unrecorded. Each prompt's `outcome` says how its group ended: trained, discarded
+nothing disappears unrecorded. Config versions applied after the watermark are applied again by the
+restored controller (their rows go); a patch refused after it is not retried (its row stays). Each prompt's `outcome` says how its group ended: trained, discarded
 (warm-up), dropped_stale (past max_version_lag), dropped_stage_end.
 
 Token arrays (token ids, behaviour logprobs, per-token policy versions, MoE routing traces) are
@@ -381,7 +382,9 @@ class TrajectoryStore:
                                             .values(train_step=None)).rowcount,
                 train_steps_rolled_back=s.execute(delete(t).where(t.run_id == self.run_id, t.step > wm.train_step)).rowcount,
             )
-            s.execute(delete(ConfigVersionTable).where(ConfigVersionTable.run_id == self.run_id, ConfigVersionTable.seq > wm.seq))
+            # the restored controller applies the answered patches again; a refused one is never retried: its row stays
+            s.execute(delete(ConfigVersionTable).where(ConfigVersionTable.run_id == self.run_id, ConfigVersionTable.seq > wm.seq,
+                                                       ConfigVersionTable.status == "applied"))
             s.execute(update(P).where(P.run_id == self.run_id, P.outcome_seq > wm.seq).values(outcome=None, outcome_seq=None))
             s.add(RestartTable(run_id=self.run_id, restarted_at=time.time(), checkpoint=checkpoint,
                                train_step=wm.train_step, **counts))

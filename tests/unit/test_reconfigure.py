@@ -81,3 +81,11 @@ def test_inbox_and_answers(tmp_path):
     rc.answer(tmp_path, pid, {"status": "applied", "version": 1})
     assert rc.pending(tmp_path) == [] and rc.wait_answer(tmp_path, pid, 1.0) == {"status": "applied", "version": 1}
     assert rc.answers(tmp_path) == [{"status": "applied", "version": 1}]
+
+
+def test_a_new_version_leaves_the_previous_versions_history_as_it_was():
+    old = live()
+    new = rc.apply_patch(old, rc.parse_patch("mixture: {reverse: 3}"), DATASETS, 99, train_step=17)
+    newer = rc.apply_patch(new, rc.parse_patch("mixture: {sort: 2}"), DATASETS, 99, train_step=18)
+    assert old.history == [] and [h["version"] for h in new.history] == [4]
+    assert [h["version"] for h in newer.history] == [4, 5]

@@ -53,3 +53,16 @@ def test_a_restored_stream_continues_exactly():
     b.load_state_dict(state)
     for x, y in itertools.islice(zip(iter(lambda: a.next_batch(4), None), iter(lambda: b.next_batch(4), None)), 3):
         assert (x.prompts_B, x.responses_B) == (y.prompts_B, y.responses_B)
+
+
+def test_a_restored_stream_continues_its_random_choices_exactly():
+    """Which prompts carry the effort prefix, at which level, is drawn from the stream's RNG: restored too."""
+    effort = EffortConfig(levels=[1, 100], samples_per_level=1)
+    a = _stream(effort, effort_prefix_frac=0.5, effort_cold_start=True)
+    for _ in range(3):
+        a.next_batch(5)
+    b = _stream(effort, effort_prefix_frac=0.5, effort_cold_start=True)
+    b.load_state_dict(a.state_dict())
+    for _ in range(3):
+        x, y = a.next_batch(4), b.next_batch(4)
+        assert (x.prompts_B, x.responses_B) == (y.prompts_B, y.responses_B)

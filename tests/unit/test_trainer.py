@@ -67,3 +67,11 @@ def test_two_ranks_with_the_global_normaliser_take_the_one_rank_step(objective):
     shard = rows.select(range(8, 12))
     local.accumulate(TrainBatch(**{**shard.__dict__, "num_tokens": shard.response_tokens}), make(local.model))
     assert not all(torch.allclose(a.grad, b.grad) for a, b in zip(local.model.parameters(), one.model.parameters()))
+
+
+def test_a_step_leaves_no_gradient_behind_for_the_next():
+    torch.manual_seed(0)
+    trainer = Trainer(Decoder(debug_config(moe=False)).float(), OptimConfig())
+    rows, stage = _rows(4), SFTStage()
+    trainer.train_step(rows, SFTObjective(stage))
+    assert all(p.grad is None for p in trainer.model.parameters())

@@ -1,0 +1,525 @@
+"""Mutation testing of the control code (issue #12, item 11): does the test suite catch the bugs a developer
+plausibly writes in dispatch, the store's rollback, checkpoints, resume, engine bookkeeping, the async loop,
+the SFT stream, the trainer's micro-batch loop and live reconfiguration?
+
+Each mutation below is one hand-made edit: an exact snippet of a control module (it must occur exactly once)
+and its replacement, the bug it models in one line, and the tests that cover that code. For each one the
+script copies the working tree (git-tracked and untracked-but-not-ignored files; the real tree is never
+touched) to a scratch directory, applies the edit, checks that it applied and still compiles, and runs
+`python -m pytest -x -q -p no:cacheprovider <tests>` there with a timeout. The mutant is *killed* when the
+tests fail (or time out), *survives* when they pass. Before any mutant, the union of the covering tests runs
+once on the unmutated copy; if it fails the script stops (a mutant is killed only by a real failure).
+
+    python bench/mutants.py --quick            # the mutations with fast covering tests (a few minutes on CPU)
+    python bench/mutants.py                    # all of them (adds ones covered only by slow integration tests)
+    python bench/mutants.py --only disp-cap-ignores-group-size     # one (repeatable)
+    python bench/mutants.py --list             # the table of mutations, nothing run
+
+Mutants run one after another (on 2 cores, parallel torch processes only slow each other down). The child
+processes import the scratch copy (PYTHONPATH), write no bytecode (a stale .pyc of the same size and second
+could hide a mutation) and use OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads made torch tests up to 50x
+slower while other jobs shared the two cores). Last line:
+RESULT mutants=<n> killed=<k> kill_rate=<r> survived=<ids> minutes=<m>
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DISPATCH, DISPATCH_RULES = "tests/unit/test_dispatch.py", "tests/unit/test_dispatch_rules.py"
+STORE, ROLLBACK = "tests/unit/test_store.py", "tests/unit/test_store_rollback.py"
+CKPT, CKPT_FORMAT, CKPT_RULES = "tests/unit/test_checkpoint.py", "tests/unit/test_checkpoint_format.py", "tests/unit/test_checkpoint_rules.py"
+ENGINE, KV_POOL, WORKER = "tests/unit/test_engine.py", "tests/unit/test_kv_pool.py", "tests/unit/test_worker.py"
+LOOP = "tests/integration/test_async_loop.py"
+SFT, TRAINER, RECONF = "tests/unit/test_sft.py", "tests/unit/test_trainer.py", "tests/unit/test_reconfigure.py"
+E2E, RAY_RUNTIME = "tests/integration/test_train_e2e.py", "tests/integration/test_async_runtime.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    id: str
+    file: str
+    original: str
+    """Exact text; must occur exactly once in `file`."""
+    replacement: str
+    bug: str
+    """The developer's mistake this models, in one line."""
+    tests: tuple[str, ...]
+    """Test files or node ids that cover the mutated code (run in the scratch copy)."""
+    quick: bool = True
+    """Part of `--quick` (its covering tests are fast)."""
+
+
+M = Mutant
+MUTANTS: list[Mutant] = [
+    # -- rl/dispatch.py: policies, caps, off-policy bounds, warm-up discard, its checkpoint record ------------
+    M("disp-sample-credit-off-by-one", "rl/dispatch.py",
+      "return self.credit >= group_size and total_inflight", "return self.credit > group_size and total_inflight",
+      "sample policy waits for one credit more than the group size", (DISPATCH,)),
+    M("disp-sample-credit-never-returned", "rl/dispatch.py",
+      "def on_sample_finished(self) -> None:\n        self.credit += 1",
+      "def on_sample_done(self) -> None:\n        self.credit += 1",
+      "the credit hook is misnamed, so finished samples never give credit back", (DISPATCH,)),
+    M("disp-prompt-credit-per-sample", "rl/dispatch.py",
+      "def on_group_complete(self) -> None:\n        self.credit += 1",
+      "def on_sample_finished(self) -> None:\n        self.credit += 1",
+      "prompt policy refills on every finished sample instead of every whole group", (DISPATCH,)),
+    M("disp-batch-remainder-floor", "rl/dispatch.py",
+      "self.batches_owed += -(-(budget - released) // self.prompts_per_step)",
+      "self.batches_owed += (budget - released) // self.prompts_per_step",
+      "batch policy rounds the unreleased part of a capped batch down: the rest is never released", (DISPATCH, DISPATCH_RULES)),
+    M("disp-sync-overlaps-ready-batch", "rl/dispatch.py",
+      "d.total_inflight or d.num_open_groups or d.num_ready_groups else", "d.total_inflight or d.num_open_groups else",
+      "sync policy releases the next batch while the last one is still untrained", (DISPATCH,)),
+    M("disp-cap-skip-counted-always", "rl/dispatch.py",
+      "        if capped:\n            self.stats.cap_skips += 1\n", "        self.stats.cap_skips += 1\n",
+      "every draw is counted as a cap skip, capped or not", (DISPATCH, DISPATCH_RULES)),
+    M("disp-cap-off-by-one", "rl/dispatch.py",
+      "self.inflight[d] + self._group_size(d) <= cap", "self.inflight[d] + self._group_size(d) < cap",
+      "a dataset may never reach its cap exactly", (DISPATCH, DISPATCH_RULES)),
+    M("disp-cap-ignores-group-size", "rl/dispatch.py",
+      "self.inflight[d] + self._group_size(d) <= cap", "self.inflight[d] < cap",
+      "the cap checks in-flight samples before adding the new group: a cap not a multiple of G is exceeded",
+      (DISPATCH, DISPATCH_RULES)),
+    M("disp-blocked-draw-forgotten", "rl/dispatch.py",
+      "                self._pending_draw = d\n                break", "                break",
+      "a drawn but not admitted prompt is redrawn, so large groups starve behind small ones", (DISPATCH, DISPATCH_RULES)),
+    M("disp-lag-wait-bound", "rl/dispatch.py",
+      "any(v - mv > K - 1 for mv in inflight_min_versions)", "any(v - mv > K for mv in inflight_min_versions)",
+      "the step does not wait for in-flight samples that would end up at lag K + 1", (DISPATCH,)),
+    M("disp-stale-group-drop-bound", "rl/dispatch.py",
+      "v - min(m.min_version for m in g.done) > K]", "v - min(m.min_version for m in g.done) >= K]",
+      "groups exactly at the version-lag bound are dropped", (DISPATCH,)),
+    M("disp-stale-frac-boundary", "rl/dispatch.py",
+      "(stale + s) / (total + n) > f:", "(stale + s) / (total + n) >= f:",
+      "a batch exactly at max_stale_token_frac is refused", (DISPATCH, DISPATCH_RULES)),
+    M("disp-warmup-length-boundary", "rl/dispatch.py",
+      "meta.num_tokens < self.cfg.warmup_discard.min_response_tokens", "meta.num_tokens <= self.cfg.warmup_discard.min_response_tokens",
+      "warm-up discards samples of exactly min_response_tokens", (DISPATCH, DISPATCH_RULES)),
+    M("disp-warmup-one-step-too-long", "rl/dispatch.py",
+      "return self.train_steps < self.cfg.warmup_discard.steps", "return self.train_steps <= self.cfg.warmup_discard.steps",
+      "warm-up discard lasts one train step too long", (DISPATCH, DISPATCH_RULES)),
+    M("disp-open-discarded-group-not-reported", "rl/dispatch.py",
+      "return prompt_id in self._discarded or (g is not None and g.discarded)", "return prompt_id in self._discarded",
+      "samples of a group discarded while still generating are stored as finished", (DISPATCH,)),
+    M("disp-restore-forgets-discarded", "rl/dispatch.py",
+      'self._discarded, self._closed = s["discarded"], s["closed"]', 'self._closed = s["closed"]',
+      "a restored dispatcher forgets which groups warm-up discarded", (CKPT, CKPT_FORMAT, DISPATCH_RULES)),
+    M("disp-restore-forgets-pending-draw", "rl/dispatch.py",
+      'self._groups, self._ready, self._pending_draw = s["open"], s["ready"], s["pending_draw"]',
+      'self._groups, self._ready = s["open"], s["ready"]',
+      "a restored dispatcher forgets the prompt it drew but could not release", (CKPT, CKPT_FORMAT, DISPATCH_RULES)),
+    M("disp-reconfigure-drops-caps", "rl/dispatch.py",
+      'update={"mixture": dict(mixture), "dataset_max_inflight": dict(caps)}', 'update={"mixture": dict(mixture)}',
+      "live reconfiguration changes the mixture but not the caps", (DISPATCH, DISPATCH_RULES)),
+
+    # -- rl/store.py: rollback, mark_trained, set_outcome, config versions, audit ----------------------------
+    M("store-rollback-other-runs-samples", "rl/store.py",
+      "samples_regenerated=s.execute(delete(S).where(S.run_id == self.run_id, S.seq > wm.seq))",
+      "samples_regenerated=s.execute(delete(S).where(S.seq > wm.seq))",
+      "rollback deletes late samples of every run sharing the database", (STORE, CKPT, ROLLBACK)),
+    M("store-rollback-keeps-config-versions", "rl/store.py",
+      "            s.execute(delete(ConfigVersionTable).where(ConfigVersionTable.run_id == self.run_id, "
+      "ConfigVersionTable.seq > wm.seq,\n", "            s.execute(select(ConfigVersionTable).where(ConfigVersionTable.run_id == self.run_id, "
+      "ConfigVersionTable.seq > wm.seq,\n",
+      "rollback forgets the config-versions table: a re-applied patch shows twice", (STORE, CKPT, ROLLBACK)),
+    M("store-rollback-drops-refused-patches", "rl/store.py",
+      'ConfigVersionTable.seq > wm.seq,\n                                                       ConfigVersionTable.status == "applied"))',
+      "ConfigVersionTable.seq > wm.seq))",
+      "rollback also deletes patches refused after the watermark, which are never retried", (STORE, ROLLBACK, LOOP)),
+    M("store-rollback-trained-bound", "rl/store.py",
+      "TrainedTable.step > wm.train_step", "TrainedTable.step >= wm.train_step",
+      "rollback also forgets the audit rows of the checkpoint's own train step", (STORE, CKPT, ROLLBACK)),
+    M("store-rollback-keeps-late-outcomes", "rl/store.py",
+      "            s.execute(update(P).where(P.run_id == self.run_id, P.outcome_seq > wm.seq).values(outcome=None, "
+      "outcome_seq=None))\n", "",
+      "rollback keeps outcomes recorded after the watermark (a redone group cannot get its real one)",
+      (STORE, CKPT, ROLLBACK)),
+    M("store-mark-trained-twice", "rl/store.py",
+      "SampleTable.sample_id.in_(chunk),\n                           SampleTable.train_step.is_(None))",
+      "SampleTable.sample_id.in_(chunk))",
+      "mark_trained accepts a sample that is already trained", (STORE, CKPT)),
+    M("store-outcome-overwritten", "rl/store.py",
+      "PromptTable.prompt_id.in_(list(prompt_ids[i : i + 500])),\n                                                    "
+      "PromptTable.outcome.is_(None))",
+      "PromptTable.prompt_id.in_(list(prompt_ids[i : i + 500])))",
+      "a group's outcome is overwritten by a later one (trained becomes dropped_stage_end)", (STORE, CKPT, ROLLBACK)),
+    M("store-outcome-other-runs", "rl/store.py",
+      "update(PromptTable).where(PromptTable.run_id == self.run_id,\n                                                    "
+      "PromptTable.prompt_id.in_", "update(PromptTable).where(PromptTable.prompt_id.in_",
+      "set_outcome updates the same prompt id of every run in a shared database", (STORE, CKPT, ROLLBACK)),
+    M("store-config-version-no-seq", "rl/store.py",
+      "        self._seq += 1\n        with self._sessions.begin() as s:\n            s.add(ConfigVersionTable(",
+      "        with self._sessions.begin() as s:\n            s.add(ConfigVersionTable(",
+      "a config version does not take the next seq, so a rollback cannot tell it is late", (STORE, ROLLBACK)),
+    M("store-reopen-ignores-config-seq", "rl/store.py",
+      "(S.seq, S), (C.seq, C)))", "(S.seq, S)))",
+      "a reopened store continues its seq below its last config version", (STORE, ROLLBACK)),
+    M("store-audit-counts-once-as-twice", "rl/store.py",
+      "having(func.count() > 1)", "having(func.count() >= 1)",
+      "the audit counts every trained sample as trained twice", (STORE, CKPT)),
+
+    # -- rl/checkpoint.py, model/checkpoint.py: naming, pruning, finder, format checks, atomic write ---------
+    M("ckpt-name-counts-survivors", "rl/checkpoint.py",
+      "{max(taken, default=-1) + 1:03d}", "{len(taken):03d}",
+      "the n of step-<s>-<n> counts surviving checkpoints, so a name is reused after pruning",
+      (CKPT, CKPT_FORMAT, CKPT_RULES)),
+    M("ckpt-prune-keeps-one-more", "rl/checkpoint.py",
+      "self.complete()[: -self.keep_last]", "self.complete()[: -self.keep_last - 1]",
+      "pruning keeps keep_last + 1 checkpoints", (CKPT, CKPT_FORMAT)),
+    M("ckpt-prune-stage-end", "rl/checkpoint.py",
+      "            if self.stage_end(old) is None:\n                trash", "            if True:\n                trash",
+      "pruning deletes stage-end checkpoints too", (CKPT, CKPT_FORMAT)),
+    M("ckpt-latest-is-oldest", "rl/checkpoint.py",
+      "for path in reversed(self.complete()):", "for path in self.complete():",
+      "the finder returns the oldest valid checkpoint", (CKPT, CKPT_FORMAT)),
+    M("ckpt-layout-unchecked", "rl/checkpoint.py",
+      'if manifest.get("rollout_state_format") != ROLLOUT_STATE_FORMAT:', 'if manifest.get("rollout_state_format") is None:',
+      "only the presence of the in-flight state layout is checked: a checkpoint of another layout is loaded", (CKPT, CKPT_FORMAT, CKPT_RULES)),
+    M("ckpt-trainer-tree-unchecked", "rl/checkpoint.py",
+      '        unflatten_tree(tree.get("tree"), dict.fromkeys(keys))', "        pass",
+      "a trainer.json naming tensors its safetensors file lacks passes verification", (CKPT, CKPT_FORMAT, CKPT_RULES)),
+    M("ckpt-inflight-from-directory", "rl/checkpoint.py",
+      'listed = read_manifest(path)["files"]', "listed = [p.name for p in Path(path).iterdir()]",
+      "in-flight files are read from the directory, not the manifest (a planted file is loaded)", (CKPT, CKPT_FORMAT)),
+    M("ckpt-stale-tmp-kept", "rl/checkpoint.py",
+      '        for stale in self.root.glob(".tmp-*"):  # a write or a prune a kill interrupted\n'
+      "            shutil.rmtree(stale, ignore_errors=True)\n", "",
+      "the half-written directory of a killed write is never cleaned up", (CKPT, CKPT_FORMAT)),
+    M("ckpt-rename-before-manifest", "model/checkpoint.py",
+      "    if before_manifest is not None:\n        before_manifest()\n    with (tmp / MANIFEST).open(\"w\") as f:\n"
+      "        json.dump(body, f, indent=1)\n        f.flush()\n        os.fsync(f.fileno())\n    os.replace(tmp, final)\n",
+      "    os.replace(tmp, final)\n    if before_manifest is not None:\n        before_manifest()\n"
+      "    with (final / MANIFEST).open(\"w\") as f:\n        json.dump(body, f, indent=1)\n        f.flush()\n"
+      "        os.fsync(f.fileno())\n",
+      "the directory is renamed into place before its manifest is written", (CKPT, CKPT_RULES)),
+    M("ckpt-no-parent-fsync", "model/checkpoint.py",
+      "    os.replace(tmp, final)\n    fsync_dir(final.parent)\n", "    os.replace(tmp, final)\n",
+      "the rename is not fsynced (lost on power failure, not on a process kill)", (CKPT, CKPT_RULES)),
+
+    # -- rl/ckpt_records.py, rl/worker.py: records and the trainer state ----------------------------------
+    M("rec-watermark-swapped", "rl/ckpt_records.py",
+      'return {"seq": wm.seq, "train_step": wm.train_step}', 'return {"seq": wm.train_step, "train_step": wm.seq}',
+      "the watermark record swaps its two fields", (CKPT_FORMAT,)),
+    M("rec-live-history-dropped", "rl/ckpt_records.py",
+      'history=[dict(h) for h in d["history"]])', "history=[])",
+      "the live config's history is not restored", (CKPT_FORMAT,)),
+    M("worker-lr-schedule-not-restored", "rl/worker.py",
+      '            self.trainer.sched.load_state_dict(state["scheduler"])\n', "",
+      "a resumed trainer restarts its LR schedule (warm-up again)", (CKPT_FORMAT,)),
+
+    # -- rl/resume.py, rl/job.py: when to checkpoint, how a job resumes --------------------------------------
+    M("resume-checkpoint-repeated-in-a-step", "rl/resume.py",
+      "\n               and global_step != self.last_step)", ")",
+      "a due checkpoint is written again at every token boundary of the same step", (CKPT_RULES, LOOP)),
+    M("resume-checkpoint-at-step-0", "rl/resume.py",
+      "self.every_steps > 0 and global_step > 0 and", "self.every_steps > 0 and",
+      "a periodic checkpoint is written before the first train step", (CKPT_RULES, LOOP)),
+    M("resume-rewrites-its-own-checkpoint", "rl/resume.py",
+      "self.last_step = resume_from.global_step if resume_from else -1", "self.last_step = -1",
+      "a resumed job writes the checkpoint it was resumed from again", (CKPT_RULES, LOOP)),
+    M("resume-datasets-may-change", "rl/resume.py",
+      'INCOMPATIBLE = ("model", "tokenizer", "datasets", "effort")', 'INCOMPATIBLE = ("model", "tokenizer", "effort")',
+      "a resume may change the datasets the checkpoint's streams depend on", (CKPT, CKPT_RULES)),
+    M("resume-stage-kinds-may-change", "rl/resume.py",
+      "    if kinds[0] != kinds[1]:\n", "    if len(kinds[0]) != len(kinds[1]):\n",
+      "a resume may replace a stage by one of another type", (CKPT, CKPT_RULES)),
+    M("resume-rollback-before-check", "rl/resume.py",
+      '    check_resumable(recipe_from_yaml(state["recipe_yaml"]), recipe)\n'
+      '    undone = store.rollback_to(state["watermark"], checkpoint=str(path))\n',
+      '    undone = store.rollback_to(state["watermark"], checkpoint=str(path))\n'
+      '    check_resumable(recipe_from_yaml(state["recipe_yaml"]), recipe)\n',
+      "the store is rolled back before the recipe is checked: a refused resume has already changed it",
+      (CKPT, CKPT_FORMAT, CKPT_RULES)),
+    M("resume-fresh-start-keeps-store", "rl/resume.py",
+      '        store.rollback_to(Watermark(0, 0), checkpoint="")\n', "",
+      "a run that restarts from nothing keeps the rows of its first attempt", (CKPT_FORMAT, CKPT_RULES)),
+    M("resume-inflight-not-resumed", "rl/async_grpo.py",
+      "        loop.load_state_dict(restored, job.checkpointer.restore_inflight(job))\n        job.policy.resume()\n",
+      "        loop.load_state_dict(restored, job.checkpointer.restore_inflight(job))\n",
+      "the checkpoint's in-flight samples stay parked after a resume", (LOOP,)),
+    M("resume-version-not-restored", "rl/resume.py",
+      "        job.policy.update_weights(job.state.global_step)\n", "",
+      "after a resume new tokens carry policy version 0 instead of the checkpoint's", (LOOP,)),
+    M("job-version-stamped-before-advance", "rl/job.py",
+      "        self.state.global_step += 1\n        self.policy.update_weights(self.state.global_step)\n",
+      "        self.policy.update_weights(self.state.global_step)\n        self.state.global_step += 1\n",
+      "the engines get the old version after a step, so new tokens are stamped one version too old", (LOOP,)),
+
+    # -- rl/async_grpo.py: the loop ------------------------------------------------------------------------
+    M("loop-step-not-advanced", "rl/async_grpo.py",
+      "            self.step = step + 1\n", "            self.step = step\n",
+      "the loop's step counter lags, so a resumed stage redoes a step", (LOOP,)),
+    M("loop-trained-outcome-missing", "rl/async_grpo.py",
+      '        job.store.set_outcome(batch, "trained")\n', "",
+      "trained groups get no outcome (the stage end then calls them dropped)", (LOOP,)),
+    M("loop-trained-at-wrong-step", "rl/async_grpo.py",
+      "job.store.mark_trained([s.sample_id for s in samples], version)",
+      "job.store.mark_trained([s.sample_id for s in samples], version - 1)",
+      "samples are stamped with the version they were trained at, not the step that consumed them", (LOOP,)),
+    M("loop-stage-end-outcome-missing", "rl/async_grpo.py",
+      '        job.store.set_outcome(sorted(set(self.disp.unfinished_prompt_ids()) | set(self.finished)), '
+      '"dropped_stage_end")\n', "",
+      "groups still open at the stage end are left without an outcome", (LOOP,)),
+    M("loop-streams-not-restored", "rl/async_grpo.py",
+      "            self.streams[d].skip_to(n)\n", "            pass\n",
+      "a resumed stage draws its problems from the start of each dataset stream again", (LOOP,)),
+    M("loop-reapplies-checkpointed-patch", "rl/async_grpo.py",
+      'answer["version"] > self.live.version', 'answer["version"] >= self.live.version',
+      "on resume a patch the checkpoint already holds is applied a second time", (LOOP,)),
+
+    # -- rollout/engine.py, model/kv_cache.py: admission, blocks, interrupt/resume, finish -----------------
+    M("engine-finish-leaks-blocks", "rollout/engine.py",
+      "        self._active.remove(s)\n        self.cache.free(s.blocks)\n", "        self._active.remove(s)\n",
+      "a finished sequence keeps its KV blocks", (ENGINE, WORKER)),
+    M("engine-interrupt-leaks-blocks", "rollout/engine.py",
+      "            self.cache.free(s.blocks)\n        states += self._waiting", "        states += self._waiting",
+      "interrupt moves states to host memory but does not free their blocks", (ENGINE, WORKER)),
+    M("engine-interrupt-drops-waiting", "rollout/engine.py",
+      "        states += self._waiting\n", "",
+      "interrupt forgets requests not yet admitted", (ENGINE, WORKER)),
+    M("engine-admit-exact-fit-refused", "rollout/engine.py",
+      "if need > self.cache.num_free_blocks:", "if need >= self.cache.num_free_blocks:",
+      "a request that exactly fits the free blocks is not admitted", (ENGINE, KV_POOL)),
+    M("engine-batch-bound-off-by-one", "rollout/engine.py",
+      "len(self._active) < self.cfg.max_batch_size", "len(self._active) <= self.cfg.max_batch_size",
+      "one sequence more than max_batch_size runs at once", (ENGINE, KV_POOL)),
+    M("engine-oldest-ignores-parked", "rollout/engine.py",
+      "return [s.versions[0] for s in self._active if s.versions] + [\n"
+      "            s.policy_versions[0] for s in self._waiting if s.policy_versions\n        ]",
+      "return [s.versions[0] for s in self._active if s.versions]",
+      "the lag bound does not see resumed samples waiting to be readmitted", (ENGINE, KV_POOL)),
+    M("engine-no-room-for-response", "rollout/engine.py",
+      "need = self.cache.blocks_for(len(st.request.prompt_tokens) + self._max_new(st.request))",
+      "need = self.cache.blocks_for(len(st.tokens) + 1)",
+      "admission allocates blocks for the tokens so far, not for the whole response", (ENGINE, WORKER)),
+    M("engine-max-new-off-by-one", "rollout/engine.py",
+      "s.num_response >= self._max_new(s.request)", "s.num_response > self._max_new(s.request)",
+      "a sequence generates one token past max_new_tokens", (ENGINE,)),
+    M("engine-resume-format-unchecked", "rollout/engine.py",
+      "if st.has_kv and theirs != mine:", "if st.has_kv and st.kv_format is None:",
+      "an engine resumes a state whose KV is stored in another format or layout", (ENGINE, "tests/unit/test_kv_formats.py")),
+    M("kv-allocate-all-refused", "model/kv_cache.py",
+      "if n > len(self._free):", "if n >= len(self._free):",
+      "the pool refuses to hand out its last free block", (KV_POOL, ENGINE)),
+    M("kv-blocks-for-wrong-ceil", "model/kv_cache.py",
+      "return -(-num_tokens // self.block_size)", "return num_tokens // self.block_size + 1",
+      "block count rounds up a length that is already a multiple of the block size", (KV_POOL, ENGINE)),
+
+    # -- rl/sft.py: the demonstration stream and its restore ---------------------------------------------
+    M("sft-restore-floor", "rl/sft.py",
+      "c.skip_to(max(0, -(-(self.drawn - i) // n)))", "c.skip_to(max(0, (self.drawn - i) // n))",
+      "a restored stream skips each task's cursor to floor instead of ceil of its share", (SFT,)),
+    M("sft-round-robin-index", "rl/sft.py",
+      "self.cursors[(self.drawn - 1) % len(self.cursors)]", "self.cursors[self.drawn % len(self.cursors)]",
+      "round robin starts at the second task", (SFT,)),
+    M("sft-rng-not-restored", "rl/sft.py",
+      '        self.rng.setstate(state["rng"])\n', "",
+      "a restored stream forgets the demonstration RNG", (SFT,)),
+
+    # -- rl/trainer.py: micro-batch loop and metric merge ------------------------------------------------
+    M("trainer-merge-unweighted-means", "rl/trainer.py",
+      "sum(p.means.get(k, 0.0) * p.tokens for p in parts) / max(total, 1e-12)",
+      "sum(p.means.get(k, 0.0) for p in parts) / len(parts)",
+      "ranks' means are averaged instead of weighted by their tokens", (TRAINER,)),
+    M("trainer-merge-shared-last-rank", "rl/trainer.py",
+      "out = dict(parts[0].shared)", "out = dict(parts[-1].shared)",
+      "the shared values (equal on every rank) are read from the last rank", (TRAINER,)),
+    M("trainer-micro-batch-drops-a-row", "rl/trainer.py",
+      "batch.select(order[lo : lo + size])", "batch.select(order[lo : lo + size - 1])",
+      "each micro-batch leaves out its last row", (TRAINER,)),
+    M("trainer-running-mean-unweighted", "rl/trainer.py",
+      "(self.means.get(k, 0.0) * self.tokens + v * tokens) / max(total, 1e-12)",
+      "(self.means.get(k, 0.0) + v) / (2 if k in self.means else 1)",
+      "micro-batch means are averaged instead of weighted by their tokens", (TRAINER,)),
+    M("trainer-grads-not-cleared", "rl/trainer.py",
+      "        self.opt.zero_grad(set_to_none=True)\n", "",
+      "gradients are not cleared after a step and leak into the next one", (TRAINER,)),
+
+    # -- rl/reconfigure.py: live patches -----------------------------------------------------------------
+    M("reconf-null-cap-kept", "rl/reconfigure.py",
+      "        if v is None:\n            caps.pop(k, None)\n        else:\n            caps[k] = v\n",
+      "        caps[k] = v\n",
+      "a null cap in a patch is stored instead of removing the dataset's cap", (RECONF,)),
+    M("reconf-history-aliased", "rl/reconfigure.py",
+      "history=list(live.history),", "history=live.history,",
+      "a new config version appends to the previous version's history list", (RECONF,)),
+    M("reconf-zero-cap-accepted", "rl/reconfigure.py",
+      "if v is not None and v <= 0:", "if v is not None and v < 0:",
+      "a patch may set a cap of 0, which stalls the dataset for good", (RECONF,)),
+    M("reconf-version-not-bumped", "rl/reconfigure.py",
+      "version=live.version + 1,", "version=live.version,",
+      "an applied patch keeps the old config version", (RECONF,)),
+
+    # -- full set only: mutations whose covering tests are the slow CLI/Ray integration tests ------------
+    M("sft-version-not-advanced", "rl/driver.py",
+      "        job.advance_version()\n        job.record_train_step(stage, step, metrics)\n",
+      "        job.record_train_step(stage, step, metrics)\n",
+      "SFT steps do not advance the policy version", (E2E,), quick=False),
+    M("loop-trains-before-rewards-are-in", "rl/async_grpo.py",
+      "                self.collect_rewards(block=True)  # a ready group's rewards must be in before it trains\n", "",
+      "a batch is taken before its rewards are collected (Ray rewards are asynchronous)", (RAY_RUNTIME,), quick=False),
+    M("loop-least-loaded-worker", "rl/async_grpo.py",
+      "w = min(range(self.n_workers), key=self.load.__getitem__)",
+      "w = max(range(self.n_workers), key=self.load.__getitem__)",
+      "requests go to the most loaded engine", (RAY_RUNTIME,), quick=False),
+]
+
+
+# -- running ------------------------------------------------------------------------------------------------
+def tracked_files() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         check=True, capture_output=True).stdout.decode()
+    return [f for f in out.split("\0") if f and (ROOT / f).is_file()]
+
+
+def copy_tree(files: list[str], dest: Path) -> Path:
+    for f in files:
+        (dest / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, dest / f)
+    return dest
+
+
+def apply(m: Mutant, tree: Path) -> None:
+    """Edit `tree` in place; raises if the snippet is not there exactly once or the result does not compile."""
+    path = tree / m.file
+    text = path.read_text()
+    count = text.count(m.original)
+    if count != 1:
+        raise SystemExit(f"mutant {m.id}: the snippet occurs {count} times in {m.file} (must be once)")
+    mutated = text.replace(m.original, m.replacement)
+    compile(mutated, str(path), "exec")
+    path.write_text(mutated)
+    if mutated == text or path.read_text() != mutated:
+        raise SystemExit(f"mutant {m.id}: the edit did not apply")
+
+
+def child_env(tree: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def run_tests(tree: Path, tests: list[str], timeout: float) -> tuple[str, float, str]:
+    """('pass' | 'fail' | 'timeout', seconds, last lines of output)."""
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    proc = subprocess.Popen(cmd, cwd=tree, env=child_env(tree), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        verdict = "pass" if proc.returncode == 0 else "fail"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the test process and anything it started (Ray, CLI children)
+        out, _ = proc.communicate()
+        verdict = "timeout"
+    tail = "\n".join(out.strip().splitlines()[-3:])
+    return verdict, time.monotonic() - t0, tail
+
+
+def check_imports_copy(tree: Path) -> None:
+    probe = subprocess.run([sys.executable, "-c", "import rl.dispatch; print(rl.dispatch.__file__)"], cwd=tree,
+                           env=child_env(tree), capture_output=True, text=True)
+    if not probe.stdout.strip().startswith(str(tree)):
+        raise SystemExit(f"the scratch copy does not shadow the installed package: {probe.stdout}{probe.stderr}")
+
+
+def run_all(chosen: list[Mutant], files: list[str], scratch: Path, timeout: float, keep: bool) -> list[dict]:
+    """Check every edit, run the baseline, then each mutant in its own copy; one row per mutant."""
+    for m in chosen:  # every edit applies to a pristine copy before anything runs
+        apply(m, copy_tree([m.file], scratch / "probe"))
+    shutil.rmtree(scratch / "probe")
+    base = copy_tree(files, scratch / "base")
+    check_imports_copy(base)
+    all_tests = sorted({t for m in chosen for t in m.tests})
+    verdict, secs, tail = run_tests(base, all_tests, timeout=max(timeout, 900.0))
+    print(f"baseline: {len(all_tests)} test paths on the unmutated copy: {verdict} in {secs:.1f} s")
+    if verdict != "pass":
+        raise SystemExit(f"the covering tests fail without any mutation:\n{tail}")
+
+    rows = []
+    print(f"{'id':40s} {'file':22s} {'killed':8s} {'seconds':>7s}")
+    for m in chosen:
+        tree = scratch / m.id
+        shutil.copytree(base, tree)
+        apply(m, tree)
+        verdict, secs, tail = run_tests(tree, list(m.tests), timeout)
+        killed = verdict != "pass"
+        rows.append({"id": m.id, "file": m.file, "bug": m.bug, "tests": list(m.tests), "quick": m.quick,
+                     "verdict": verdict, "killed": killed, "seconds": round(secs, 1), "tail": tail})
+        label = "timeout" if verdict == "timeout" else ("yes" if killed else "SURVIVED")
+        print(f"{m.id:40s} {m.file:22s} {label:8s} {secs:7.1f}", flush=True)
+        if not keep:
+            shutil.rmtree(tree, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="only the mutations with fast covering tests")
+    ap.add_argument("--only", action="append", default=[], help="run this mutation id (repeatable)")
+    ap.add_argument("--list", action="store_true", help="print the mutations and exit")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's test run (a timeout counts as killed)")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "mutants.json"), help="JSON results")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directories")
+    args = ap.parse_args()
+
+    ids = [m.id for m in MUTANTS]
+    dup = {i for i in ids if ids.count(i) > 1}
+    if dup:
+        raise SystemExit(f"duplicate mutation ids: {sorted(dup)}")
+    unknown = set(args.only) - set(ids)
+    if unknown:
+        raise SystemExit(f"unknown mutation ids: {sorted(unknown)}")
+    if args.only:
+        chosen = [m for m in MUTANTS if m.id in args.only]
+    else:
+        chosen = [m for m in MUTANTS if m.quick or not args.quick]
+    if args.list:
+        for m in chosen:
+            print(f"{m.id:40s} {m.file:22s} {'quick' if m.quick else 'full':5s}  {m.bug}")
+        print(f"{len(chosen)} mutations")
+        return
+
+    t_start = time.monotonic()
+    files = tracked_files()
+    missing = sorted({t.split("::")[0] for m in chosen for t in m.tests} - set(files))
+    if missing:
+        raise SystemExit(f"covering tests not in the tree: {missing}")
+    scratch = Path(tempfile.mkdtemp(prefix="mutants-"))
+    try:
+        rows = run_all(chosen, files, scratch, args.timeout, args.keep)
+    finally:
+        if args.keep:
+            print(f"scratch copies kept under {scratch}")
+        else:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    n, k = len(rows), sum(r["killed"] for r in rows)
+    survived = [r["id"] for r in rows if not r["killed"]]
+    by_file: dict[str, list[int]] = {}
+    for r in rows:
+        by_file.setdefault(r["file"], [0, 0])
+        by_file[r["file"]][0] += 1
+        by_file[r["file"]][1] += r["killed"]
+    print("\nper module: " + ", ".join(f"{f} {kk}/{nn}" for f, (nn, kk) in sorted(by_file.items())))
+    minutes = (time.monotonic() - t_start) / 60
+    result = {"mutants": n, "killed": k, "kill_rate": round(k / n, 3) if n else 0.0, "survived": survived,
+              "minutes": round(minutes, 2), "quick": args.quick, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"RESULT mutants={n} killed={k} kill_rate={result['kill_rate']:.3f} survived={','.join(survived) or '-'} "
+          f"minutes={minutes:.1f}")
+
+
+if __name__ == "__main__":
+    main()

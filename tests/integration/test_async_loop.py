@@ -1,0 +1,161 @@
+"""The async GRPO loop in-process on a tiny model (real engine, trainer, SQLite store and checkpoint files,
+no Ray, a few seconds): what the store holds after a stage, and that a job stopped at a token boundary or
+crashing right after an optimizer step, once resumed, trains exactly what the uninterrupted job trains.
+The CLI versions with kill -9 are in test_resume.py (minutes); these are the cheap ones."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from rl import reconfigure
+from rl.async_grpo import run_async_grpo
+from rl.config import Recipe
+from rl.job import open_job
+from rl.preempt import Preempted
+from rl.store import TrajectoryStore
+
+pytestmark = pytest.mark.integration
+
+STEPS, PROMPTS, G, LAG = 6, 2, 2, 2  # long enough that prompts drawn after a resume get trained
+RECIPE = {
+    "run": {"name": "loop", "seed": 0, "num_threads": 1},
+    "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "init_std": 0.15,
+              "max_position_embeddings": 64,
+              "ffn": {"type": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}},
+    "datasets": [{"type": "arithmetic", "name": "arith", "max_digits": 1, "num_heldout": 4}],
+    "engine": {"max_batch_size": 16, "block_size": 4, "max_seq_len": 48, "max_new_tokens": 12},
+    "runtime": {"ray": False},
+    "stages": [{"type": "grpo", "max_steps": STEPS, "prompts_per_step": PROMPTS, "group_size": G, "micro_batch_size": 8,
+                "steps_per_call": 2, "dispatch": {"policy": "sample", "max_inflight": 8, "max_version_lag": LAG}}],
+    "checkpoint": {"every_steps": 2, "keep_last": 2},
+    "eval": {"max_problems": 2},
+    "logging": {"wandb": False, "progress_bar": False},
+}
+NEUTRAL_PATCHES = ("mixture: {arith: 2.0}", "mixture: {arith: 3.0}")
+"""Live patches that change nothing a single-dataset run dispatches (one weight among one dataset)."""
+
+
+def run_stage(run_dir: Path, resume: bool = False, guard=None) -> bool:
+    """The GRPO stage as `rl train` runs it; False when it stopped at a preemption checkpoint."""
+    recipe = Recipe.model_validate(RECIPE)
+    with open_job(recipe, run_dir, say=lambda m: None, resume=resume) as job:
+        job.checkpointer.guard = guard(job) if guard else None
+        job.state.stage_t0 = time.monotonic()
+        try:
+            run_async_grpo(job, recipe.stages[0], 0)
+        except Preempted:
+            return False
+    return True
+
+
+def trained(run_dir: Path) -> tuple[dict, dict]:
+    with sqlite3.connect(run_dir / "trajectories.db") as c:
+        samples = {r[0]: r[1:] for r in c.execute(
+            "select sample_id, response_tokens, behavior_logprobs, reward, train_step from samples where train_step is not null")}
+        losses = {r[0]: json.loads(r[1])["rl/loss"] for r in c.execute("select step, metrics_json from train_steps")}
+    return samples, losses
+
+
+def checkpoints_written(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r["checkpoint/global_step"] for r in map(json.loads, lines) if "checkpoint/global_step" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("loop") / "reference"
+    assert run_stage(run_dir)
+    return run_dir, *trained(run_dir)
+
+
+def test_every_group_is_trained_whole_once_at_its_step_and_every_prompt_has_an_outcome(reference):
+    run_dir, samples, losses = reference
+    assert len(samples) == STEPS * PROMPTS * G and sorted(losses) == list(range(1, STEPS + 1))
+    with sqlite3.connect(run_dir / "trajectories.db") as c:
+        prompts = {r[0]: r[1:] for r in c.execute("select prompt_id, policy_version, outcome from prompts")}
+        rows = list(c.execute("select sample_id, prompt_id, train_step, policy_versions from samples"))
+    by_step: dict[int, set[str]] = {}
+    for sid, pid, step, blob in rows:
+        if step is None:
+            continue
+        by_step.setdefault(step, set()).add(pid)
+        versions = [int.from_bytes(blob[i : i + 4], "little") for i in range(0, len(blob), 4)]
+        dispatched_at = prompts[pid][0]
+        # a token is never older than its prompt's dispatch, never newer than the weights it trains, and
+        # within the lag bound of them
+        assert dispatched_at <= min(versions) and max(versions) <= step - 1 and step - 1 - min(versions) <= LAG, sid
+    assert sorted(by_step) == list(range(1, STEPS + 1)) and all(len(p) == PROMPTS for p in by_step.values())
+    trained_prompts = set().union(*by_step.values())
+    assert all(sum(1 for _, p, s, _ in rows if p == pid and s is not None) == G for pid in trained_prompts)
+    assert {pid: o for pid, (_, o) in prompts.items() if pid in trained_prompts} == dict.fromkeys(trained_prompts, "trained")
+    assert {o for pid, (_, o) in prompts.items() if pid not in trained_prompts} <= {"dropped_stage_end"}
+    store = TrajectoryStore.read_run(run_dir)
+    assert store.audit() == {"trained_twice": 0, "trained": STEPS * PROMPTS * G, "link_mismatch": 0,
+                             "prompts": len(prompts), "prompts_open": 0}
+    store.close()
+    assert checkpoints_written(run_dir) == [2, 4, 6]  # periodic at 2 and 4, then the stage end (after the last step)
+
+
+class StopAtStep:
+    """A preemption request (what SIGTERM sets) once the job reaches a train step."""
+
+    def __init__(self, job, step: int):
+        self.job, self.step = job, step
+
+    @property
+    def requested(self) -> bool:
+        return self.job.state.global_step >= self.step
+
+
+def test_a_job_stopped_at_a_token_boundary_resumes_to_the_uninterrupted_result(reference, tmp_path):
+    _, samples, losses = reference
+    run_dir = tmp_path / "run"
+    assert not run_stage(run_dir, guard=lambda job: StopAtStep(job, 3))
+    assert checkpoints_written(run_dir) == [2, 3]
+    assert run_stage(run_dir, resume=True)
+    assert trained(run_dir) == (samples, losses)
+    assert checkpoints_written(run_dir) == [2, 3, 4, 6]
+
+
+class Crash(Exception):
+    pass
+
+
+def test_a_crash_after_an_optimizer_step_resumes_to_the_uninterrupted_result_and_patches_show_once(
+        reference, tmp_path, monkeypatch):
+    """Checkpoint at step 2; a live patch applied before it, one applied and one refused after it; the job
+    dies inside step 4's train phase (optimizer stepped, store not told). The resume rolls the store back to
+    step 2, applies the later patch again and redoes steps 3-6."""
+    _, samples, losses = reference
+    run_dir = tmp_path / "run"
+    reconfigure.submit(run_dir, reconfigure.parse_patch(NEUTRAL_PATCHES[0]))
+    calls = []
+
+    def fault_point(name: str) -> None:
+        calls.append(name)
+        if len(calls) == 3:  # step 3: two patches arrive, answered at the next token boundary
+            reconfigure.submit(run_dir, reconfigure.parse_patch(NEUTRAL_PATCHES[1]))
+            reconfigure.submit(run_dir, reconfigure.parse_patch("mixture: {nope: 1.0}"))  # refused: no such dataset
+        if len(calls) == 4:
+            raise Crash(name)
+
+    monkeypatch.setattr("rl.async_grpo.fault_point", fault_point)
+    with pytest.raises(Crash):
+        run_stage(run_dir)
+    monkeypatch.undo()
+    assert run_stage(run_dir, resume=True)
+    assert trained(run_dir) == (samples, losses)
+    store = TrajectoryStore.read_run(run_dir)
+    assert [(v["version"], v["status"], v["patch"]) for v in store.config_versions()] == [
+        (1, "applied", {"mixture": {"arith": 2.0}}), (None, "refused", {"mixture": {"nope": 1.0}}),
+        (2, "applied", {"mixture": {"arith": 3.0}})]  # the refusal is not retried; the applied patch shows once
+    (restart,) = store.restarts()
+    assert restart["train_step"] == 2 and restart["train_steps_rolled_back"] == 1 and restart["samples_regenerated"] > 0
+    assert store.audit()["trained_twice"] == 0 and store.audit()["prompts_open"] == 0
+    store.close()
+    assert checkpoints_written(run_dir) == [2, 4, 6]  # the resumed job does not write its step-2 checkpoint again
