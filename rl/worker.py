@@ -116,8 +116,8 @@ class PolicyWorker:
 
     def drop_inflight(self) -> int:
         """Stop and drop every in-flight sample, parked or generating (end of a stage); returns how many."""
-        self.engine.interrupt()
-        n, self._held = len(self._held), []
+        n = len(self.engine.interrupt()) + len(self._held)
+        self._held = []
         return n
 
     def update_weights(self, version: int) -> None:
