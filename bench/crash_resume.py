@@ -9,9 +9,10 @@ checkpoint step never goes backwards, and the store's audit shows no sample cons
 steps and every trained sample linked to its step. At the end: every dispatched prompt has an outcome
 (trained, discarded, dropped), the trained samples equal those of an uninterrupted run (`lost` counts
 the reference's trained samples missing from the crashed run), and the held-out accuracies are compared.
-Before the last restart a SIGTERM measures signal-to-exit time (`sigterm_exit_s`, process exit
-included; `sigterm_checkpoint_s`, the driver's own signal-to-checkpoint-written time) and the restart
-before it the resume-to-first-token time (`resume_first_token_s`, from process start, imports included).
+Before the last restart a SIGTERM measures signal-to-exit time (`sigterm_exit_s`, process exit included;
+`sigterm_checkpoint_s`, the driver's own signal-to-checkpoint-written time) and the restart before it the
+resume-to-first-token time (`resume_first_token_s`, from process start, imports included); when the kills
+left the crashed run nothing to generate, both are measured on a fresh run instead.
 
     python bench/crash_resume.py --quick          # tiny recipe, 10 kills, under a minute on 2 CPU cores
     python bench/crash_resume.py --kills 12 --recipe configs/quickstart.yaml --set ...
@@ -95,9 +96,8 @@ def final_acc(p: Proc) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def sigterm_only(recipe: Path, work: Path, sets: list[str]) -> None:
-    """SIGTERM after the first GRPO step, then resume until the first new token (then stop it)."""
-    run_dir = work / "sigterm"
+def measure_sigterm(recipe: Path, run_dir: Path, sets: list[str]) -> dict:
+    """A fresh run: SIGTERM after its first GRPO step, then resume until the first new token (then stop it)."""
     p = Proc(["train", str(recipe), "--run-dir", str(run_dir), *sets])
     while recorded_train_steps(run_dir) < 1 and p.p.poll() is None:
         time.sleep(0.05)
@@ -116,8 +116,15 @@ def sigterm_only(recipe: Path, work: Path, sets: list[str]) -> None:
     q.wait()
     for _, line in p.lines[-3:] + q.lines[:6]:
         print(line)
-    print(f"RESULT sigterm_exit_s={exit_s:.2f} sigterm_checkpoint_s={written} sigterm_rc={rc} "
-          f"resume_first_token_s={tok[0] if tok else float('nan'):.2f} inflight_files={states}")
+    return {"exit_s": exit_s, "written": written, "rc": rc, "first_token_s": tok[0] if tok else float("nan"),
+            "inflight_files": states}
+
+
+def sigterm_only(recipe: Path, work: Path, sets: list[str]) -> None:
+    """SIGTERM after the first GRPO step, then resume until the first new token (then stop it)."""
+    m = measure_sigterm(recipe, work / "sigterm", sets)
+    print(f"RESULT sigterm_exit_s={m['exit_s']:.2f} sigterm_checkpoint_s={m['written']} sigterm_rc={m['rc']} "
+          f"resume_first_token_s={m['first_token_s']:.2f} inflight_files={m['inflight_files']}")
 
 
 def main() -> None:
@@ -201,6 +208,9 @@ def main() -> None:
         sigterm_exit_s = time.monotonic() - t_sig
         hit = p.first(r"written ([0-9.]+) s after the signal")
         written_s = float(re.search(r"written ([0-9.]+) s", hit[1]).group(1)) if hit else written_s
+    if first_token_s != first_token_s:  # the kills left nothing to generate: measure the signal on a fresh run
+        m = measure_sigterm(recipe, work / "sigterm", sets)
+        sigterm_exit_s, written_s, rc_term, first_token_s = m["exit_s"], m["written"], m["rc"], m["first_token_s"]
     final = Proc(["resume", str(run_dir), *sets])
     assert final.wait() == 0, "\n".join(l for _, l in final.lines[-20:])
     audit = TrajectoryStore.for_run_dir(run_dir).audit()
