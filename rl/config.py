@@ -142,6 +142,9 @@ class GRPOStage(StrictConfig):
     """Drop a whole sample from the loss when its share of masked stale tokens exceeds this."""
     importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
     """Importance correction against the recorded behaviour logprobs."""
+    kl_ref_coef: float = Field(0.0, ge=0)
+    """Weight of a KL penalty to the run's initial policy (k3 estimator per token, rl/losses.py
+    `reference_kl`); 0: no reference model is kept."""
     routing_replay: bool = True
     """MoE: the training forward uses the expert ids recorded at rollout, concatenated over segments
     (seed §5.2.1); gate weights still come from the current router."""

@@ -5,6 +5,7 @@ GRPO objective (token-level aggregation, decoupled clip, staleness mask; seed §
     A_i      = r_i − mean_{j ∈ subgroup(i)} r_j          (optionally ÷ (std_subgroup + ε))
     keep_t   = 1[v_cur − v_t ≤ max_staleness]            (v_t: version that generated token t)
     L        = (1 / N_tok) Σ_{i,t} keep_t · w_t · max(−A_i ρ_t, −A_i clip(ρ_t, 1 − ε_low, 1 + ε_high))
+               [+ β (1 / N_tok) Σ_{i,t} keep_t · k3_t(π_θ, π_ref)  with `kl_ref_coef` β > 0: `reference_kl`]
 
 N_tok counts every response token of the whole train batch, masked ones included: a stale token leaves
 the sum but not the normaliser, so masking never rescales the remaining tokens' gradient. The ratio
@@ -109,6 +110,14 @@ def grpo_loss(x: PolicyLossInputs, *, clip_low: float, clip_high: float, ratio: 
             if tis_cap is not None:
                 metrics["rl/tis_truncated_frac"] = float(((rho_b > tis_cap).float() * m).sum() / n)
     return loss, metrics
+
+
+def reference_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """[B, T] per-token k3 estimator of KL(π_θ ‖ π_ref) on tokens sampled from (nearly) π_θ:
+    k3 = exp(log π_ref − log π_θ) − (log π_ref − log π_θ) − 1 ≥ 0, unbiased with low variance (the
+    `low_var_kl` of verl, TRL's `beta` term). The gradient flows through `logprobs` only."""
+    d = ref_logprobs.detach() - logprobs
+    return d.exp() - d - 1.0
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from model.decoder import Decoder
 from model.reverse_kl import reverse_kl_loss
 from rl.config import GRPOStage, OPDStage, SFTStage
-from rl.losses import PolicyLossInputs, grpo_loss, sft_loss, staleness_keep, token_logprobs
+from rl.losses import PolicyLossInputs, grpo_loss, reference_kl, sft_loss, staleness_keep, token_logprobs
 from rl.trainer import LossTerms, PackedBatch, StepMetrics, TrainBatch
 
 
@@ -58,10 +58,15 @@ class SFTObjective:
 class GRPOObjective:
     """The clipped, staleness-masked policy loss of rl/losses.py on whole groups."""
 
-    def __init__(self, stage: GRPOStage, *, model: Decoder, temperature: float, current_version: int, **_handles):
+    def __init__(self, stage: GRPOStage, *, model: Decoder, temperature: float, current_version: int,
+                 reference: Decoder | None = None, **_handles):
         self.stage, self.temperature, self.current_version = stage, temperature, current_version
         self.micro_batch_size = stage.micro_batch_size
         self.routing_replay = stage.routing_replay and model.config.is_moe
+        self.reference = reference
+        """The run's initial policy (frozen), when the stage penalises the KL to it."""
+        if stage.kl_ref_coef > 0 and reference is None:
+            raise ValueError("kl_ref_coef > 0 needs the reference policy")
 
     def keep(self, b: PackedBatch) -> torch.Tensor:
         s = self.stage
@@ -75,6 +80,12 @@ class GRPOObjective:
             mask=b.mask, num_tokens=rows.num_tokens, keep=keep)
         loss, metrics = grpo_loss(x, clip_low=s.clip_low, clip_high=s.clip_high, ratio=s.importance.ratio,
                                   tis_cap=s.importance.tis_cap)
+        if s.kl_ref_coef > 0:
+            with torch.no_grad():
+                ref_logits = self.reference(b.input_ids, routing_replay=b.routing)[0]
+            k3 = reference_kl(x.logprobs, token_logprobs(ref_logits, b.targets, self.temperature)) * b.mask
+            loss = loss + s.kl_ref_coef * (k3 * keep).sum() / rows.num_tokens
+            metrics["rl/kl_ref"] = float(k3.detach().sum() / b.mask.sum().clamp_min(1.0))
         return LossTerms(loss, sums={"rl/loss": float(loss.detach())}, means=metrics)
 
     def __call__(self, model: Decoder, b: PackedBatch, rows: TrainBatch, upcoming: TrainBatch | None) -> LossTerms:
@@ -92,8 +103,9 @@ class GRPOObjective:
 class OPDObjective(GRPOObjective):
     """Full-vocabulary reverse KL to each row's teacher (seed §5.2.4), optionally plus the GRPO loss."""
 
-    def __init__(self, stage: OPDStage, *, model: Decoder, temperature: float, current_version: int, pool):
-        super().__init__(stage, model=model, temperature=temperature, current_version=current_version)
+    def __init__(self, stage: OPDStage, *, model: Decoder, temperature: float, current_version: int, pool,
+                 reference: Decoder | None = None):
+        super().__init__(stage, model=model, temperature=temperature, current_version=current_version, reference=reference)
         self.stage: OPDStage = stage
         self.pool = pool
         self.kl_sum, self.kl_tokens = 0.0, 0.0  # Σ KL and the tokens it is over, this step
@@ -154,6 +166,8 @@ OBJECTIVES: dict[str, type] = {"sft": SFTObjective, "grpo": GRPOObjective, "opd"
 
 
 def build_objective(stage: SFTStage | GRPOStage | OPDStage, *, model: Decoder, temperature: float,
-                    current_version: int, pool=None):
-    """The objective of a stage, with the worker's runtime handles (the model, its teacher pool)."""
-    return OBJECTIVES[stage.type](stage, model=model, temperature=temperature, current_version=current_version, pool=pool)
+                    current_version: int, pool=None, reference: Decoder | None = None):
+    """The objective of a stage, with the worker's runtime handles (the model, its teacher pool, the
+    frozen reference policy)."""
+    return OBJECTIVES[stage.type](stage, model=model, temperature=temperature, current_version=current_version, pool=pool,
+                                  reference=reference)

@@ -69,6 +69,7 @@ class PolicyWorker:
         self.engine = Engine(self.model, recipe.engine, eos_id=recipe.tokenizer.build().eos_id, device=recipe.run.device)
         self.trainer: Trainer | None = None
         self.pool: TeacherPool | None = None  # OPD stages: the teachers (teachers/pool.py)
+        self.reference: Decoder | None = None  # the run's initial policy, frozen (stages with kl_ref_coef > 0)
         self._held: list[RolloutState] = []  # in-flight states parked in host memory during TRAIN
 
     # -- ROLLOUT -------------------------------------------------------------------------------------
@@ -133,6 +134,11 @@ class PolicyWorker:
             self.pool = None
         if isinstance(stage, OPDStage):  # teacher weights in host memory, an LRU set on the device
             self.pool = stage.teachers.build(device=self.recipe.run.device)
+        if getattr(stage, "kl_ref_coef", 0) > 0 and self.reference is None:
+            # the run's initial policy, rebuilt exactly as the policy was (same seed, same init weights), so a
+            # resumed job penalises the KL to the same reference without keeping it in checkpoints
+            with torch.random.fork_rng(devices=[]):  # building it must not move the training RNG
+                self.reference = build_policy(self.recipe).eval().requires_grad_(False)
 
     def add_teachers(self, specs: Sequence[TeacherSpec]) -> None:
         for spec in specs:
@@ -142,7 +148,7 @@ class PolicyWorker:
         """One optimizer step on this rank's rows with the stage's objective (rl/objectives.py); the
         weights change in place, shared with the engine."""
         objective = build_objective(stage, model=self.model, temperature=self.recipe.engine.sampling.temperature or 1.0,
-                                    current_version=self.engine.policy_version, pool=self.pool)
+                                    current_version=self.engine.policy_version, pool=self.pool, reference=self.reference)
         return self.trainer.train_step(batch, objective)
 
     # -- checkpoint (rl/checkpoint.py) ------------------------------------------------------------------

@@ -75,3 +75,34 @@ def test_a_step_leaves_no_gradient_behind_for_the_next():
     rows, stage = _rows(4), SFTStage()
     trainer.train_step(rows, SFTObjective(stage))
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+def test_kl_to_the_reference_is_zero_at_the_reference_and_pulls_back_towards_it():
+    """k3 per token is 0 where the policy equals the reference, positive elsewhere, and its gradient
+    step moves the policy's log-probabilities back towards the reference's."""
+    torch.manual_seed(0)
+    ref = Decoder(debug_config(moe=False)).float().eval().requires_grad_(False)
+    rows = _rows(8)
+    rows = TrainBatch(**{**rows.__dict__, "advantages_B": [0.0] * len(rows)})  # the KL term alone
+    stage = GRPOStage(group_size=4, micro_batch_size=4, kl_ref_coef=1.0)
+
+    same = Trainer(copy.deepcopy(ref).requires_grad_(True), OptimConfig(lr=1e-2))
+    m = merge_step_metrics([same.accumulate(rows, GRPOObjective(stage, model=same.model, temperature=1.0,
+                                                                current_version=0, reference=ref))])
+    assert m["rl/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+
+    moved = copy.deepcopy(ref).requires_grad_(True)
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    trainer = Trainer(moved, OptimConfig(lr=1e-3))
+
+    def kl() -> float:
+        return merge_step_metrics([trainer.accumulate(rows, GRPOObjective(stage, model=moved, temperature=1.0,
+                                                                          current_version=0, reference=ref))])["rl/kl_ref"]
+
+    before = kl()
+    trainer.model.zero_grad()
+    for _ in range(5):
+        trainer.train_step(rows, GRPOObjective(stage, model=moved, temperature=1.0, current_version=0, reference=ref))
+    assert before > 1e-3 and kl() < before

@@ -83,3 +83,24 @@ def test_new_segment_uses_new_weights():
         gens += w.rollout().finished
     assert any(g.response_tokens != ref[g.sample_id].response_tokens for g in gens)
     assert all(g.response_tokens[:2] == ref[g.sample_id].response_tokens[:2] for g in gens)
+
+
+def test_a_stage_with_a_kl_penalty_keeps_the_runs_initial_policy_as_reference():
+    from rl.trainer import TrainBatch, merge_step_metrics
+
+    recipe = Recipe.model_validate({**RECIPE, "stages": [{**RECIPE["stages"][0], "kl_ref_coef": 0.1}]})
+    w = PolicyWorker(recipe)
+    with torch.no_grad():  # the policy moves away from its initial weights (e.g. an earlier stage)
+        for p in w.model.parameters():
+            p.add_(0.01)
+    rng_before = torch.get_rng_state()
+    w.begin_stage(recipe.stages[0])
+    assert torch.equal(torch.get_rng_state(), rng_before)  # building the reference leaves the training RNG alone
+    initial = PolicyWorker(recipe).model
+    assert all(torch.equal(a, b) and not a.requires_grad for a, b in zip(w.reference.parameters(), initial.parameters()))
+    gens = w.generate(_reqs())
+    batch = TrainBatch([g.prompt_tokens for g in gens], [g.response_tokens for g in gens],
+                       float(sum(len(g.response_tokens) for g in gens)), [g.logprobs for g in gens],
+                       [g.policy_versions for g in gens], [g.routing_trace for g in gens], [1.0, -1.0, 0.5, -0.5])
+    m = merge_step_metrics([w.train_step(batch, recipe.stages[0])])
+    assert m["rl/kl_ref"] > 0  # the policy had moved: a positive penalty
