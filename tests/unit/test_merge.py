@@ -1,0 +1,63 @@
+"""`rl merge`: weights (1, 0) reproduce the first checkpoint exactly, (0.5, 0.5) is the parameter average,
+weights are normalised (and said so), run directories resolve to their newest (or a given step's)
+checkpoint, and checkpoints of other architectures or vocabularies are refused with one line."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from model.checkpoint import save_checkpoint
+from model.decoder import Decoder
+from rl.cli import main
+from tests.conftest import debug_config
+
+
+def _ckpt(path, seed: int, **kw):
+    torch.manual_seed(seed)
+    return save_checkpoint(Decoder(debug_config(moe=True, **kw)), path)
+
+
+def test_weights_one_zero_reproduce_the_first_and_halves_average(tmp_path, capsys):
+    a, b = _ckpt(tmp_path / "a", 0), _ckpt(tmp_path / "b", 1)
+    assert main(["merge", str(a), str(b), "--weights", "1", "0", "--out", str(tmp_path / "first")]) == 0
+    sa, sb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    first = load_file(str(tmp_path / "first" / "model.safetensors"))
+    assert first.keys() == sa.keys() and all(torch.equal(first[k], sa[k]) for k in sa)
+    assert main(["merge", str(a), str(b), "--weights", "2", "2", "--out", str(tmp_path / "avg")]) == 0
+    assert "weights normalised to sum 1: 0.5, 0.5" in capsys.readouterr().out
+    avg = load_file(str(tmp_path / "avg" / "model.safetensors"))
+    for k in sa:
+        torch.testing.assert_close(avg[k], ((sa[k].double() + sb[k].double()) / 2).to(sa[k].dtype), rtol=0, atol=1e-7)
+    assert not torch.equal(avg["model.embed_tokens.weight"], sa["model.embed_tokens.weight"])
+
+
+def test_a_run_directory_resolves_to_its_newest_or_a_given_steps_checkpoint(tmp_path):
+    from rl.checkpoint import CheckpointManager
+    from rl.merge_cli import resolve_source
+    from tests.unit.test_checkpoint import _write
+
+    mgr = CheckpointManager(tmp_path / "run" / "checkpoints", warn=lambda m: None)
+    four, eight = _write(mgr, 4), _write(mgr, 8)
+    assert resolve_source(str(tmp_path / "run")) == eight
+    assert resolve_source(f"{tmp_path / 'run'}:4") == four
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(hidden_size=96, head_dim=24), "has another architecture than"),
+    (dict(vocab_size=120), "has vocab_size=120 but"),
+])
+def test_other_architectures_or_vocabularies_are_refused_in_one_line(tmp_path, capsys, other, message):
+    a, b = _ckpt(tmp_path / "a", 0), _ckpt(tmp_path / "b", 1, **other)
+    assert main(["merge", str(a), str(b), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "m").exists()
+
+
+def test_bad_sources_and_weights_are_one_line(tmp_path, capsys):
+    a = _ckpt(tmp_path / "a", 0)
+    for argv, message in ((["merge", str(tmp_path / "nope"), "--out", "x"], "neither a model directory"),
+                          (["merge", str(a), str(a), "--weights", "1", "--out", "x"], "gives 1 weights for 2 sources"),
+                          (["merge", str(a), str(a), "--weights", "0", "0", "--out", "x"], "not all 0")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1
