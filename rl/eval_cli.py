@@ -69,7 +69,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tok = recipe.tokenizer.build()
     tasks = {d.name: d.build() for d in recipe.datasets}
     renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed)
-    generate = engine_generate(load_checkpoint(ckpt).eval(), recipe.engine, tok.eos_id)
+    generate = engine_generate(load_checkpoint(ckpt).eval(), recipe.engine, tok.eos_id, tok.eos_ids)
     print(f"checkpoint {ckpt}")
     print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
     for b in efforts:

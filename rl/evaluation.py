@@ -50,9 +50,9 @@ def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], 
     return metrics
 
 
-def engine_generate(model: Decoder, cfg: EngineConfig, eos_id: int) -> Generate:
-    """`generate` on one in-process engine over `model` (evaluation outside a running job)."""
-    engine = Engine(model, cfg, eos_id=eos_id, device=next(model.parameters()).device)
+def engine_generate(model: Decoder, cfg: EngineConfig, eos_id: int, eos_ids: Sequence[int] = ()) -> Generate:
+    """`generate` on one in-process engine over `model` (evaluation outside a running job); it stops on any eos id."""
+    engine = Engine(model, cfg, eos_id=eos_id, eos_ids=eos_ids, device=next(model.parameters()).device)
 
     @torch.no_grad()
     def generate(requests: Sequence[GenerationRequest]) -> list[Generation]:

@@ -3,7 +3,8 @@
 
 A prompt is rendered once (text as is, chat messages through the tokenizer's chat template), with the
 effort prefix of seed §5.1.4 when the sample carries an effort level, and encoded once; from then on
-the rollout moves token ids. A response's reward is the task's verdict plus, with effort conditioning,
+the rollout moves token ids (the trainer trains on the ids the engine produced, never on re-encoded
+text). A response's reward is the task's verdict plus, with effort conditioning,
 the length penalty r_len = −min(C_max, k(b)·ℓ/L_norm), ℓ counted in tokens of what the task calls its
 reasoning (rewards/effort.py).
 """
@@ -46,7 +47,10 @@ class Renderer:
                                                   add_generation_prompt=True)
 
     def prompt_tokens(self, problem: Problem, effort: int | None = None) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(self.prompt_text(problem, effort), bos=self.tokenizer.add_bos))
+        """The prompt's ids; with `add_bos` they start with one BOS (a chat template that writes BOS gets no second)."""
+        tok = self.tokenizer
+        ids = tok.encode(self.prompt_text(problem, effort))
+        return tuple([tok.bos_id, *ids] if tok.add_bos and ids[:1] != [tok.bos_id] else ids)
 
     def sample_seed(self, sample_id: str) -> int:
         return sample_seed(self.run_seed, sample_id)
