@@ -21,8 +21,27 @@ class CharTokenizerConfig(StrictConfig):
         return CharTokenizer()
 
 
-TokenizerConfig = CharTokenizerConfig
-"""A recipe's `tokenizer:`, chosen by `type` (a discriminated union once a second tokenizer exists)."""
+class HFTokenizerConfig(StrictConfig):
+    """A Hugging Face tokenizer (model/hf_tokenizer.py): a local directory with tokenizer.json, or the tokenizer
+    embedded in a .gguf file; eos/bos/pad ids and the chat template come from the checkpoint."""
+
+    type: Literal["hf"] = "hf"
+    """Discriminator: a Hugging Face tokenizer."""
+    path: str | None = None
+    """A tokenizer directory, a .gguf file, or the name of a model `rl models fetch` knows (its file);
+    null: the tokenizer of `model.init` (the recipe fills it in)."""
+
+    def build(self) -> Tokenizer:
+        from model.hf_tokenizer import load_hf_tokenizer  # tokenizers/jinja2: only when an hf tokenizer is used
+        from model.registry import resolve_model_source
+
+        if self.path is None:
+            raise ValueError("tokenizer.path is null and no model.init names the checkpoint to take the tokenizer from")
+        return load_hf_tokenizer(resolve_model_source(self.path))
+
+
+TokenizerConfig = Annotated[Union[CharTokenizerConfig, HFTokenizerConfig], Field(discriminator="type")]
+"""A recipe's `tokenizer:`, chosen by `type`: `char` (the synthetic tasks') or `hf` (a real checkpoint's)."""
 
 
 class DenseFFNConfig(StrictConfig):

@@ -1,10 +1,11 @@
 """Tokenizers (pure Python): the `Tokenizer` protocol every tokenizer implements, and the character-level
-tokenizer of the synthetic tasks.
+tokenizer of the synthetic tasks (Hugging Face tokenizers: model/hf_tokenizer.py).
 
 The rest of asyncrl sees a tokenizer only through `Tokenizer`: the driver renders a prompt (text, or
-chat messages through `apply_chat_template`), encodes it once, and from then on moves token ids; the
-engine stops on `eos_id`; the recipe's vocabulary check reads `vocab_size`. A recipe names its
-tokenizer by `type` (`model.config.TokenizerConfig`), whose `build()` returns one of these.
+chat messages through `apply_chat_template`), encodes it once, and from then on moves token ids (the
+trainer trains on the ids the engine produced, never on re-tokenised text); the engine stops on any of
+`eos_ids`; the recipe's vocabulary check reads `vocab_size`. A recipe names its tokenizer by `type`
+(`model.config.TokenizerConfig`), whose `build()` returns one of these.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ class Tokenizer(Protocol):
     bos_id: int | None
     """Id prepended to every prompt when `add_bos` (None: the tokenizer has none)."""
     eos_id: int
-    """Id that ends a response; the engine stops on it."""
+    """The end-of-sequence id: appended by `encode(eos=True)`; the first of `eos_ids`."""
+    eos_ids: tuple[int, ...]
+    """Every id that ends a response (a checkpoint may name several); the engine stops on any of them."""
     add_bos: bool
     """Whether prompts start with `bos_id` (chat templates that write their own BOS say False)."""
 
     @property
     def vocab_size(self) -> int:
-        """Number of ids; the policy's output head must have exactly this many rows."""
+        """Number of ids (highest id + 1); the policy's output head needs a row for each (`Recipe.validate_vocab`)."""
         ...
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
@@ -55,6 +58,7 @@ class CharTokenizer:
     pad_id = PAD_ID
     bos_id = BOS_ID
     eos_id = EOS_ID
+    eos_ids = (EOS_ID,)
     add_bos = True
 
     def __init__(self) -> None:

@@ -74,6 +74,7 @@ class AsyncGRPO:
             assignment={d: opd.teacher_for(d) for d in tasks if opd and opd.teacher_for(d)},
             teachers={t.name: t for t in opd.teachers} if opd else {})
         self.teacher_of: dict[str, str | None] = {}  # prompt_id -> teacher assigned at dispatch
+        self.prompts_too_long = 0  # problems skipped because their prompt exceeds engine.prompt_limit (since start/resume)
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -113,20 +114,21 @@ class AsyncGRPO:
         job, effort, sampling = self.job, self.job.recipe.effort, self.job.recipe.engine.sampling
         per_worker: dict[int, list[GenerationRequest]] = defaultdict(list)
         for t in tickets:
-            problem = next(self.streams[t.dataset])
+            # With effort conditioning the group is M_b samples at each level b (one group to the dispatcher).
+            levels = [b for b in effort.levels for _ in range(effort.samples_per_level)] if effort else [None] * t.group_size
+            problem, tokens_of, dropped = job.renderer.draw_fitting(self.streams[t.dataset], levels)
+            self.prompts_too_long += dropped  # longer than the engine takes: skipped, counted, never generated
             prompt = Prompt(t.prompt_id, t.dataset, job.renderer.prompt_text(problem), job.renderer.prompt_tokens(problem),
                             problem.answer, t.group_size, t.version, self.live.version)
             self.teacher_of[t.prompt_id] = self.live.teacher_for(t.dataset)
             self.prompts[t.prompt_id] = (prompt, problem)
             job.store.add_prompts([prompt])
-            # With effort conditioning the group is M_b samples at each level b (one group to the dispatcher).
-            levels = [b for b in effort.levels for _ in range(effort.samples_per_level)] if effort else [None] * t.group_size
             for j, b in enumerate(levels):  # engines split the in-flight samples, least-loaded first
                 w = min(range(self.n_workers), key=self.load.__getitem__)
                 self.load[w] += 1
                 sid = f"{t.prompt_id}-{j}"
                 self.effort_of[sid] = b
-                toks = job.renderer.prompt_tokens(problem, b)
+                toks = tokens_of[b]
                 forced = job.tasks[t.dataset].response_budget(problem, j)
                 per_worker[w].append(GenerationRequest(
                     sid, toks, forced or job.recipe.engine.max_new_tokens, seed=job.renderer.sample_seed(sid),
@@ -286,6 +288,7 @@ class AsyncGRPO:
             "rollout/response_len": len(versions) / len(samples),
             "rollout/tokens_per_s": clock.generated_tokens / max(clock.rollout_s, 1e-9),
             "rollout/concurrency_mean": sum(clock.concurrency) / max(len(clock.concurrency), 1),
+            "rollout/prompts_too_long": self.prompts_too_long,
             "async/max_version_lag": max(trained_version - v for v in versions) if versions else 0,
             "async/stale_token_frac": sum(v < trained_version for v in versions) / max(len(versions), 1),
             "async/interrupt_s": clock.interrupt_s[-1],

@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 from pydantic import Field, field_validator, model_validator
 
 from configbase import StrictConfig
-from model.config import CharTokenizerConfig, ModelConfig, TokenizerConfig, same_weights
+from model.config import CharTokenizerConfig, HFTokenizerConfig, ModelConfig, TokenizerConfig, same_weights
 from rewards.config import DatasetConfig
 from rewards.effort import EffortConfig
 from rl.dispatch import DispatchConfig
@@ -236,7 +236,8 @@ class Recipe(StrictConfig):
     run: RunConfig = Field(default_factory=RunConfig)
     """Run identity, seed and device."""
     tokenizer: TokenizerConfig = Field(default_factory=CharTokenizerConfig)
-    """Tokenizer, chosen by `type` (`char`: the character-level tokenizer of the synthetic tasks)."""
+    """Tokenizer, chosen by `type`: `char` (the character-level tokenizer of the synthetic tasks) or `hf`
+    (a Hugging Face directory or .gguf file; `path: null` takes model.init's)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Policy architecture."""
     datasets: list[DatasetConfig] = Field(min_length=1)
@@ -263,11 +264,33 @@ class Recipe(StrictConfig):
     def _tokenizer_by_name(cls, v):
         return {"type": v} if isinstance(v, str) else v  # `tokenizer: char`, as recipes before the union said
 
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_of_model_init(cls, data):
+        """`tokenizer: {type: hf, path: null}` means the tokenizer of the checkpoint `model.init` names."""
+        if not isinstance(data, dict):
+            return data
+        tok = data.get("tokenizer")
+        tok = {"type": tok} if isinstance(tok, str) else tok.model_dump() if isinstance(tok, HFTokenizerConfig) else tok
+        if isinstance(tok, dict) and tok.get("type") == "hf" and tok.get("path") is None:
+            model = data.get("model")
+            init = model.get("init") if isinstance(model, dict) else getattr(model, "init", None)
+            if init is not None:
+                data = {**data, "tokenizer": {**tok, "path": str(init)}}
+        return data
+
     @model_validator(mode="after")
     def validate_vocab(self) -> "Recipe":
-        vocab = self.tokenizer.build().vocab_size
-        if self.model.vocab_size != vocab:
+        """char: model.vocab_size equals the tokenizer's ids. hf: the tokenizer's ids (highest id + 1, added tokens
+        and every special id included) fit in model.vocab_size: checkpoints often pad the embedding (e.g. to a
+        multiple of 64), and the extra rows are ids that no text encodes to and that decode to nothing."""
+        tok = self.tokenizer.build()
+        vocab = tok.vocab_size
+        if self.tokenizer.type == "char" and self.model.vocab_size != vocab:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} but the {self.tokenizer.type} tokenizer has {vocab} ids")
+        if self.model.vocab_size < vocab:
+            raise ValueError(f"model.vocab_size={self.model.vocab_size} is smaller than the {self.tokenizer.type} tokenizer's "
+                             f"{vocab} ids ({self.tokenizer.path}): the embedding needs a row for every id")
         return self
 
     @model_validator(mode="after")

@@ -68,8 +68,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     torch.set_num_threads(recipe.run.num_threads)
     tok = recipe.tokenizer.build()
     tasks = {d.name: d.build() for d in recipe.datasets}
-    renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed)
-    generate = engine_generate(load_checkpoint(ckpt).eval(), recipe.engine, tok.eos_id)
+    renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit)
+    generate = engine_generate(load_checkpoint(ckpt).eval(), recipe.engine, tok.eos_id, tok.eos_ids)
     print(f"checkpoint {ckpt}")
     print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
     for b in efforts:

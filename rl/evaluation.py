@@ -28,15 +28,24 @@ Generate = Callable[[Sequence[GenerationRequest]], list[Generation]]
 def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], *, max_new_tokens: int,
              temperature: float = 0.0, max_problems: int | None = None, effort: int | None = None,
              verify_ctx: VerifyContext = VerifyContext()) -> dict[str, float]:
-    """`eval/<dataset>/{accuracy, response_len, reasoning_tokens, num_problems}` per dataset and their mean
-    accuracy `eval/accuracy` (greedy at temperature 0)."""
+    """`eval/<dataset>/{accuracy, response_len, reasoning_tokens, num_problems, prompts_too_long}` per dataset and
+    their mean accuracy `eval/accuracy` (greedy at temperature 0). Problems whose prompt is longer than the
+    renderer's `max_prompt_tokens` are left out and counted; a dataset with none left scores nan."""
     metrics, accs = {}, []
     for name, task in tasks.items():
         problems = list(task.heldout())[:max_problems]
         if not problems:
             raise ValueError(f"dataset {name!r} has no held-out problems to evaluate on")
-        reqs = [GenerationRequest(f"eval-{p.problem_id}", renderer.prompt_tokens(p, effort), max_new_tokens,
-                                  seed=renderer.sample_seed(p.problem_id), temperature=temperature) for p in problems]
+        prompts = [renderer.prompt_tokens(p, effort) for p in problems]
+        kept = [(p, t) for p, t in zip(problems, prompts) if renderer.fits(t)]
+        metrics[f"eval/{name}/prompts_too_long"] = len(problems) - len(kept)
+        if not kept:
+            metrics.update({f"eval/{name}/{k}": float("nan") for k in ("accuracy", "response_len", "reasoning_tokens")})
+            metrics[f"eval/{name}/num_problems"] = 0
+            continue
+        problems = [p for p, _ in kept]
+        reqs = [GenerationRequest(f"eval-{p.problem_id}", t, max_new_tokens,
+                                  seed=renderer.sample_seed(p.problem_id), temperature=temperature) for p, t in kept]
         gens = generate(reqs)
         trajectories = [renderer.trajectory(p, g) for p, g in zip(problems, gens)]
         correct = [task.verify(t, verify_ctx).correct for t in trajectories]
@@ -46,13 +55,13 @@ def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], 
                                                        for t in trajectories) / len(trajectories)
         metrics[f"eval/{name}/num_problems"] = len(problems)
         accs.append(metrics[f"eval/{name}/accuracy"])
-    metrics["eval/accuracy"] = sum(accs) / len(accs)
+    metrics["eval/accuracy"] = sum(accs) / len(accs) if accs else float("nan")
     return metrics
 
 
-def engine_generate(model: Decoder, cfg: EngineConfig, eos_id: int) -> Generate:
-    """`generate` on one in-process engine over `model` (evaluation outside a running job)."""
-    engine = Engine(model, cfg, eos_id=eos_id, device=next(model.parameters()).device)
+def engine_generate(model: Decoder, cfg: EngineConfig, eos_id: int, eos_ids: Sequence[int] = ()) -> Generate:
+    """`generate` on one in-process engine over `model` (evaluation outside a running job); it stops on any eos id."""
+    engine = Engine(model, cfg, eos_id=eos_id, eos_ids=eos_ids, device=next(model.parameters()).device)
 
     @torch.no_grad()
     def generate(requests: Sequence[GenerationRequest]) -> list[Generation]:

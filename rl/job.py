@@ -179,7 +179,7 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
             state = RunState(resume_from.global_step, dict(resume_from.summary), resume_from.stage_idx, resume_from.stage_minutes)
             progress.first_token_pending = True
         yield Job(recipe, run_dir, runtime.policy, runtime.rewards, store, logger,
-                  Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed),
+                  Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit),
                   Checkpointer(manager, recipe.checkpoint.every_steps, resume_from), progress, state, say)
     finally:
         if runtime is not None:

@@ -3,16 +3,18 @@
 
 A prompt is rendered once (text as is, chat messages through the tokenizer's chat template), with the
 effort prefix of seed §5.1.4 when the sample carries an effort level, and encoded once; from then on
-the rollout moves token ids. A response's reward is the task's verdict plus, with effort conditioning,
-the length penalty r_len = −min(C_max, k(b)·ℓ/L_norm), ℓ counted in tokens of what the task calls its
-reasoning (rewards/effort.py).
+the rollout moves token ids (the trainer trains on the ids the engine produced, never on re-encoded
+text). A problem whose prompt is longer than the engine takes is dropped and counted by whoever draws
+problems (`draw_fitting`), never sent to the engine. A response's reward is the task's verdict plus, with
+effort conditioning, the length penalty r_len = −min(C_max, k(b)·ℓ/L_norm), ℓ counted in tokens of what
+the task calls its reasoning (rewards/effort.py).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from model.tokenizer import Tokenizer
@@ -35,6 +37,8 @@ class Renderer:
     tasks: Mapping[str, Task]
     effort: EffortConfig | None = None
     run_seed: int = 0
+    max_prompt_tokens: int | None = None
+    """Longest prompt the engine takes (`EngineConfig.prompt_limit`); None: no limit is checked here."""
 
     def prompt_text(self, problem: Problem, effort: int | None = None) -> str:
         """The prompt exactly as tokenised: the effort prefix (seed §5.1.4), then the problem; chat
@@ -46,7 +50,26 @@ class Renderer:
                                                   add_generation_prompt=True)
 
     def prompt_tokens(self, problem: Problem, effort: int | None = None) -> tuple[int, ...]:
-        return tuple(self.tokenizer.encode(self.prompt_text(problem, effort), bos=self.tokenizer.add_bos))
+        """The prompt's ids; with `add_bos` they start with one BOS (a chat template that writes BOS gets no second)."""
+        tok = self.tokenizer
+        ids = tok.encode(self.prompt_text(problem, effort))
+        return tuple([tok.bos_id, *ids] if tok.add_bos and ids[:1] != [tok.bos_id] else ids)
+
+    def fits(self, prompt_tokens: Sequence[int]) -> bool:
+        return self.max_prompt_tokens is None or len(prompt_tokens) <= self.max_prompt_tokens
+
+    def draw_fitting(self, stream: Iterator[Problem], efforts: Sequence[int | None] = (None,),
+                     max_dropped: int = 1000) -> tuple[Problem, dict[int | None, tuple[int, ...]], int]:
+        """The next problem of `stream` whose prompt fits at every effort level in `efforts`, its prompt ids per
+        level, and how many problems before it were dropped as too long. `max_dropped` in a row is a recipe
+        error (one line), not a reason to spin forever."""
+        for dropped in range(max_dropped + 1):
+            problem = next(stream)
+            ids = {b: self.prompt_tokens(problem, b) for b in dict.fromkeys(efforts)}
+            if all(self.fits(t) for t in ids.values()):
+                return problem, ids, dropped
+        raise ValueError(f"{max_dropped + 1} prompts in a row of dataset {problem.dataset!r} are longer than "
+                         f"engine.max_prompt_tokens={self.max_prompt_tokens} (the last has {max(map(len, ids.values()))} tokens)")
 
     def sample_seed(self, sample_id: str) -> int:
         return sample_seed(self.run_seed, sample_id)

@@ -66,7 +66,8 @@ class PolicyWorker:
             backend = "nccl" if recipe.run.device == "cuda" else "gloo"  # NCCL reduces CUDA tensors; gloo, CPU ones
             dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size)
         self.model = build_policy(recipe)  # same seed on every rank: identical initial weights
-        self.engine = Engine(self.model, recipe.engine, eos_id=recipe.tokenizer.build().eos_id, device=recipe.run.device)
+        tok = recipe.tokenizer.build()
+        self.engine = Engine(self.model, recipe.engine, eos_id=tok.eos_id, eos_ids=tok.eos_ids, device=recipe.run.device)
         self.trainer: Trainer | None = None
         self.pool: TeacherPool | None = None  # OPD stages: the teachers (teachers/pool.py)
         self.reference: Decoder | None = None  # the run's initial policy, frozen (stages with kl_ref_coef > 0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from configbase import StrictConfig
 
@@ -27,7 +27,22 @@ class EngineConfig(StrictConfig):
     """KV-cache blocks in the pool; default: enough for max_batch_size sequences of max_seq_len."""
     max_seq_len: int = Field(256, gt=0)
     """Longest prompt + response the engine holds; also caps max_new_tokens per request."""
+    max_prompt_tokens: int | None = Field(None, gt=0)
+    """Longest prompt, in tokens, a rollout or evaluation starts from; a problem whose prompt is longer is
+    dropped and counted (`rollout/prompts_too_long`, `eval/<dataset>/prompts_too_long`). None: max_seq_len - 1."""
     max_new_tokens: int = Field(128, gt=0)
     """Default response length limit; a sequence stops with finish_reason 'length' there."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Default sampling settings of rollouts."""
+
+    @model_validator(mode="after")
+    def _prompt_fits(self) -> "EngineConfig":
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens >= self.max_seq_len:
+            raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} leaves no room for a response in "
+                             f"max_seq_len={self.max_seq_len}")
+        return self
+
+    @property
+    def prompt_limit(self) -> int:
+        """Longest prompt the engine is given: max_prompt_tokens, or max_seq_len - 1 (room for one token)."""
+        return self.max_prompt_tokens or self.max_seq_len - 1

@@ -19,6 +19,7 @@ RolloutState; resume() rebuilds the cache, again with no prefill.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -71,8 +72,12 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Decoder, cfg: EngineConfig, *, eos_id: int, device: str | torch.device = "cpu"):
+    def __init__(self, model: Decoder, cfg: EngineConfig, *, eos_id: int, eos_ids: Sequence[int] = (),
+                 device: str | torch.device = "cpu"):
+        """`eos_id` and `eos_ids`: a sequence stops on any of them (a checkpoint may name several, e.g. Llama 3's
+        <|eot_id|> and <|end_of_text|>); `eos_id` alone is the single-id form."""
         self.model, self.cfg, self.eos_id = model, cfg, eos_id
+        self.eos_ids = frozenset((eos_id, *eos_ids))
         self.device = torch.device(device)
         mcfg = model.config
         num_blocks = cfg.num_blocks or cfg.max_batch_size * -(-cfg.max_seq_len // cfg.block_size)
@@ -153,7 +158,7 @@ class Engine:
         finished = []
         for s in seqs:
             s.generate_s += dt
-            if (s.tokens[-1] == self.eos_id and not s.request.ignore_eos) or s.num_response >= self._max_new(s.request):
+            if (s.tokens[-1] in self.eos_ids and not s.request.ignore_eos) or s.num_response >= self._max_new(s.request):
                 finished.append(self._finish(s))
         return finished
 
@@ -322,7 +327,7 @@ class Engine:
             response_tokens=tuple(s.tokens[P:]),
             logprobs=tuple(s.logprobs),
             policy_versions=tuple(s.versions),
-            finish_reason="eos" if s.tokens[-1] == self.eos_id and not s.request.ignore_eos else "length",
+            finish_reason="eos" if s.tokens[-1] in self.eos_ids and not s.request.ignore_eos else "length",
             routing_trace=routing,
             generate_s=s.generate_s,
         )
