@@ -1,7 +1,8 @@
 """Dataset configs: one strict config per task family, chosen in a recipe by `type`; `build()` returns
 the `rewards.task.Task`. Pure Python (no torch), so recipes validate instantly.
 
-`type: custom` names a task class of the user's (`task: "package.module:Class"`, constructed as
+`type: jsonl | parquet | hf_disk` reads problems from a file (rewards/datasets.py, verifiers in
+rewards/verifiers.py). `type: custom` names a task class of the user's (`task: "package.module:Class"`, constructed as
 `Class(name=..., **args)`); validating the recipe imports it and checks it against the `Task` protocol.
 """
 
@@ -14,6 +15,7 @@ from pydantic import Field, model_validator
 
 from configbase import StrictConfig
 from rewards.arithmetic import ArithmeticTask
+from rewards.datasets import FILE_DATASET_CONFIGS
 from rewards.domains import DOMAIN_CLASSES
 from rewards.longtail import LongTailConfig
 from rewards.task import Task, missing_task_methods
@@ -280,7 +282,8 @@ PROCEDURAL_DOMAIN_CONFIGS = (
 """Every procedural domain's config class, besides ArithmeticConfig (recipe unions list these)."""
 
 DatasetConfig = Annotated[
-    Union[(ArithmeticConfig, LongTailConfig, CustomTaskConfig, *PROCEDURAL_DOMAIN_CONFIGS)], Field(discriminator="type")]
+    Union[(ArithmeticConfig, LongTailConfig, CustomTaskConfig, *PROCEDURAL_DOMAIN_CONFIGS, *FILE_DATASET_CONFIGS)],
+    Field(discriminator="type")]
 """A recipe's dataset: any task family, chosen by its `type:` key."""
 
 DEFAULT_DOMAIN_CONFIGS = tuple(cls() for cls in PROCEDURAL_DOMAIN_CONFIGS)

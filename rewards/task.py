@@ -133,7 +133,7 @@ class Task(Protocol):
     """One dataset: a problem source, its held-out split and its verifier.
 
     Subclass it to inherit the defaults of the optional methods (`demonstration`, `reasoning`,
-    `response_budget`); `train_stream`, `heldout` and `verify` are the task's own.
+    `response_budget`, `scan`); `train_stream`, `heldout` and `verify` are the task's own.
     """
 
     name: str
@@ -166,6 +166,12 @@ class Task(Protocol):
 
     def response_budget(self, problem: Problem, j: int) -> int | None:
         """A forced length for sample j of the problem's group (system benchmarks); None: stop at EOS."""
+        return None
+
+    def scan(self) -> str | None:
+        """Check all of the task's data before the job starts any worker (the job calls it when the task has
+        it): raise a `DatasetError` (rewards/dataset_io.py: one line naming the file, row and field; `rl train`
+        prints it and exits 2); return a one-line summary for the console, or None. Default: nothing to check."""
         return None
 
 

@@ -59,13 +59,14 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _train(recipe, run_dir: Path, resume: bool) -> int:
+    from rewards.dataset_io import DatasetError
     from rl.checkpoint import CheckpointError
     from rl.driver import train  # heavy: torch
     from rl.store_db import StoreError
 
     try:
         summary = train(recipe, run_dir, resume=resume)
-    except (CheckpointError, StoreError) as e:
+    except (CheckpointError, StoreError, DatasetError) as e:
         print(f"rl: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))

@@ -62,12 +62,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch  # heavy imports only past input checks
 
     from model.checkpoint import load_checkpoint
+    from rewards.dataset_io import DatasetError
     from rl.evaluation import engine_generate, evaluate
     from rl.rendering import Renderer
 
     torch.set_num_threads(recipe.run.num_threads)
     tok = recipe.tokenizer.build()
     tasks = {d.name: d.build() for d in recipe.datasets}
+    try:  # dataset files are read again (they may have changed since training): a bad row is one line
+        for task in tasks.values():
+            if callable(getattr(task, "scan", None)):
+                task.scan()
+    except DatasetError as e:
+        return _fail(str(e))
     renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit)
     generate = engine_generate(load_checkpoint(ckpt).eval(), recipe.engine, tok.eos_id, tok.eos_ids)
     print(f"checkpoint {ckpt}")

@@ -155,10 +155,16 @@ class Job:
 @contextmanager
 def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = print, resume: bool = False,
              checkpoints: bool = True) -> Iterator[Job]:
-    """The job of `recipe` in `run_dir`: its store (upgraded under its lock; run identity in run.json), its
+    """The job of `recipe` in `run_dir`: its datasets scanned (`Task.scan`: a bad row raises a DatasetError
+    before anything starts), its store (upgraded under its lock; run identity in run.json), its
     newest valid checkpoint when resuming (the store rolled back to it), metrics sinks and workers; all of it
     closed on exit. `checkpoints=False`: no checkpoint is written (a bench driving one stage)."""
     t_start = time.monotonic()
+    tasks = {d.name: d.build() for d in recipe.datasets}
+    for task in tasks.values():  # every row of every dataset file, before the run directory, the store or any worker
+        note = task.scan() if callable(getattr(task, "scan", None)) else None
+        if note:
+            say(note)
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe_yaml = recipe_to_yaml(recipe)
     store = TrajectoryStore.for_run_dir(run_dir, url=recipe.store.url, name=recipe.run.name)
@@ -172,7 +178,6 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
         for note in logger.notes:
             say(note)
         runtime = Runtime(recipe)
-        tasks = {d.name: d.build() for d in recipe.datasets}
         state = RunState()
         progress = Progress(recipe.logging.progress_bar, say, logger, t_start)
         if resume_from is not None:

@@ -1,0 +1,365 @@
+"""Verifiers of the file datasets (rewards/datasets.py): how a response is judged against a row's answer.
+
+A recipe picks one per dataset with `verifier:`, a string or a mapping:
+
+- `exact` (`{type: exact, compare: last_line | whole, case_sensitive}`): the response's last non-blank
+  line (default) or the whole response equals the answer, both with whitespace runs collapsed to one
+  space and the ends stripped.
+- `math` (`{type: math, timeout_s}`): the response's final answer, as math-verify extracts it (an
+  "answer is"/"answer:" phrase first, else a \\boxed{} or $...$ expression, else the last number or
+  expression), is mathematically equal to the answer. Any clear final answer counts: "The answer is
+  42.", "**42**", "\\boxed{42}", "42 apples". math-verify's own timeouts bound parsing and comparing.
+- `regex` (`{type: regex, pattern, compare: exact | math, ignore_case}`): the pattern's last match in
+  the response (its group `answer`, else its group 1, else the whole match) compared with the answer.
+- `python:pkg.module:fn` (`{type: python, function: "pkg.module:fn", correct_at}`): a function of the
+  user's that fits `RewardFunction`; `rl validate` imports it and checks its signature.
+
+Each config's `build()` returns a `Verifier`: (trajectory, answer, row) -> Verdict, which never raises
+(a failure is a reward 0 with the reason) and whose reason says what it read ("parsed 42, expected 41",
+"no answer found").
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import inspect
+import math
+import multiprocessing
+import re
+import threading
+import types
+from collections.abc import Callable, Mapping
+from functools import lru_cache, partial
+from typing import Annotated, Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
+
+from pydantic import Field, field_validator, model_validator
+
+from configbase import StrictConfig
+from rewards.task import Trajectory, Verdict
+
+Verifier = Callable[[Trajectory, str, Mapping[str, Any]], Verdict]
+"""A built verifier: (trajectory, reference answer, the dataset row) -> Verdict; never raises."""
+
+
+class RewardFunction(Protocol):
+    """The signature of a `python:` verifier (checked by `rl validate`): the trajectory (its `.response` is
+    the policy's answer), the row's answer as text, and the whole row (a dict of JSON values). Returns a
+    Verdict, a number (the reward; correct when >= `correct_at`), or a bool (reward 1 or 0)."""
+
+    def __call__(self, trajectory: Trajectory, answer: str, row: dict[str, Any], /) -> Verdict | float | bool: ...
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# ---- exact -------------------------------------------------------------------------------------------
+
+
+def _on_response(judge: Callable[..., Verdict], trajectory: Trajectory, answer: str, row: Mapping[str, Any], **options) -> Verdict:
+    """A verifier of the response text alone (a module-level partial, so built verifiers pickle)."""
+    return judge(trajectory.response, answer, **options)
+
+
+def normalise(text: str) -> str:
+    """Ends stripped, every whitespace run one space."""
+    return " ".join(text.split())
+
+
+def exact_verdict(response: str, answer: str, *, compare: str = "last_line", case_sensitive: bool = True) -> Verdict:
+    """Reward 1 iff the last non-blank line (or the whole response) equals the answer after `normalise`."""
+    text = response.strip()
+    if not text:
+        return Verdict(0.0, False, "empty response")
+    got = normalise(text.splitlines()[-1] if compare == "last_line" else text)
+    want = normalise(answer)
+    ok = got == want if case_sensitive else got.casefold() == want.casefold()
+    return Verdict(float(ok), ok, f"answer {_short(got)!r}" + ("" if ok else f", expected {_short(want)!r}"))
+
+
+class ExactVerifierConfig(StrictConfig):
+    """The response (its last line, or all of it) equals the answer, whitespace-normalised."""
+
+    type: Literal["exact"] = "exact"
+    """Discriminator: exact comparison."""
+    compare: Literal["last_line", "whole"] = "last_line"
+    """What is compared with the answer: the last non-blank line of the response, or the whole response."""
+    case_sensitive: bool = True
+    """False: compare case-folded."""
+
+    def build(self) -> Verifier:
+        return partial(_on_response, exact_verdict, compare=self.compare, case_sensitive=self.case_sensitive)
+
+
+# ---- math (math-verify) ------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4096)
+def parse_reference(answer: str, timeout_s: int = 2) -> tuple:
+    """math-verify's parse of a reference answer: as written ("1,000", "42 apples"), else as LaTeX
+    (\\boxed{answer}: "x^2+1", "(1,2)"); () when neither gives a math object ("???"). Off the main thread
+    it runs without a timeout (SIGALRM needs the main thread): references are the recipe's data, not the
+    policy's output."""
+    from math_verify import parse  # sympy: imported where answers are checked, never by `rl validate`
+
+    limit = timeout_s if threading.current_thread() is threading.main_thread() else None
+    for text in (answer, f"\\boxed{{{answer}}}"):
+        parsed = parse(text, parsing_timeout=limit)
+        if any(not isinstance(p, str) for p in parsed):  # a math object, not only math-verify's raw-text fallback
+            return tuple(parsed)
+    return ()
+
+
+def _shown(parsed: list) -> str:
+    """The text math-verify extracted (its last item is the matched string); never str() of a sympy object,
+    which can itself take unbounded time."""
+    return _short(parsed[-1].strip("*$ ") if isinstance(parsed[-1], str) else "an expression")
+
+
+def _math_verdict_here(response: str, answer: str, timeout_s: int) -> Verdict:
+    from math_verify import parse, verify
+    from math_verify.errors import TimeoutException
+
+    gold = parse_reference(answer, timeout_s)
+    if not gold:
+        return Verdict(0.0, False, f"reference {_short(answer)!r} is not parseable by math-verify")
+    try:
+        pred = parse(response, parsing_timeout=timeout_s, raise_on_error=True)
+    except TimeoutException:
+        return Verdict(0.0, False, f"parsing the response timed out ({timeout_s} s)")
+    except Exception as e:  # math-verify's own parse failure: the response has no usable answer
+        return Verdict(0.0, False, f"no answer found (math-verify: {type(e).__name__})")
+    if not pred:
+        return Verdict(0.0, False, "no answer found")
+    shown = _shown(pred)
+    for g in gold:
+        for p in pred:
+            try:
+                if verify(g, p, timeout_seconds=timeout_s, raise_on_error=True):
+                    return Verdict(1.0, True, f"parsed {shown}")
+            except TimeoutException:  # a pathological expression: no other pair is worth another timeout
+                return Verdict(0.0, False, f"parsed {shown}, comparing with {_short(answer)} timed out ({timeout_s} s)")
+            except Exception:  # sympy cannot compare this pair (e.g. a set with a number): not equal
+                continue
+    return Verdict(0.0, False, f"parsed {shown}, expected {_short(answer)}")
+
+
+_CHILD_START_S = 30.0
+"""Time a fresh child process may take to start and import sympy before its first verdict."""
+_child_lock = threading.Lock()
+_child_pool: Any = None
+
+
+def _math_verdict_in_child(response: str, answer: str, timeout_s: int) -> Verdict:
+    """Off the main thread math-verify's SIGALRM timeouts cannot run: one child process does the work
+    (with them, in its main thread) and is killed when it overruns, so no input hangs the caller."""
+    global _child_pool
+    with _child_lock:
+        if _child_pool is None:
+            _child_pool = multiprocessing.get_context("spawn").Pool(1)
+            atexit.register(_child_pool.terminate)
+        pool = _child_pool
+    try:
+        return pool.apply_async(_math_verdict_here, (response, answer, timeout_s)).get(_CHILD_START_S + 4 * timeout_s)
+    except multiprocessing.TimeoutError:
+        with _child_lock:
+            if _child_pool is pool:
+                pool.terminate()
+                _child_pool = None
+        return Verdict(0.0, False, f"math verification timed out in its child process ({timeout_s} s limits)")
+
+
+def math_verdict(response: str, answer: str, timeout_s: int = 2) -> Verdict:
+    """Reward 1 iff math-verify finds a final answer in `response` equal to `answer`; never raises or hangs:
+    parsing and each comparison stop after `timeout_s` (a timeout scores 0, with the reason)."""
+    if threading.current_thread() is threading.main_thread():
+        return _math_verdict_here(response, answer, timeout_s)
+    return _math_verdict_in_child(response, answer, timeout_s)
+
+
+class MathVerifierConfig(StrictConfig):
+    """The response's final answer equals the answer mathematically (math-verify)."""
+
+    type: Literal["math"] = "math"
+    """Discriminator: math-verify."""
+    timeout_s: int = Field(2, ge=1, le=60)
+    """math-verify's limit, whole seconds (SIGALRM), on parsing the response and on each comparison; a
+    verdict takes at most about twice this."""
+
+    def build(self) -> Verifier:
+        return partial(_on_response, math_verdict, timeout_s=self.timeout_s)
+
+
+# ---- regex -------------------------------------------------------------------------------------------
+
+
+class RegexVerifierConfig(StrictConfig):
+    """The pattern's last match in the response, compared with the answer."""
+
+    type: Literal["regex"] = "regex"
+    """Discriminator: extract with a regular expression."""
+    pattern: str = Field(min_length=1)
+    """Python regular expression; what it extracts is its group `answer`, else its group 1, else the match.
+    It runs on the response with no time limit (Python's re has none): avoid nested quantifiers."""
+    compare: Literal["exact", "math"] = "exact"
+    """exact: equal after whitespace normalisation; math: mathematically equal (math-verify)."""
+    ignore_case: bool = False
+    """Match the pattern, and compare exactly, ignoring case."""
+    timeout_s: int = Field(2, ge=1, le=60)
+    """With compare: math, math-verify's limit (see the math verifier)."""
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"not a valid regular expression ({e})") from None
+        return pattern
+
+    def extract(self, response: str) -> str | None:
+        rx = re.compile(self.pattern, re.IGNORECASE if self.ignore_case else 0)
+        last = None
+        for last in rx.finditer(response):
+            pass
+        if last is None:
+            return None
+        if "answer" in rx.groupindex:
+            return last.group("answer") or ""
+        return (last.group(1) or "") if rx.groups else last.group(0)
+
+    def verdict(self, response: str, answer: str) -> Verdict:
+        got = self.extract(response)
+        if got is None:
+            return Verdict(0.0, False, "no match of the pattern")
+        if self.compare == "math":
+            return math_verdict(got, answer, self.timeout_s)
+        return exact_verdict(got, answer, compare="whole", case_sensitive=not self.ignore_case)
+
+    def build(self) -> Verifier:
+        return partial(_on_response, self.verdict)
+
+
+# ---- python ------------------------------------------------------------------------------------------
+
+
+def _accepts(hint: Any, value_type: type) -> bool:
+    """Whether a parameter annotated `hint` accepts a `value_type` argument."""
+    if hint in (Any, object, inspect.Parameter.empty):
+        return True
+    origin = get_origin(hint)
+    if origin is Annotated:
+        return _accepts(get_args(hint)[0], value_type)
+    if origin in (Union, types.UnionType):
+        return any(_accepts(h, value_type) for h in get_args(hint))
+    base = origin or hint
+    return isinstance(base, type) and issubclass(value_type, base)
+
+
+def _returns_ok(hint: Any) -> bool:
+    """Whether every type in a return annotation is one a reward function may return."""
+    if hint in (Any, inspect.Parameter.empty):
+        return True
+    if get_origin(hint) in (Union, types.UnionType):
+        return all(_returns_ok(h) for h in get_args(hint))
+    return isinstance(hint, type) and issubclass(hint, (Verdict, float, int))  # bool is an int
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else repr(hint).replace("typing.", "")
+
+
+def reward_function_problem(fn: Any) -> str | None:
+    """Why `fn` does not fit `RewardFunction`, or None when it does."""
+    if not callable(fn):
+        return f"is a {type(fn).__name__}, not a function"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: nothing to check
+    try:
+        bound = sig.bind(None, "", {})
+    except TypeError as e:
+        return f"takes {sig}, which does not accept (trajectory, answer, row) ({e})"
+    try:
+        hints = get_type_hints(fn)
+    except Exception:  # annotations naming what only a type checker imports: the call shape was checked above
+        hints = {}
+    for (name, _), expected in zip(bound.arguments.items(), (Trajectory, str, dict)):
+        param = sig.parameters[name]
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if not _accepts(hints.get(name, inspect.Parameter.empty), expected):
+            return f"parameter {name!r} is annotated {_type_name(hints[name])}, but it receives a {expected.__name__}"
+    if not _returns_ok(hints.get("return", inspect.Parameter.empty)):
+        return f"its return annotation is {_type_name(hints['return'])}, not Verdict | float | bool"
+    return None
+
+
+def load_reward_function(path: str) -> Callable[..., Any]:
+    """Import "pkg.module:fn" and check it against `RewardFunction`; ValueError (one line) when it does not fit."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"cannot import reward function module {module_name!r} ({e})") from None
+    if not hasattr(module, attr):
+        raise ValueError(f"{path!r}: module {module_name!r} has no attribute {attr!r}")
+    fn = getattr(module, attr)
+    problem = reward_function_problem(fn)
+    if problem:
+        raise ValueError(f"reward function {path!r} does not fit RewardFunction (rewards/verifiers.py: "
+                         f"(trajectory: Trajectory, answer: str, row: dict) -> Verdict | float | bool): {problem}")
+    return fn
+
+
+def python_verdict(fn: Callable[..., Any], trajectory: Trajectory, answer: str, row: Mapping[str, Any], *,
+                   correct_at: float = 1.0) -> Verdict:
+    """The user's function's judgement as a Verdict; an error or a wrong return type scores 0 with the reason."""
+    try:
+        out = fn(trajectory, answer, dict(row))
+    except Exception as e:  # the user's code: its failure is the sample's, with the error as the reason
+        return Verdict(0.0, False, f"reward function error: {type(e).__name__}: {_short(str(e), 200)}")
+    if isinstance(out, Verdict):
+        return out
+    if isinstance(out, bool):
+        return Verdict(float(out), out, f"reward function: {out}")
+    if isinstance(out, (int, float)) and math.isfinite(out):
+        return Verdict(float(out), out >= correct_at, f"reward function: {out:g}")
+    return Verdict(0.0, False, f"reward function returned {_short(repr(out))}, not Verdict | float | bool")
+
+
+class PythonVerifierConfig(StrictConfig):
+    """A reward function of the user's, named by import path and checked against `RewardFunction`."""
+
+    type: Literal["python"] = "python"
+    """Discriminator: a Python reward function (shorthand `verifier: python:pkg.module:fn`)."""
+    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """Import path "pkg.module:fn" (importable where the job runs)."""
+    correct_at: float = 1.0
+    """A numeric reward counts as correct (accuracy metrics) when it is at least this."""
+
+    @model_validator(mode="after")
+    def _fits(self) -> "PythonVerifierConfig":
+        load_reward_function(self.function)
+        return self
+
+    def build(self) -> Verifier:
+        return partial(python_verdict, load_reward_function(self.function), correct_at=self.correct_at)
+
+
+VerifierConfig = Annotated[Union[ExactVerifierConfig, MathVerifierConfig, RegexVerifierConfig, PythonVerifierConfig],
+                           Field(discriminator="type")]
+"""A dataset's verifier, by `type`; `verifier_shorthand` reads the string forms."""
+
+
+def verifier_shorthand(value: Any) -> Any:
+    """`exact`, `math`, `regex` -> {type: ...}; `python:pkg.module:fn` -> {type: python, function: ...}."""
+    if not isinstance(value, str):
+        return value
+    if value in ("exact", "math", "regex"):
+        return {"type": value}
+    if value.startswith("python:"):
+        return {"type": "python", "function": value[len("python:"):]}
+    raise ValueError(f"unknown verifier {value!r}: use exact, math, regex (with a pattern) or python:pkg.module:fn")
