@@ -7,6 +7,7 @@
     rl traj ls RUN_DIR [filters]      rl traj show RUN_DIR SAMPLE_ID
     rl eval RUN_DIR [--effort 10,25,50,75,90,100]
     rl db upgrade RUN_DIR | DB_FILE | URL     bring a trajectory store to this code's schema
+    rl export RUN_DIR [--step N] --out DIR    a checkpoint as a Hugging Face model directory
 
 A bad recipe prints one line naming the field (and YAML line) and exits 2. torch is imported only by
 commands that need it, so `rl validate` is instant.
@@ -21,6 +22,7 @@ from pathlib import Path
 from rl.recipe_io import RecipeError, load_recipe
 from rl.db_cli import add_db_parser
 from rl.eval_cli import add_eval_parser
+from rl.export_cli import add_export_parser
 from rl.traj_cli import add_traj_parser
 
 EXIT_BAD_INPUT = 2
@@ -130,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_traj_parser(sub)
     add_eval_parser(sub)
     add_db_parser(sub)
+    add_export_parser(sub)
     return parser
 
 
