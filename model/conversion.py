@@ -184,7 +184,9 @@ def hf_conversion(cfg: ModelConfig, expert_layout: str = "per_expert") -> Conver
     """Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE names. asyncrl's names are HF's except the routed
     experts: `per_expert` (what save_pretrained writes: mlp.experts.{j}.gate_proj.weight, ...) or `fused`
     (transformers 5's in-memory layout: mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I])."""
-    same = lambda name: Rename(name, name)  # noqa: E731
+    def same(name: str) -> Step:
+        return Rename(name, name)
+
     steps: list[Step] = [same("model.embed_tokens.weight"), same("model.norm.weight")]
     steps.append(Ignore("lm_head.weight", "") if cfg.tie_word_embeddings else same("lm_head.weight"))
     for n in ("input_layernorm", "post_attention_layernorm"):

@@ -258,7 +258,9 @@ def gguf_fields(g: GGUFFile) -> dict:
         scaling = {"type": "linear", "factor": m["rope.scaling.factor"]}
     elif kind != "none":
         raise CheckpointFormatError(f"{where}: rope scaling type {kind!r} is not supported (linear)")
-    vocab = m.get("vocab_size") or len(g.metadata.get("tokenizer.ggml.tokens", ())) or g.tensors["token_embd.weight"].shape[0]
+    if "token_embd.weight" not in g.tensors:
+        raise CheckpointFormatError(f"{where}: no tensor token_embd.weight")
+    vocab = g.tensors["token_embd.weight"].shape[0]  # the weights' rows (a padded vocabulary included)
     fields = {
         "vocab_size": vocab, "hidden_size": hidden, "num_layers": need("block_count"), "num_heads": heads,
         "num_kv_heads": m.get("attention.head_count_kv", heads), "head_dim": head_dim,
