@@ -104,7 +104,9 @@ def write_weights(model: Decoder, directory: str | Path) -> None:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(model.config.model_dump(mode="json"), indent=2))
+    # `init` said where the weights came from; they are in this checkpoint now.
+    config = model.config.model_copy(update={"init": None})
+    (directory / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
 
 
 def load_weights_into(model: Decoder, directory: str | Path) -> None:

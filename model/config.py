@@ -100,8 +100,51 @@ class KVCacheConfig(StrictConfig):
     bit-identical to the engine's round trip, so the trained policy is the sampled one. No-op for bf16."""
 
 
+class LinearRopeScaling(StrictConfig):
+    """Linear ("position interpolation") RoPE scaling: every inverse frequency divided by `factor`."""
+
+    type: Literal["linear"] = "linear"
+    """Discriminator: linear scaling (HF `rope_scaling.type` / `rope_type` "linear")."""
+    factor: float = Field(gt=0)
+    """Positions are squeezed by this factor."""
+
+
+class Llama3RopeScaling(StrictConfig):
+    """Llama 3.1 RoPE scaling (`model.decoder.rope_inv_freq`): frequencies whose wavelength exceeds
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those shorter than
+    original_max_position_embeddings / high_freq_factor are kept, and those between are interpolated."""
+
+    type: Literal["llama3"] = "llama3"
+    """Discriminator: Llama 3.x scaling (HF `rope_type` "llama3")."""
+    factor: float = Field(gt=0)
+    """Divisor of the low frequencies (8 in Llama 3.1)."""
+    low_freq_factor: float = Field(gt=0)
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are fully scaled (1 in Llama 3.1)."""
+    high_freq_factor: float = Field(gt=0)
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are unscaled (4 in Llama 3.1)."""
+    original_max_position_embeddings: int = Field(gt=0)
+    """Context length of pre-training before the extension (8192 in Llama 3.1)."""
+
+    @model_validator(mode="after")
+    def _bands(self) -> "Llama3RopeScaling":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"rope_scaling: high_freq_factor={self.high_freq_factor} must exceed low_freq_factor={self.low_freq_factor}")
+        return self
+
+
+RopeScalingConfig = Annotated[Union[LinearRopeScaling, Llama3RopeScaling], Field(discriminator="type")]
+
+
 class ModelConfig(StrictConfig):
-    """Decoder shape. Dense form maps onto Llama/Qwen3, MoE form onto Qwen3-MoE/DeepSeekMoE."""
+    """Decoder shape. Dense form maps onto Llama/Qwen2/Qwen3, MoE form onto Qwen3-MoE/DeepSeekMoE.
+
+    `init` names a pretrained checkpoint: a Hugging Face directory (config.json + safetensors), a GGUF
+    file, or an asyncrl checkpoint directory (`model.formats.checkpoint_kind` tells them apart). Every
+    architecture field is then derived from the checkpoint (`model.formats.checkpoint_fields`); a field the
+    recipe gives as well must equal the derived value, else validation fails with one line naming the field
+    and both values. Free to differ: `kv_cache` (storage format, QAT), `init_std` (unused), and
+    `max_position_embeddings`, which may be lowered (never raised). `sparse_attention` must match the
+    checkpoint (None for Hugging Face and GGUF checkpoints: their attention is dense)."""
 
     vocab_size: int = Field(99, gt=0)
     """Vocabulary size; must equal the tokenizer's (the char tokenizer has 99 ids)."""
@@ -133,6 +176,24 @@ class ModelConfig(StrictConfig):
     """KV-cache storage format (bf16 | fp8 | fp4) and QAT; default: unquantised, no QAT."""
     sparse_attention: "SparseAttentionConfig | None" = None
     """CSA2 sparse attention in every layer (seed §2.3); None = dense GQA attention."""
+    attention_bias: bool = False
+    """Bias on the q/k/v projections (Qwen2); the output projection never has one."""
+    rope_scaling: RopeScalingConfig | None = None
+    """RoPE frequency scaling, `type: linear | llama3` as Hugging Face configs spell it; None = plain RoPE."""
+    hidden_act: Literal["silu"] = "silu"
+    """Activation of every SwiGLU block; silu is the only one (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
+    init: str | None = None
+    """Pretrained checkpoint to start from (HF directory, GGUF file or asyncrl checkpoint directory); its
+    config fixes the architecture fields (see the class docstring). None: random initialisation."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_from_init(cls, data):
+        if not isinstance(data, dict) or data.get("init") is None:
+            return data
+        from model.formats import checkpoint_fields  # torch-free: config.json / GGUF header only
+
+        return merge_checkpoint_fields(cls, data, checkpoint_fields(str(data["init"])))
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelConfig":
@@ -142,6 +203,8 @@ class ModelConfig(StrictConfig):
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
         if self.kv_cache.dtype == "fp4" and self.head_dim % 16:
             raise ValueError(f"kv_cache.dtype=fp4 needs head_dim a multiple of 16 (one E4M3 scale per 16 channels); got {self.head_dim}")
+        if self.is_sparse and (self.attention_bias or self.rope_scaling is not None):
+            raise ValueError("sparse_attention (CSA2) layers take neither attention_bias nor rope_scaling")
         return self
 
     @property
@@ -212,11 +275,42 @@ class SparseAttentionConfig(StrictConfig):
 ModelConfig.model_rebuild()
 
 
+def merge_checkpoint_fields(cls: type[ModelConfig], data: dict, derived: dict) -> dict:
+    """The recipe's `model:` section `data` completed by the fields `derived` from its `init` checkpoint;
+    ValueError (one line, naming the field and both values) where the two disagree."""
+    given = {k: v for k, v in data.items() if k != "init"}
+    if isinstance(given.get("ffn"), StrictConfig):  # built in Python: compare only what was set
+        ffn = given["ffn"]
+        given["ffn"] = {"type": ffn.type, **ffn.model_dump(exclude_unset=True)}
+    want = cls.model_validate(derived)
+    merged = {**derived, **given}
+    if isinstance(given.get("ffn"), dict) and given["ffn"].get("type", derived["ffn"]["type"]) == derived["ffn"]["type"]:
+        merged["ffn"] = {**derived["ffn"], **given["ffn"]}
+    got = cls.model_validate(merged)
+    init = data["init"]
+    for name in given:
+        if name in ("kv_cache", "init_std"):  # free: how K/V are stored; the init of weights that get loaded
+            continue
+        if name == "max_position_embeddings":
+            if got.max_position_embeddings > want.max_position_embeddings:
+                raise ValueError(f"max_position_embeddings={got.max_position_embeddings} exceeds the "
+                                 f"{want.max_position_embeddings} of init {init!r} (it may be lowered, not raised)")
+            continue
+        pairs = [(name, getattr(want, name), getattr(got, name))]
+        if name == "ffn" and want.ffn.type == got.ffn.type:
+            pairs = [(f"ffn.{k}", getattr(want.ffn, k), getattr(got.ffn, k)) for k in given["ffn"] if k != "type"]
+        for field, theirs, ours in pairs:
+            if theirs != ours:
+                show = (lambda v: v.model_dump(mode="json") if isinstance(v, StrictConfig) else v)
+                raise ValueError(f"init {init!r} has {field}={show(theirs)!r} but the recipe says {field}={show(ours)!r}")
+    return {**got.model_dump(), "init": init}
+
+
 def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
     """Configs whose weights are interchangeable: equal up to the KV-cache storage format and QAT,
     which change how K/V are stored, not which parameters exist (a QAT fine-tune starts from a bf16
-    checkpoint)."""
-    return a.model_copy(update={"kv_cache": b.kv_cache}) == b
+    checkpoint), and up to `init` and `init_std` (where the weights came from, how random ones are drawn)."""
+    return a.model_copy(update={"kv_cache": b.kv_cache, "init": b.init, "init_std": b.init_std}) == b
 
 
 def read_teacher_config(checkpoint: str | Path) -> ModelConfig:

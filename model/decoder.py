@@ -16,6 +16,7 @@ current router's scores gathered at the replayed ids, so the router keeps its gr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from model.config import ModelConfig, MoEFFNConfig
+from model.config import ModelConfig, MoEFFNConfig, RopeScalingConfig
 from model.kv_cache import PagedBatch, fake_quant, kv_format
 from model.sparse_attention import CSA2Attention, CSA2Cache, SharedState
 
@@ -40,9 +41,33 @@ class RMSNorm(nn.Module):
         return (x32 * self.weight.float()).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig | None = None,
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] float32: theta^(-2i/D), then the checkpoint's scaling, computed
+    with the same float32 operations as transformers (`modeling_rope_utils`), so logits agree to rounding.
+
+    linear: every frequency / factor. llama3 (Llama 3.1): with wavelength λ = 2π/f and L = the original
+    context, λ > L/low_freq_factor -> f/factor; λ < L/high_freq_factor -> f; between, the interpolation
+    (1 - s)·f/factor + s·f with s = (L/λ - low_freq_factor) / (high_freq_factor - low_freq_factor)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_len / scaling.low_freq_factor, old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 scaling: RopeScalingConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [B, T] -> cos, sin [B, T, 1, head_dim] (rotate-half convention, as HF Llama)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     freqs = positions.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
     return emb.cos(), emb.sin()
@@ -68,9 +93,9 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         d = cfg.hidden_size
-        self.q_proj = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(d, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(d, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, d, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -243,6 +268,8 @@ class Decoder(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
+            elif name.endswith("proj.bias"):
+                p.zero_()
             else:
                 p.normal_(0.0, std)
 
@@ -282,7 +309,7 @@ class Decoder(nn.Module):
         else:
             if positions is None:
                 positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-            cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+            cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
         h = self.model.embed_tokens(input_ids)
         routing = []
         recompute = checkpoint_layers and batch is None and not sparse and torch.is_grad_enabled()

@@ -9,6 +9,7 @@
     rl merge RUN_A[:STEP] RUN_B ... [--weights 0.5 0.5] --out DIR   weighted average of checkpoints
     rl db upgrade RUN_DIR | DB_FILE | URL     bring a trajectory store to this code's schema
     rl models fetch NAME [--dir DIR]          download and verify a known pretrained model file (rl models ls)
+    rl export RUN_DIR [--step N] --out DIR    a checkpoint as a Hugging Face model directory
 
 A bad recipe prints one line naming the field (and YAML line) and exits 2. torch is imported only by
 commands that need it, so `rl validate` is instant.
@@ -25,6 +26,7 @@ from rl.db_cli import add_db_parser
 from rl.eval_cli import add_eval_parser
 from rl.merge_cli import add_merge_parser
 from rl.models_cli import add_models_parser
+from rl.export_cli import add_export_parser
 from rl.traj_cli import add_traj_parser
 
 EXIT_BAD_INPUT = 2
@@ -137,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_db_parser(sub)
     add_merge_parser(sub)
     add_models_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

@@ -153,17 +153,17 @@ def test_recipe_hf_variant_and_vocab_rule(tmp_path):
 
 
 def test_recipe_takes_the_tokenizer_of_model_init(tmp_path):
-    """`path: null` reads `model.init` (ModelConfig.init comes with the model loader; a stand-in here)."""
-    d = write_hf_dir(tmp_path / "tok")
+    """`path: null` reads `model.init`: a real tiny checkpoint directory with its tokenizer files."""
+    from tests.hf_tiny import make_hf
 
-    class WithInit(ModelConfig):
-        init: str | None = None
-
-    data = _recipe(tmp_path, {"type": "hf", "path": None}, 600)
-    data["model"] = WithInit(vocab_size=600, init=str(d))
-    filled = Recipe._tokenizer_of_model_init(data)
-    assert filled["tokenizer"] == {"type": "hf", "path": str(d)}
-    assert Recipe._tokenizer_of_model_init({**data, "tokenizer": {"type": "hf", "path": "x"}})["tokenizer"]["path"] == "x"
+    d = tmp_path / "ckpt"
+    make_hf("llama", d, vocab_size=600, max_position_embeddings=512)
+    write_hf_dir(d)
+    recipe = Recipe.model_validate({**_recipe(tmp_path, {"type": "hf", "path": None}, 600), "model": {"init": str(d)}})
+    assert recipe.tokenizer.path == str(d) and recipe.model.vocab_size == 600
+    assert recipe.tokenizer.build().vocab_size == 600
+    explicit = Recipe.model_validate({**_recipe(tmp_path, {"type": "hf", "path": str(d)}, 600), "model": {"init": str(d)}})
+    assert explicit.tokenizer.path == str(d)
 
 
 def test_rollouts_are_token_in_token_out(tmp_path):

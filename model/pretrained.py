@@ -1,0 +1,268 @@
+"""Pretrained models: where they live, loading one into a Decoder, exporting a Decoder to Hugging Face.
+
+    default_model_path(name)            $ASYNCRL_HOME/models/<name>/<file> (the file `rl models fetch` writes)
+    read_pretrained_config(path)        ModelConfig of an HF directory, a GGUF file or an asyncrl checkpoint
+    build_decoder(cfg, device, dtype)   a Decoder; with cfg.init set, its weights come from that checkpoint
+    load_pretrained_into(model, path)   stream a checkpoint's tensors into the model's own parameters
+    export_hf(model, out_dir, ...)      a Hugging Face directory transformers loads as is
+    export_checkpoint(ckpt, out_dir)    the same from an asyncrl checkpoint directory (rl export)
+
+Loading never builds a state dict: each file tensor is read (safetensors) or dequantised (GGUF, one tensor
+at a time), mapped by the declared conversion (model/conversion.py) and copied into the parameter, which
+already sits on its device in its dtype (build_decoder allocates the model there, uninitialised, with no
+host float32 copy). Loading reads safetensors, JSON and GGUF only: nothing in a checkpoint runs code, and
+transformers is never imported (tests/unit/test_pretrained.py blocks it and still loads and generates).
+Every failure is one line naming the file: a missing shard, an unsupported quantisation type, an unknown
+architecture or tensor, a shape that disagrees with the config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from model.config import ModelConfig
+from model.formats import (SAFETENSORS_INDEX, TOKENIZER_FILES, CheckpointFormatError, checkpoint_fields, checkpoint_kind,
+                           hf_architecture, hf_config, hf_weight_files)
+
+MODELS = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct.Q4_1.gguf"}
+"""Models asyncrl knows by name -> the file `rl models fetch NAME` writes under models/NAME/."""
+
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+def asyncrl_home() -> Path:
+    """$ASYNCRL_HOME, default ~/.cache/asyncrl."""
+    return Path(os.environ.get("ASYNCRL_HOME") or Path.home() / ".cache" / "asyncrl")
+
+
+def default_model_path(name: str) -> Path:
+    """Where model `name` lives once fetched: $ASYNCRL_HOME/models/<name>/<file> (it may not exist yet)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    return asyncrl_home() / "models" / name / MODELS[name]
+
+
+def read_pretrained_config(path: str | Path) -> ModelConfig:
+    """The architecture of checkpoint `path` (no weights read), with `init` set to it."""
+    return ModelConfig.model_validate({**checkpoint_fields(path), "init": str(path)})
+
+
+# -- loading ------------------------------------------------------------------------------------------------
+def build_decoder(cfg: ModelConfig, device="cpu", dtype=None):
+    """A Decoder of `cfg` on `device` in `dtype` (default float32). With `cfg.init` the parameters are
+    allocated there uninitialised (built on the meta device: no random init, no host copy) and then
+    filled from the checkpoint; without, the usual random initialisation."""
+    import torch
+
+    from model.decoder import Decoder
+
+    dtype = dtype or torch.float32
+    if cfg.init is None:
+        return Decoder(cfg).to(device=device, dtype=dtype)
+    with torch.device("meta"):
+        model = Decoder(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gives every parameter its own storage: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for b in model.buffers():  # Router.e_score_correction_bias: zero (no checkpoint of ours has one)
+        b.zero_()
+    load_pretrained_into(model, cfg.init)
+    return model
+
+
+def _open_source(path: Path, kind: str, cfg: ModelConfig):
+    """(conversion, [(file, names, get(name) -> tensor)] lazily) of checkpoint `path` of `kind`."""
+    import torch
+    from safetensors import safe_open
+
+    from model.conversion import gguf_conversion, hf_conversion, hf_expert_layout, identity_conversion
+
+    if kind == "gguf":
+        from model.gguf_file import GGUFFile
+
+        g = GGUFFile(path)
+        conv = gguf_conversion(cfg, g.metadata["general.architecture"])
+        return conv, iter([(path, list(g.tensors), lambda n: torch.from_numpy(g.dequantized(n)))])
+    files = hf_weight_files(path) if kind == "hf" else [path / "model.safetensors"]
+    names = {}
+    for f in files:  # headers only: every tensor name, to pick the expert layout before loading any
+        with safe_open(str(f), framework="pt") as st:
+            names[f] = list(st.keys())
+    all_names = [n for ns in names.values() for n in ns]
+    conv = hf_conversion(cfg, hf_expert_layout(all_names)) if kind == "hf" else identity_conversion(cfg, all_names)
+
+    def tensors():
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                yield f, names[f], st.get_tensor
+    return conv, tensors()
+
+
+def load_pretrained_into(model, path: str | Path) -> None:
+    """Copy checkpoint `path` (HF directory, GGUF file or asyncrl checkpoint) into `model`'s parameters
+    in place, tensor by tensor, on their device and in their dtype. Every parameter must be written."""
+    import torch
+
+    from model.config import same_weights
+    from model.conversion import UnknownTensor
+
+    path, cfg = Path(path), model.config
+    kind = checkpoint_kind(path)
+    if kind == "asyncrl":
+        from model.checkpoint import load_config
+
+        if not same_weights(load_config(path), cfg):
+            raise CheckpointFormatError(f"{path / 'config.json'}: saved with a different model config")
+    conv, sources = _open_source(path, kind, cfg)
+    targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # a tied lm_head: once, as embed_tokens
+    written = dict.fromkeys(targets, 0)
+    seen: set[str] = set()
+    with torch.no_grad():
+        if kind != "asyncrl":  # Router.e_score_correction_bias: none of these formats has one
+            for name, b in model.named_buffers():
+                b.zero_()
+                written[name] = b.numel()
+        for file, names, get in sources:
+            for name in names:
+                try:
+                    pieces = conv.to_ours(name, get(name))
+                except UnknownTensor:
+                    raise CheckpointFormatError(f"{file}: unexpected tensor {name} for this architecture") from None
+                except RuntimeError as e:  # a reshape in a step that the shape cannot take
+                    raise CheckpointFormatError(f"{file}: tensor {name} does not fit the config ({str(e).splitlines()[0]})") from None
+                seen.add(name)
+                for piece in pieces:
+                    if piece.name not in targets:
+                        raise CheckpointFormatError(f"{file}: unexpected tensor {name} for this config")
+                    dst = targets[piece.name].data
+                    dst = dst[piece.index] if piece.index else dst
+                    if tuple(dst.shape) != tuple(piece.tensor.shape):
+                        raise CheckpointFormatError(f"{file}: tensor {name} has shape {tuple(piece.tensor.shape)}; "
+                                                    f"the config gives {piece.name} shape {tuple(dst.shape)}")
+                    dst.copy_(piece.tensor)
+                    written[piece.name] += piece.tensor.numel()
+    missing = [n for n, _, _ in conv.source_names() if n not in seen]
+    if missing:
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointFormatError(f"{path}: no tensor {missing[0]}{more}")
+    short = [n for n, t in targets.items() if written[n] < t.numel()]
+    if short:
+        raise CheckpointFormatError(f"{path}: no tensor for {short[0]}")
+
+
+# -- export -------------------------------------------------------------------------------------------------
+_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+TokenizerFrom = str | Path | Callable[[Path], None] | None
+
+
+def export_hf(model, out_dir: str | Path, *, tokenizer_from: TokenizerFrom = None, bos_token_id: int | None = None,
+              eos_token_id: int | None = None, expert_layout: str = "per_expert",
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Write `model` as a Hugging Face directory at `out_dir` (which must not exist or be empty): config.json,
+    model.safetensors (or shards + model.safetensors.index.json above `max_shard_bytes`),
+    generation_config.json and tokenizer files. MoE experts are written per expert (save_pretrained's
+    layout) unless expert_layout="fused". `tokenizer_from`: an HF directory whose tokenizer files (and
+    generation_config.json) are copied, or a callable that writes them into the directory it is given
+    (the tokenizer's own writer, e.g. for a GGUF source whose tokenizer lives in the GGUF header)."""
+    state = dict(model.state_dict())
+    return _write_hf(model.config, state.__getitem__, Path(out_dir), tokenizer_from, bos_token_id, eos_token_id,
+                     expert_layout, max_shard_bytes)
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, tokenizer_from: TokenizerFrom = None,
+                      bos_token_id: int | None = None, eos_token_id: int | None = None, expert_layout: str = "per_expert",
+                      max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """`export_hf` of an asyncrl checkpoint directory (config.json + model.safetensors), read tensor by
+    tensor without building a Decoder."""
+    from safetensors import safe_open
+
+    from model.checkpoint import load_config
+
+    checkpoint = Path(checkpoint)
+    cfg = load_config(checkpoint)
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as st:
+        keys = set(st.keys())
+
+        def get(name: str):
+            if name == "lm_head.weight" and name not in keys and cfg.tie_word_embeddings:
+                name = "model.embed_tokens.weight"
+            if name not in keys:
+                raise CheckpointFormatError(f"{checkpoint / 'model.safetensors'}: no tensor {name}")
+            return st.get_tensor(name)
+
+        return _write_hf(cfg, get, Path(out_dir), tokenizer_from, bos_token_id, eos_token_id, expert_layout, max_shard_bytes)
+
+
+def _write_hf(cfg: ModelConfig, get, out: Path, tokenizer_from: TokenizerFrom, bos_token_id, eos_token_id,
+              expert_layout: str, max_shard_bytes: int) -> Path:
+    """Everything into a sibling temporary directory, renamed to `out` at the end (no half export)."""
+    from model.conversion import hf_conversion
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointFormatError(f"{out}: exists and is not an empty directory")
+    fields = cfg.model_dump(mode="json")
+    hf_architecture(fields)  # refuse before writing anything
+    conv = hf_conversion(cfg, expert_layout)
+    if cfg.is_moe:  # Qwen3-MoE has no selection bias: refuse to drop a trained one silently
+        for i in range(cfg.num_layers):
+            if get(f"model.layers.{i}.mlp.gate.e_score_correction_bias").abs().max() > 0:
+                raise CheckpointFormatError(f"layer {i} has a nonzero e_score_correction_bias, which qwen3_moe cannot hold")
+    tmp = out.with_name(out.name + ".tmp-export")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _write_files(fields, conv, get, tmp, tokenizer_from, bos_token_id, eos_token_id, max_shard_bytes)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        out.rmdir()
+    os.replace(tmp, out)
+    return out
+
+
+def _write_files(fields: dict, conv, get, tmp: Path, tokenizer_from, bos_token_id, eos_token_id, max_shard_bytes) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[list[str]] = []  # tensor names per shard file, in order
+    shard, shard_bytes, total, dtype = {}, 0, 0, None
+    for name, t in conv.export(get):
+        t = t.detach().to("cpu").clone()  # own storage: stacked experts' rows are views of one tensor
+        dtype = dtype or _DTYPES.get(str(t.dtype), "float32")
+        size = t.numel() * t.element_size()
+        if shard and shard_bytes + size > max_shard_bytes:  # at most one shard in host memory
+            save_file(shard, str(tmp / f"shard-{len(shards):05d}"), metadata={"format": "pt"})
+            shards.append(list(shard))
+            shard, shard_bytes = {}, 0
+        shard[name] = t
+        shard_bytes, total = shard_bytes + size, total + size
+    save_file(shard, str(tmp / f"shard-{len(shards):05d}"), metadata={"format": "pt"})
+    shards.append(list(shard))
+    if len(shards) == 1:
+        (tmp / "shard-00000").rename(tmp / "model.safetensors")
+    else:  # transformers' names and index
+        weight_map = {}
+        for k, names in enumerate(shards):
+            final = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            (tmp / f"shard-{k:05d}").rename(tmp / final)
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2))
+    generation = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}
+    if callable(tokenizer_from):
+        tokenizer_from(tmp)
+    elif tokenizer_from is not None:
+        src = Path(tokenizer_from)
+        for name in TOKENIZER_FILES + ("generation_config.json",):
+            if (src / name).is_file():
+                shutil.copyfile(src / name, tmp / name)
+        if (src / "config.json").is_file():  # the source's special ids, unless given
+            source_cfg = json.loads((src / "config.json").read_text())
+            generation = {k: generation[k] if generation[k] is not None else source_cfg.get(k) for k in generation}
+    (tmp / "config.json").write_text(json.dumps(hf_config(fields, dtype=dtype or "float32", **generation), indent=2))
+    if not (tmp / "generation_config.json").is_file():
+        (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2))

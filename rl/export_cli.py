@@ -1,0 +1,100 @@
+"""`rl export RUN_DIR [--step N | --checkpoint DIR] --out DIR`: a run's checkpoint as a Hugging Face
+directory (config.json, safetensors, generation_config.json, tokenizer files) that
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads as is (model/pretrained.py `export_checkpoint`).
+
+The checkpoint is the run's newest that verifies (rl/checkpoint.py `CheckpointManager.latest`, the one
+finder), or the newest of global step N. Tokenizer files come from the run's `model.init` when it is a
+Hugging Face directory. Bad input (not a run directory, no such checkpoint, an output directory in the
+way, a model with no Hugging Face architecture) prints one line and exits 2.
+
+`export_run_checkpoint` is the same export as a function, for the driver's export at the end of a stage
+(runs started from a pretrained model: `stage_end_export`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def add_export_parser(subparsers) -> None:
+    p = subparsers.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    p.add_argument("run_dir")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, help="the checkpoint of this global step (default: the newest)")
+    which.add_argument("--checkpoint", default=None, help="this checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
+    p.set_defaults(func=cmd_export)
+
+
+def _fail(msg: str) -> int:
+    print(f"rl export: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def find_checkpoint(run_dir: Path, step: int | None) -> Path:
+    """The run's newest verified checkpoint, or the newest verified one of global step `step`; ValueError
+    (one line) when there is none."""
+    from rl.checkpoint import CheckpointError, CheckpointManager
+
+    mgr = CheckpointManager(run_dir / "checkpoints", warn=lambda m: print(m, file=sys.stderr))
+    try:
+        if step is None:
+            found = mgr.latest()
+        else:
+            found = next((p for p in reversed(mgr.complete())
+                          if p.name.startswith(f"step-{step:08d}-") and mgr.problem(p) is None), None)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    if found is None:
+        what = "" if step is None else f" of step {step}"
+        raise ValueError(f"no verified checkpoint{what} under {run_dir / 'checkpoints'}")
+    return found
+
+
+def export_run_checkpoint(recipe, checkpoint: Path, out: Path) -> Path:
+    """Export `checkpoint` of a run of `recipe` to `out`, with the tokenizer's special ids and, when the run
+    started from a Hugging Face directory, its tokenizer files (for a GGUF start the tokenizer files must
+    come from the tokenizer itself: see the note in model/pretrained.py `export_hf`)."""
+    from model.formats import checkpoint_kind
+    from model.pretrained import export_checkpoint
+
+    tok = recipe.tokenizer.build()
+    tokenizer_from = None
+    init = recipe.model.init
+    if init is not None and checkpoint_kind(init) == "hf":
+        tokenizer_from = Path(init)
+    elif callable(getattr(tok, "save_hf_files", None)):  # a tokenizer that can write its own HF files
+        tokenizer_from = tok.save_hf_files
+    return export_checkpoint(checkpoint, out, tokenizer_from=tokenizer_from, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+
+
+def stage_end_export(recipe, checkpoint: Path, run_dir: Path) -> Path | None:
+    """For runs started from a pretrained model (`model.init`): the stage-end checkpoint exported to
+    RUN_DIR/export/<checkpoint name>; None (nothing written) for runs from random initialisation."""
+    if recipe.model.init is None:
+        return None
+    return export_run_checkpoint(recipe, checkpoint, run_dir / "export" / checkpoint.name)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    run_dir, out = Path(args.run_dir), Path(args.out)
+    if not (run_dir / "recipe.yaml").is_file():
+        return _fail(f"{run_dir} is not a run directory (no recipe.yaml)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        return _fail(f"{out} exists and is not an empty directory")
+    from rl.recipe_io import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(run_dir / "recipe.yaml")
+        ckpt = Path(args.checkpoint) if args.checkpoint else find_checkpoint(run_dir, args.step)
+        if not (ckpt / "model.safetensors").is_file() or not (ckpt / "config.json").is_file():
+            raise ValueError(f"{ckpt} is not a checkpoint (no model.safetensors and config.json)")
+        path = export_run_checkpoint(recipe, ckpt, out)
+    except (ValueError, RecipeError) as e:  # CheckpointFormatError is a ValueError
+        return _fail(str(e).splitlines()[0])
+    print(f"exported {ckpt} -> {path}")
+    return 0
