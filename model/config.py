@@ -183,8 +183,9 @@ class ModelConfig(StrictConfig):
     hidden_act: Literal["silu"] = "silu"
     """Activation of every SwiGLU block; silu is the only one (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
     init: str | None = None
-    """Pretrained checkpoint to start from (HF directory, GGUF file or asyncrl checkpoint directory); its
-    config fixes the architecture fields (see the class docstring). None: random initialisation."""
+    """Pretrained checkpoint to start from (HF directory, GGUF file, asyncrl checkpoint directory, or the
+    name of a model `rl models fetch` knows); its config fixes the architecture fields (see the class
+    docstring). None: random initialisation."""
 
     @model_validator(mode="before")
     @classmethod
@@ -192,8 +193,9 @@ class ModelConfig(StrictConfig):
         if not isinstance(data, dict) or data.get("init") is None:
             return data
         from model.formats import checkpoint_fields  # torch-free: config.json / GGUF header only
+        from model.registry import resolve_model_source  # `init: smollm2-135m-instruct`: the fetched file
 
-        return merge_checkpoint_fields(cls, data, checkpoint_fields(str(data["init"])))
+        return merge_checkpoint_fields(cls, data, checkpoint_fields(str(resolve_model_source(data["init"]))))
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelConfig":

@@ -87,6 +87,18 @@ class HFTokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     special_tokens=self.special_tokens)
 
+    def save_hf_files(self, directory: str | Path) -> None:
+        """Write this tokenizer as Hugging Face tokenizer files (tokenizer.json, tokenizer_config.json with
+        the special tokens, the BOS rule and the chat template) into `directory`: what an export of a run
+        started from a GGUF file carries, so that transformers' AutoTokenizer reads the same tokenizer."""
+        d = Path(directory)
+        self.backend.save(str(d / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": self.add_bos, "add_eos_token": False,
+                  "clean_up_tokenization_spaces": False, **self.special_tokens}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (d / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
     def __repr__(self) -> str:
         return (f"HFTokenizer({self.source!r}, vocab_size={self._vocab_size}, eos_ids={self.eos_ids}, bos_id={self.bos_id}, "
                 f"pad_id={self.pad_id}, add_bos={self.add_bos})")

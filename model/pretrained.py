@@ -1,6 +1,5 @@
 """Pretrained models: where they live, loading one into a Decoder, exporting a Decoder to Hugging Face.
 
-    default_model_path(name)            $ASYNCRL_HOME/models/<name>/<file> (the file `rl models fetch` writes)
     read_pretrained_config(path)        ModelConfig of an HF directory, a GGUF file or an asyncrl checkpoint
     build_decoder(cfg, device, dtype)   a Decoder; with cfg.init set, its weights come from that checkpoint
     load_pretrained_into(model, path)   stream a checkpoint's tensors into the model's own parameters
@@ -28,22 +27,7 @@ from model.config import ModelConfig
 from model.formats import (SAFETENSORS_INDEX, TOKENIZER_FILES, CheckpointFormatError, checkpoint_fields, checkpoint_kind,
                            hf_architecture, hf_config, hf_weight_files)
 
-MODELS = {"smollm2-135m-instruct": "SmolLM2-135M-Instruct.Q4_1.gguf"}
-"""Models asyncrl knows by name -> the file `rl models fetch NAME` writes under models/NAME/."""
-
 DEFAULT_SHARD_BYTES = 5 * 2**30
-
-
-def asyncrl_home() -> Path:
-    """$ASYNCRL_HOME, default ~/.cache/asyncrl."""
-    return Path(os.environ.get("ASYNCRL_HOME") or Path.home() / ".cache" / "asyncrl")
-
-
-def default_model_path(name: str) -> Path:
-    """Where model `name` lives once fetched: $ASYNCRL_HOME/models/<name>/<file> (it may not exist yet)."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
-    return asyncrl_home() / "models" / name / MODELS[name]
 
 
 def read_pretrained_config(path: str | Path) -> ModelConfig:
@@ -60,6 +44,8 @@ def build_decoder(cfg: ModelConfig, device="cpu", dtype=None):
 
     from model.decoder import Decoder
 
+    from model.registry import resolve_model_source
+
     dtype = dtype or torch.float32
     if cfg.init is None:
         return Decoder(cfg).to(device=device, dtype=dtype)
@@ -70,7 +56,7 @@ def build_decoder(cfg: ModelConfig, device="cpu", dtype=None):
         model.lm_head.weight = model.model.embed_tokens.weight
     for b in model.buffers():  # Router.e_score_correction_bias: zero (no checkpoint of ours has one)
         b.zero_()
-    load_pretrained_into(model, cfg.init)
+    load_pretrained_into(model, resolve_model_source(cfg.init))
     return model
 
 

@@ -70,5 +70,11 @@ def model_path(name: str) -> Path:
 
 
 def resolve_model_source(source: str | Path) -> Path:
-    """A path as given, or for the name of a known model, its fetched file (`model_path`)."""
-    return model_path(str(source)) if str(source) in MODELS else Path(source).expanduser()
+    """A path as given, or for the name of a known model, its fetched file (`model_path`); a known model
+    that is not fetched yet is a ValueError saying how to fetch it."""
+    if str(source) not in MODELS:
+        return Path(source).expanduser()
+    path = model_path(str(source))
+    if not path.is_file():
+        raise ValueError(f"model {str(source)!r} is not fetched yet: run `rl models fetch {source}`")
+    return path

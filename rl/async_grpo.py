@@ -286,6 +286,7 @@ class AsyncGRPO:
             "rollout/reward": sum(s.reward for s in samples) / len(samples),
             "rollout/accuracy": sum(s.correct for s in samples) / len(samples),
             "rollout/response_len": len(versions) / len(samples),
+            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "rollout/tokens_per_s": clock.generated_tokens / max(clock.rollout_s, 1e-9),
             "rollout/concurrency_mean": sum(clock.concurrency) / max(len(clock.concurrency), 1),
             "rollout/prompts_too_long": self.prompts_too_long,

@@ -60,11 +60,12 @@ def export_run_checkpoint(recipe, checkpoint: Path, out: Path) -> Path:
     started from a Hugging Face directory, its tokenizer files (for a GGUF start the tokenizer files must
     come from the tokenizer itself: see the note in model/pretrained.py `export_hf`)."""
     from model.formats import checkpoint_kind
+    from model.registry import resolve_model_source
     from model.pretrained import export_checkpoint
 
     tok = recipe.tokenizer.build()
     tokenizer_from = None
-    init = recipe.model.init
+    init = None if recipe.model.init is None else resolve_model_source(recipe.model.init)
     if init is not None and checkpoint_kind(init) == "hf":
         tokenizer_from = Path(init)
     elif callable(getattr(tok, "save_hf_files", None)):  # a tokenizer that can write its own HF files

@@ -148,7 +148,11 @@ class Job:
         metrics; returns them."""
         metrics = self.evaluate()
         marker = {"stage": stage_idx, "type": self.recipe.stages[stage_idx].type, "eval": metrics}
-        self.checkpointer.save(self, stage_idx, stage_record, stage_end=marker)
+        path = self.checkpointer.save(self, stage_idx, stage_record, stage_end=marker)
+        if path is not None and self.recipe.model.init is not None:  # a real model: a Hugging Face copy too
+            from rl.export_cli import stage_end_export  # heavy (torch, safetensors) and only needed here
+
+            self.say(f"exported stage {stage_idx} to {stage_end_export(self.recipe, path, self.run_dir)}")
         return metrics
 
 

@@ -23,6 +23,7 @@ import msgpack
 
 from model.checkpoint import load_weights_into, write_weights
 from model.decoder import Decoder
+from model.pretrained import build_decoder
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.objectives import build_objective
 from rl.trainer import StepMetrics, TrainBatch, Trainer
@@ -50,8 +51,10 @@ class StepResult:
 
 
 def build_policy(recipe: Recipe) -> Decoder:
+    """The run's initial policy on its device: `model.init`'s weights (a pretrained checkpoint, streamed in),
+    else a random initialisation from the run seed; then `run.init_checkpoint`'s weights when given."""
     torch.manual_seed(recipe.run.seed)
-    model = Decoder(recipe.model).to(recipe.run.device)
+    model = build_decoder(recipe.model, device=recipe.run.device)
     if recipe.run.init_checkpoint is not None:  # shape checked by Recipe; the KV format may differ (QAT)
         load_weights_into(model, recipe.run.init_checkpoint)
     return model

@@ -227,9 +227,9 @@ def smollm2_gguf() -> Path | None:
     """$ASYNCRL_SMOLLM2_GGUF, else where `rl models fetch` puts the file; None when it is not there."""
     import os
 
-    from model.pretrained import default_model_path
+    from model.registry import model_path
 
-    path = Path(os.environ.get("ASYNCRL_SMOLLM2_GGUF") or default_model_path(SMOLLM2))
+    path = Path(os.environ.get("ASYNCRL_SMOLLM2_GGUF") or model_path(SMOLLM2))
     return path if path.is_file() else None
 
 

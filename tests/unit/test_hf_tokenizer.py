@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from model.chat_template import render_chat_template
-from model.config import HFTokenizerConfig, ModelConfig
+from model.config import HFTokenizerConfig
 from model.gguf_metadata import read_gguf_metadata
 from model.hf_tokenizer import load_hf_tokenizer
 from model.tokenizer import CharTokenizer, Tokenizer
@@ -232,3 +232,18 @@ def test_cli_validate_refuses_a_tokenizer_that_does_not_fit_in_one_line(tmp_path
     (tmp_path / "ok.yaml").write_text(f"tokenizer: {{type: hf, path: {tok}}}\nmodel: {{vocab_size: 640}}\n"
                                       "datasets: [{type: arithmetic}]\nstages: [{type: sft, max_steps: 1}]\n")
     assert run_cli("validate", "ok.yaml", cwd=tmp_path).returncode == 0
+
+
+def test_a_gguf_tokenizer_writes_hf_files_that_transformers_and_asyncrl_read_alike(tmp_path):
+    """What an export of a GGUF-started run carries: the same ids, specials and chat template on both sides."""
+    tok = load_hf_tokenizer(write_gguf(tmp_path / "t.gguf", pre="default"))
+    out = tmp_path / "hf"
+    out.mkdir()
+    tok.save_hf_files(out)
+    again, hf = load_hf_tokenizer(out), AutoTokenizer.from_pretrained(out)
+    for s in STRINGS[:200]:
+        assert again.encode(s) == tok.encode(s) == hf.encode(s, add_special_tokens=False), s
+    assert (again.eos_id, again.bos_id, again.pad_id, again.add_bos) == (tok.eos_id, tok.bos_id, tok.pad_id, tok.add_bos)
+    conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert again.apply_chat_template(conv) == tok.apply_chat_template(conv) == hf.apply_chat_template(
+        conv, tokenize=False, add_generation_prompt=True)

@@ -124,13 +124,15 @@ def test_smollm2_parity_with_transformers(smollm2):
     assert "Paris" in r["first_reply"]  # a real model, really loaded: it knows the capital of France
 
 
-def test_default_model_path_follows_asyncrl_home(tmp_path, monkeypatch):
+def test_model_path_follows_asyncrl_home_and_names_the_fetch_command(tmp_path, monkeypatch):
     """The one place `rl models fetch` writes to and the tests read from: $ASYNCRL_HOME/models/<name>/<file>."""
-    from model.pretrained import default_model_path
+    from model.registry import model_path, resolve_model_source
 
     monkeypatch.setenv("ASYNCRL_HOME", str(tmp_path))
-    assert default_model_path("smollm2-135m-instruct") == tmp_path / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert model_path("smollm2-135m-instruct") == tmp_path / "models" / "smollm2-135m-instruct" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with pytest.raises(ValueError, match="not fetched yet: run `rl models fetch smollm2-135m-instruct`"):
+        resolve_model_source("smollm2-135m-instruct")  # a known name before `rl models fetch`: one line
     monkeypatch.delenv("ASYNCRL_HOME")
-    assert str(default_model_path("smollm2-135m-instruct")).startswith(os.path.expanduser("~/.cache/asyncrl/models/"))
-    with pytest.raises(ValueError, match="unknown model 'gpt5'"):
-        default_model_path("gpt5")
+    assert str(model_path("smollm2-135m-instruct")).startswith(os.path.expanduser("~/.cache/asyncrl/models/"))
+    with pytest.raises(KeyError, match="unknown model 'gpt5'"):
+        model_path("gpt5")

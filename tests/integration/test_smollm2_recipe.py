@@ -1,0 +1,48 @@
+"""configs/smollm2_grpo.yaml on CPU with a tiny budget: a real pretrained model (SmolLM2-135M-Instruct, GGUF)
+with its own tokenizer and chat template, a JSONL dataset scored by math-verify, one GRPO step, and the
+stage-end Hugging Face export that transformers reads. Needs `rl models fetch smollm2-135m-instruct`
+(skips without it locally; fails under CI=true, where .ci/run fetches it)."""
+
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from tests.real_models import smollm2_gguf
+
+pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
+TINY = ["run.device=cpu", "run.num_threads=2", "runtime.ray=false", "stages.0.max_steps=1", "stages.0.prompts_per_step=2",
+        "stages.0.group_size=2", "stages.0.micro_batch_size=4", "stages.0.dispatch.max_inflight=4", "eval.max_problems=2",
+        "engine.max_new_tokens=24", "engine.max_batch_size=8", "logging.wandb=false", "logging.progress_bar=false",
+        "checkpoint.every_steps=0"]
+
+
+def test_one_grpo_step_of_the_smollm2_recipe_on_cpu(tmp_path):
+    smollm2_gguf()  # skip (or fail under CI) without the model file
+    run_dir = tmp_path / "run"
+    sets = [a for s in TINY for a in ("--set", s)]
+    proc = subprocess.run([*CLI, "train", "configs/smollm2_grpo.yaml", "--run-dir", str(run_dir), *sets],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "134.52M-parameter dense policy" in proc.stdout and "RESULT grpo_acc=" in proc.stdout
+    with sqlite3.connect(run_dir / "trajectories.db") as c:
+        rows = c.execute("select prompt_text, reason, train_step, response_tokens from samples").fetchall()
+    assert len(rows) >= 4 and sum(r[2] is not None for r in rows) == 4  # one step: 2 prompts x 2 samples trained
+    for prompt_text, reason, _, _ in rows:
+        assert prompt_text.startswith("<|im_start|>system\nSolve the math word problem.")  # SmolLM2's ChatML template
+        assert prompt_text.endswith("<|im_start|>assistant\n")
+        assert reason.startswith(("parsed ", "no answer found")), reason  # math-verify's verdicts
+    export = next((run_dir / "export").iterdir())
+    from transformers import AutoConfig, AutoTokenizer
+
+    from model.hf_tokenizer import load_hf_tokenizer
+    from model.registry import model_path
+
+    cfg = AutoConfig.from_pretrained(export)
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == ("llama", 30, 576, 49152)
+    ours, theirs = load_hf_tokenizer(model_path("smollm2-135m-instruct")), AutoTokenizer.from_pretrained(export)
+    text = "Mia has 63 apples. She picks 10 more apples. How many apples does Mia have now?"
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
