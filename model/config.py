@@ -316,11 +316,16 @@ def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
 
 
 def read_teacher_config(checkpoint: str | Path) -> ModelConfig:
-    """The architecture of a checkpoint directory (its config.json), without loading any weights."""
-    path = Path(checkpoint) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"teacher checkpoint {str(checkpoint)!r} has no config.json")
-    return ModelConfig.model_validate_json(path.read_text())
+    """The architecture of a teacher checkpoint, without loading any weights: an asyncrl checkpoint
+    directory (its config.json as saved), or anything `init` takes (a Hugging Face directory, a GGUF file,
+    the name of a fetched model), whose config is derived from it with `init` set to it."""
+    from model.formats import checkpoint_kind
+    from model.registry import resolve_model_source
+
+    path = resolve_model_source(checkpoint)
+    if checkpoint_kind(path) == "asyncrl":
+        return ModelConfig.model_validate_json((path / "config.json").read_text())
+    return ModelConfig.model_validate({"init": str(path)})
 
 
 def check_vocab(student_vocab: int, teacher_cfg: ModelConfig, teacher_name: str = "teacher") -> str | None:

@@ -50,13 +50,13 @@ def last_line_verdict(response: str, answer: str, *, numeric: bool = False) -> V
     numeric: a last line that is not a plain number is reported as such."""
     text = response.strip() if isinstance(response, str) else ""
     if not text:
-        return Verdict(0.0, False, "empty response")
+        return Verdict(0.0, False, "empty response", answered=False)
     last = text.splitlines()[-1].strip()
     if numeric and not (last.isascii() and last.isdigit()):
-        return Verdict(0.0, False, f"last line {last[:40]!r} is not a number")
+        return Verdict(0.0, False, f"last line {last[:40]!r} is not a number", answered=False)
     if last == answer:
-        return Verdict(1.0, True, f"answer {last}")
-    return Verdict(0.0, False, f"answer {last[:40]}, expected {answer}")
+        return Verdict(1.0, True, f"answer {last}", answered=True)
+    return Verdict(0.0, False, f"answer {last[:40]}, expected {answer}", answered=True)
 
 
 class ProceduralTask(Task):

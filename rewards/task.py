@@ -100,6 +100,10 @@ class Verdict:
     """Whether the answer is right (accuracy metrics count this)."""
     reason: str = ""
     """Why, in a few words (e.g. "answer 92, expected 961"); stored with the sample."""
+    answered: bool | None = None
+    """Whether a final answer could be read from the response at all, right or wrong (None: the verifier
+    does not say). Held-out evaluation reports its share, so a gain in accuracy can be told apart from
+    a gain in answer format."""
 
 
 @dataclass(frozen=True)

@@ -71,11 +71,11 @@ def exact_verdict(response: str, answer: str, *, compare: str = "last_line", cas
     """Reward 1 iff the last non-blank line (or the whole response) equals the answer after `normalise`."""
     text = response.strip()
     if not text:
-        return Verdict(0.0, False, "empty response")
+        return Verdict(0.0, False, "empty response", answered=False)
     got = normalise(text.splitlines()[-1] if compare == "last_line" else text)
     want = normalise(answer)
     ok = got == want if case_sensitive else got.casefold() == want.casefold()
-    return Verdict(float(ok), ok, f"answer {_short(got)!r}" + ("" if ok else f", expected {_short(want)!r}"))
+    return Verdict(float(ok), ok, f"answer {_short(got)!r}" + ("" if ok else f", expected {_short(want)!r}"), answered=True)
 
 
 class ExactVerifierConfig(StrictConfig):
@@ -129,20 +129,20 @@ def _math_verdict_here(response: str, answer: str, timeout_s: int) -> Verdict:
     except TimeoutException:
         return Verdict(0.0, False, f"parsing the response timed out ({timeout_s} s)")
     except Exception as e:  # math-verify's own parse failure: the response has no usable answer
-        return Verdict(0.0, False, f"no answer found (math-verify: {type(e).__name__})")
+        return Verdict(0.0, False, f"no answer found (math-verify: {type(e).__name__})", answered=False)
     if not pred:
-        return Verdict(0.0, False, "no answer found")
+        return Verdict(0.0, False, "no answer found", answered=False)
     shown = _shown(pred)
     for g in gold:
         for p in pred:
             try:
                 if verify(g, p, timeout_seconds=timeout_s, raise_on_error=True):
-                    return Verdict(1.0, True, f"parsed {shown}")
+                    return Verdict(1.0, True, f"parsed {shown}", answered=True)
             except TimeoutException:  # a pathological expression: no other pair is worth another timeout
-                return Verdict(0.0, False, f"parsed {shown}, comparing with {_short(answer)} timed out ({timeout_s} s)")
+                return Verdict(0.0, False, f"parsed {shown}, comparing with {_short(answer)} timed out ({timeout_s} s)", answered=True)
             except Exception:  # sympy cannot compare this pair (e.g. a set with a number): not equal
                 continue
-    return Verdict(0.0, False, f"parsed {shown}, expected {_short(answer)}")
+    return Verdict(0.0, False, f"parsed {shown}, expected {_short(answer)}", answered=True)
 
 
 _CHILD_START_S = 30.0
@@ -232,7 +232,7 @@ class RegexVerifierConfig(StrictConfig):
     def verdict(self, response: str, answer: str) -> Verdict:
         got = self.extract(response)
         if got is None:
-            return Verdict(0.0, False, "no match of the pattern")
+            return Verdict(0.0, False, "no match of the pattern", answered=False)
         if self.compare == "math":
             return math_verdict(got, answer, self.timeout_s)
         return exact_verdict(got, answer, compare="whole", case_sensitive=not self.ignore_case)

@@ -39,7 +39,7 @@ from rl.losses import group_advantages
 from rl.metrics import RolloutClock, rollout_breakdown
 from rl.streams import Cursor
 from rl.job import Job, StageResult
-from rl.trainer import TrainBatch, merge_step_metrics
+from rl.trainer import TrainBatch, timed_train_step
 from rl.types import Prompt, Sample
 from rollout.types import Generation, GenerationRequest
 
@@ -267,7 +267,7 @@ class AsyncGRPO:
                 job.store.set_teacher(ids, name)
         batches = [TrainBatch.from_samples(shard, [adv[s.sample_id] for s in shard], num_tokens,
                                            [teacher[s.sample_id] for s in shard] if teacher else None) for shard in shards]
-        metrics = merge_step_metrics(policy.train_step(batches, stage))
+        metrics = timed_train_step(policy, batches, stage)
         if isinstance(stage, OPDStage):
             metrics["opd/teachers_in_step"] = len(set(teacher.values()))  # across ranks, not rank 0's
         fault_point("train")

@@ -295,6 +295,13 @@ class CheckpointManager:
                 return path
         return None
 
+    def at_step(self, global_step: int | None) -> Path | None:
+        """`latest()`, or with a step the newest checkpoint of that global step that verifies."""
+        if global_step is None:
+            return self.latest()
+        return next((p for p in reversed(self.complete())
+                     if p.name.startswith(f"step-{global_step:08d}-") and self.problem(p) is None), None)
+
     @staticmethod
     def stage_end(path: Path) -> dict | None:
         """{stage, type, eval} of a stage-end checkpoint; None for any other (or an unreadable manifest)."""
@@ -320,3 +327,16 @@ class CheckpointManager:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
             raise _format_error(path, doc.get("format") if isinstance(doc, dict) else None)
         return {k: v for k, v in doc.items() if k != "format"}
+
+
+def find_checkpoint(run_dir: str | Path, step: int | None = None, warn: Callable[[str], None] = print) -> Path:
+    """The run's newest verified checkpoint, or the newest verified one of global step `step`; ValueError
+    (one line) when there is none."""
+    root = Path(run_dir) / "checkpoints"
+    try:
+        found = CheckpointManager(root, warn=warn).at_step(step)
+    except CheckpointError as e:
+        raise ValueError(str(e)) from None
+    if found is None:
+        raise ValueError(f"no verified checkpoint{'' if step is None else f' of step {step}'} under {root}")
+    return found

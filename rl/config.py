@@ -170,6 +170,14 @@ class OPDStage(GRPOStage):
     kl_impl: Literal["auto", "triton", "torch"] = "auto"
     """Fused Triton kernel (auto: on CUDA) or the chunked PyTorch path."""
 
+    @field_validator("teachers", mode="before")
+    @classmethod
+    def _teacher_runs(cls, v):
+        """A teacher `checkpoint: RUN_DIR[:STEP]` (a trained run) is its newest (or step STEP's) checkpoint."""
+        from rl.run_id import resolve_teacher_runs
+
+        return {**v, "teachers": resolve_teacher_runs(v.get("teachers"))} if isinstance(v, dict) else v
+
 
 Stage = Annotated[Union[SFTStage, OPDStage, GRPOStage], Field(discriminator="type")]
 
@@ -198,6 +206,9 @@ class EvalConfig(StrictConfig):
     """Sampling temperature at evaluation (0: greedy)."""
     max_problems: int | None = Field(None, gt=0)
     """Evaluate at most this many held-out problems per dataset (default: all)."""
+    before_training: bool = False
+    """Also evaluate the initial policy before the first stage (logged at step 0, `init_acc` in the
+    RESULT line), with the same generation budget as every later evaluation (verl's val_before_train)."""
 
 
 class StoreConfig(StrictConfig):

@@ -19,8 +19,9 @@ that was running where it stopped, in-flight samples included.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from rl.async_grpo import run_async_grpo
@@ -28,7 +29,7 @@ from rl.config import Recipe, SFTStage
 from rl.job import Job, StageResult, open_job
 from rl.preempt import Preempted, PreemptionGuard
 from rl.sft import DemonstrationStream
-from rl.trainer import merge_step_metrics
+from rl.trainer import timed_train_step
 
 
 def run_sft(job: Job, stage: SFTStage, stage_idx: int) -> StageResult:
@@ -54,7 +55,7 @@ def run_sft(job: Job, stage: SFTStage, stage_idx: int) -> StageResult:
             job.checkpointer.save(job, stage_idx, record(step))
         batch = demos.next_batch(stage.batch_size)
         n = len(policy)
-        metrics = merge_step_metrics(policy.train_step([batch.select(range(w, len(batch), n)) for w in range(n)], stage))
+        metrics = timed_train_step(policy, [batch.select(range(w, len(batch), n)) for w in range(n)], stage)
         job.advance_version()
         job.record_train_step(stage, step, metrics)
     return StageResult(job.stage_end_checkpoint(stage_idx, record(step + 1)))  # a longer budget continues from here
@@ -63,6 +64,14 @@ def run_sft(job: Job, stage: SFTStage, stage_idx: int) -> StageResult:
 STAGE_RUNNERS: dict[str, Callable[[Job, SFTStage, int], StageResult]] = {
     "sft": run_sft, "grpo": run_async_grpo, "opd": run_async_grpo}
 """Stage runner by stage `type`."""
+
+
+def describe_eval(metrics: Mapping[str, float]) -> str:
+    """'held-out accuracy 0.312 on 256 problems (answered 0.98, truncated 0.01)' from evaluate()'s metrics."""
+    n = int(sum(v for k, v in metrics.items() if k.endswith("/num_problems")))
+    shares = ", ".join(f"{k} {metrics[f'eval/{k}']:.2f}" for k in ("answered", "truncated")
+                       if not math.isnan(metrics.get(f"eval/{k}", math.nan)))
+    return f"held-out accuracy {metrics['eval/accuracy']:.3f} on {n} problems" + (f" ({shares})" if shares else "")
 
 
 def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, resume: bool = False) -> dict[str, float]:
@@ -74,6 +83,11 @@ def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, res
         say(f"run dir {run_dir}: {info[0]['num_parameters'] / 1e6:.2f}M-parameter {'MoE' if recipe.model.is_moe else 'dense'} "
             f"policy on {len(info)} {'Ray' if recipe.runtime.ray else 'in-process'} worker(s), {len(recipe.stages)} stages")
         state, summary = job.state, job.state.summary
+        if recipe.eval.before_training and state.first_stage == 0 and state.global_step == 0 and "init_acc" not in summary:
+            metrics = job.evaluate()
+            job.logger.log(metrics, step=0)
+            summary["init_acc"] = round(metrics["eval/accuracy"], 4)
+            say(f"before training: {describe_eval(metrics)}")
         try:
             with PreemptionGuard() as guard:
                 job.checkpointer.guard = guard
@@ -87,10 +101,8 @@ def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, res
                     job.logger.log(metrics, step=state.global_step)
                     key = f"{stage.type}_acc" if f"{stage.type}_acc" not in summary else f"{stage.type}{i}_acc"
                     summary[key] = round(metrics["eval/accuracy"], 4)
-                    n = int(sum(v for k, v in metrics.items() if k.endswith("/num_problems")))
                     say(f"stage {i} ({stage.type}): {state.global_step} steps so far, "
-                        f"{(time.monotonic() - state.stage_t0) / 60:.1f} min, held-out accuracy {metrics['eval/accuracy']:.3f} "
-                        f"on {n} problems")
+                        f"{(time.monotonic() - state.stage_t0) / 60:.1f} min, {describe_eval(metrics)}")
         except Preempted as p:
             job.progress.close()
             say(f"preempted: checkpoint {p.checkpoint} written {time.monotonic() - guard.signal_time:.2f} s after the signal; "

@@ -10,6 +10,7 @@ Sample `eval-<problem_id>` draws with the seed `sample_seed(run seed, problem_id
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -28,10 +29,14 @@ Generate = Callable[[Sequence[GenerationRequest]], list[Generation]]
 def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], *, max_new_tokens: int,
              temperature: float = 0.0, max_problems: int | None = None, effort: int | None = None,
              verify_ctx: VerifyContext = VerifyContext()) -> dict[str, float]:
-    """`eval/<dataset>/{accuracy, response_len, reasoning_tokens, num_problems, prompts_too_long}` per dataset and
-    their mean accuracy `eval/accuracy` (greedy at temperature 0). Problems whose prompt is longer than the
-    renderer's `max_prompt_tokens` are left out and counted; a dataset with none left scores nan."""
-    metrics, accs = {}, []
+    """`eval/<dataset>/{accuracy, answered, truncated, response_len, reasoning_tokens, num_problems,
+    prompts_too_long}` per dataset and their means `eval/{accuracy, answered, truncated}` (greedy at
+    temperature 0). `answered`: share of responses from which the verifier read a final answer, right or
+    wrong (nan when the verifier does not say, Verdict.answered); `truncated`: share that hit
+    `max_new_tokens`. Problems whose prompt is longer than the renderer's `max_prompt_tokens` are left
+    out and counted; a dataset with none left scores nan."""
+    metrics: dict[str, float] = {}
+    means: dict[str, list[float]] = {"accuracy": [], "answered": [], "truncated": []}
     for name, task in tasks.items():
         problems = list(task.heldout())[:max_problems]
         if not problems:
@@ -40,7 +45,8 @@ def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], 
         kept = [(p, t) for p, t in zip(problems, prompts) if renderer.fits(t)]
         metrics[f"eval/{name}/prompts_too_long"] = len(problems) - len(kept)
         if not kept:
-            metrics.update({f"eval/{name}/{k}": float("nan") for k in ("accuracy", "response_len", "reasoning_tokens")})
+            metrics.update({f"eval/{name}/{k}": float("nan") for k in ("accuracy", "answered", "truncated", "response_len",
+                                                                         "reasoning_tokens")})
             metrics[f"eval/{name}/num_problems"] = 0
             continue
         problems = [p for p, _ in kept]
@@ -48,14 +54,20 @@ def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], 
                                   seed=renderer.sample_seed(p.problem_id), temperature=temperature) for p, t in kept]
         gens = generate(reqs)
         trajectories = [renderer.trajectory(p, g) for p, g in zip(problems, gens)]
-        correct = [task.verify(t, verify_ctx).correct for t in trajectories]
-        metrics[f"eval/{name}/accuracy"] = sum(correct) / len(correct)
+        verdicts = [task.verify(t, verify_ctx) for t in trajectories]
+        answered = [v.answered for v in verdicts if v.answered is not None]
+        metrics[f"eval/{name}/accuracy"] = sum(v.correct for v in verdicts) / len(verdicts)
+        metrics[f"eval/{name}/answered"] = sum(answered) / len(answered) if answered else float("nan")
+        metrics[f"eval/{name}/truncated"] = sum(g.finish_reason == "length" for g in gens) / len(gens)
         metrics[f"eval/{name}/response_len"] = sum(len(g.response_tokens) for g in gens) / len(gens)
         metrics[f"eval/{name}/reasoning_tokens"] = sum(renderer.reasoning_tokens(name, t.response)
                                                        for t in trajectories) / len(trajectories)
         metrics[f"eval/{name}/num_problems"] = len(problems)
-        accs.append(metrics[f"eval/{name}/accuracy"])
-    metrics["eval/accuracy"] = sum(accs) / len(accs) if accs else float("nan")
+        for key, values in means.items():
+            if not math.isnan(metrics[f"eval/{name}/{key}"]):
+                values.append(metrics[f"eval/{name}/{key}"])
+    for key, values in means.items():
+        metrics[f"eval/{key}"] = sum(values) / len(values) if values else float("nan")
     return metrics
 
 

@@ -35,26 +35,6 @@ def _fail(msg: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def find_checkpoint(run_dir: Path, step: int | None) -> Path:
-    """The run's newest verified checkpoint, or the newest verified one of global step `step`; ValueError
-    (one line) when there is none."""
-    from rl.checkpoint import CheckpointError, CheckpointManager
-
-    mgr = CheckpointManager(run_dir / "checkpoints", warn=lambda m: print(m, file=sys.stderr))
-    try:
-        if step is None:
-            found = mgr.latest()
-        else:
-            found = next((p for p in reversed(mgr.complete())
-                          if p.name.startswith(f"step-{step:08d}-") and mgr.problem(p) is None), None)
-    except CheckpointError as e:
-        raise ValueError(str(e)) from None
-    if found is None:
-        what = "" if step is None else f" of step {step}"
-        raise ValueError(f"no verified checkpoint{what} under {run_dir / 'checkpoints'}")
-    return found
-
-
 def export_run_checkpoint(recipe, checkpoint: Path, out: Path) -> Path:
     """Export `checkpoint` of a run of `recipe` to `out`, with the tokenizer's special ids and, when the run
     started from a Hugging Face directory, its tokenizer files (for a GGUF start the tokenizer files must
@@ -87,11 +67,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         return _fail(f"{run_dir} is not a run directory (no recipe.yaml)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         return _fail(f"{out} exists and is not an empty directory")
+    from rl.checkpoint import find_checkpoint
     from rl.recipe_io import RecipeError, load_recipe
 
     try:
         recipe = load_recipe(run_dir / "recipe.yaml")
-        ckpt = Path(args.checkpoint) if args.checkpoint else find_checkpoint(run_dir, args.step)
+        ckpt = Path(args.checkpoint) if args.checkpoint else find_checkpoint(run_dir, args.step, warn=lambda m: print(m, file=sys.stderr))
         if not (ckpt / "model.safetensors").is_file() or not (ckpt / "config.json").is_file():
             raise ValueError(f"{ckpt} is not a checkpoint (no model.safetensors and config.json)")
         path = export_run_checkpoint(recipe, ckpt, out)

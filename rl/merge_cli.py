@@ -32,29 +32,17 @@ def add_merge_parser(subparsers) -> None:
 
 def resolve_source(spec: str) -> Path:
     """The model directory a source names (see the module docstring)."""
-    from rl.checkpoint import CheckpointError, CheckpointManager
+    from rl.run_id import resolve_run_checkpoint, split_run_spec
 
-    path, step = spec, None
-    head, sep, tail = spec.rpartition(":")
-    if sep and tail.isdigit() and head:
-        path, step = head, int(tail)
-    p = Path(path)
-    if (p / "model.safetensors").is_file() and (p / "config.json").is_file() and step is None:
-        return p
-    if not (p / "checkpoints").is_dir():
+    p = Path(spec)
+    if split_run_spec(spec) is None:
+        if (p / "model.safetensors").is_file() and (p / "config.json").is_file():
+            return p
         raise MergeError(f"{spec}: neither a model directory (config.json + model.safetensors) nor a run directory")
-    mgr = CheckpointManager(p / "checkpoints", warn=lambda _m: None)
     try:
-        if step is None:
-            found = mgr.latest()
-        else:
-            found = next((c for c in reversed(mgr.complete()) if c.name.startswith(f"step-{step:08d}-")
-                          and mgr.problem(c) is None), None)
-    except CheckpointError as e:
+        return resolve_run_checkpoint(spec, warn=lambda _m: None)
+    except ValueError as e:
         raise MergeError(f"{spec}: {e}") from None
-    if found is None:
-        raise MergeError(f"{spec}: no valid checkpoint" + ("" if step is None else f" at step {step}") + f" under {p / 'checkpoints'}")
-    return found
 
 
 def normalised(weights: list[float] | None, n: int) -> tuple[list[float], bool]:

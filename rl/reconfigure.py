@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from configbase import StrictConfig
 from model.config import check_vocab, read_teacher_config
@@ -44,7 +44,15 @@ class ReconfigPatch(StrictConfig):
     teachers: dict[str, str] | None = None
     """dataset -> name of the teacher that scores it from now on (OPD stages)."""
     add_teachers: list[TeacherSpec] = Field(default_factory=list)
-    """Teachers to add to the pool (checkpoint directories); assign them under `teachers`."""
+    """Teachers to add to the pool (any checkpoint a teacher takes, or a run: RUN_DIR[:STEP]); assign them
+    under `teachers`."""
+
+    @field_validator("add_teachers", mode="before")
+    @classmethod
+    def _teacher_runs(cls, v):
+        from rl.run_id import resolve_teacher_runs
+
+        return resolve_teacher_runs(v)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
@@ -112,3 +112,45 @@ def run_store_url(run_dir: str | Path) -> tuple[URL, bool]:
     store = recipe.get("store") if isinstance(recipe, dict) else None
     url = store.get("url") if isinstance(store, dict) else None
     return (parse_url(url), False) if url else (own_store_url(run_dir), True)
+
+
+def split_run_spec(spec: str | Path) -> tuple[Path, int | None] | None:
+    """(run directory, global step or None) when `spec` is `RUN_DIR` or `RUN_DIR:STEP` of a run directory
+    (one holding `checkpoints/` or `run.json`); None when it names anything else (a model, a file)."""
+    text, step = str(spec), None
+    head, sep, tail = text.rpartition(":")
+    if sep and head and tail.isdigit():
+        text, step = head, int(tail)
+    path = Path(text).expanduser()
+    if (path / "checkpoints").is_dir() or (path / "run.json").is_file():
+        return path, step
+    return None
+
+
+def resolve_run_checkpoint(spec: str | Path, warn: Callable[[str], None] = print) -> Path:
+    """The checkpoint `RUN_DIR[:STEP]` names (find_checkpoint), or `spec` itself when it names no run
+    directory: where a model source (rl merge, an OPD teacher) may be a whole run."""
+    run = split_run_spec(spec)
+    if run is None:
+        return Path(spec)
+    from rl.checkpoint import find_checkpoint  # torch: only when `spec` is a run
+
+    return find_checkpoint(*run, warn=warn)
+
+
+def resolve_teacher_runs(teachers):
+    """A teacher list (raw recipe data, before validation) whose `checkpoint: RUN_DIR[:STEP]` entries are
+    replaced by the checkpoint they name (resolve_run_checkpoint), so that a trained run can
+    teach as it is and the recipe saved with the student's run records which checkpoint taught it."""
+    if not isinstance(teachers, list):
+        return teachers
+    out = []
+    for t in teachers:
+        ckpt = t.get("checkpoint") if isinstance(t, dict) else None
+        if isinstance(ckpt, (str, Path)) and split_run_spec(ckpt) is not None:
+            try:
+                t = {**t, "checkpoint": str(resolve_run_checkpoint(ckpt, warn=lambda _m: None))}
+            except ValueError as e:
+                raise ValueError(f"teacher {t.get('name')!r}: {ckpt}: {e}") from None
+        out.append(t)
+    return out

@@ -21,6 +21,7 @@ controller merges the ranks' with `merge_step_metrics`.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
@@ -112,6 +113,11 @@ class TrainBatch:
         return len(self.prompts_B)
 
     @property
+    def sequence_tokens(self) -> int:
+        """Prompt and response tokens of every row: what a forward/backward processes."""
+        return sum(len(p) + len(r) for p, r in zip(self.prompts_B, self.responses_B))
+
+    @property
     def response_tokens(self) -> float:
         return float(sum(len(r) for r in self.responses_B))
 
@@ -180,6 +186,15 @@ class StepMetrics:
 RATIOS = {"opd/kl_per_token": ("opd/kl_sum", "opd/kl_tokens"),
           "teachers/overhead": ("teachers/load_wait_s", "teachers/compute_s")}
 """Metrics that are ratios of two summed metrics, computed after merging."""
+
+
+def timed_train_step(policy, batches: Sequence[TrainBatch], stage) -> dict[str, float]:
+    """`policy.train_step(batches, stage)` (one batch per rank), merged, with the step's training throughput
+    `train/tokens_per_s`: prompt + response tokens of all ranks over the step's wall-clock seconds."""
+    t0 = time.perf_counter()
+    metrics = merge_step_metrics(policy.train_step(batches, stage))
+    metrics["train/tokens_per_s"] = sum(b.sequence_tokens for b in batches) / max(time.perf_counter() - t0, 1e-9)
+    return metrics
 
 
 def merge_step_metrics(parts: Sequence[StepMetrics]) -> dict[str, float]:

@@ -23,12 +23,14 @@ if TYPE_CHECKING:
 
 
 class TeacherSpec(StrictConfig):
-    """One teacher: a checkpoint directory (model/checkpoint.py layout) and the datasets it scores."""
+    """One teacher: a checkpoint (asyncrl, Hugging Face or GGUF) and the datasets it scores."""
 
     name: str = Field(min_length=1)
     """Teacher name; pool calls and metrics refer to it."""
     checkpoint: Path
-    """Checkpoint directory holding `config.json` and `model.safetensors`."""
+    """An asyncrl checkpoint directory (`config.json` + `model.safetensors`: a run's `checkpoints/<name>`),
+    or anything `model.init` takes: a Hugging Face directory (a run's `export/<name>`), a GGUF file, or the
+    name of a model `rl models fetch` got."""
     datasets: list[str] = Field(default_factory=list)
     """Dataset names whose samples this teacher scores (its domains); empty: none assigned yet."""
 

@@ -219,10 +219,15 @@ class TeacherPool:
     def add(self, spec: TeacherSpec) -> None:
         """Read a teacher checkpoint into host memory. Errors (missing file, wrong keys or shapes,
         vocabulary, too big for the budget) surface here, not in the middle of a train step."""
-        from safetensors.torch import load_file  # only checkpoint reads need it
-
         cfg = read_teacher_config(spec.checkpoint)
-        stored = load_file(str(Path(spec.checkpoint) / "model.safetensors"))
+        if cfg.init is None:  # an asyncrl checkpoint directory: its state dict as saved
+            from safetensors.torch import load_file  # only checkpoint reads need it
+
+            stored = load_file(str(Path(spec.checkpoint) / "model.safetensors"))
+        else:  # a Hugging Face directory or GGUF file: converted tensor by tensor into a host Decoder
+            from model.pretrained import build_decoder
+
+            stored = build_decoder(cfg, "cpu", self.dtype).state_dict()
         self.add_weights(spec.name, cfg, stored, datasets=spec.datasets, source=f"checkpoint {str(spec.checkpoint)!r}")
 
     def add_weights(self, name: str, cfg: ModelConfig, stored: Mapping[str, torch.Tensor], *,

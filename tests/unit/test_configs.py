@@ -20,6 +20,15 @@ def _with_stub_teachers(path: Path, tmp_path: Path) -> Path:
     """configs/opd.yaml names teacher checkpoints that a command builds (runs/opd-teachers, see its
     header); without them, validate it against stub checkpoints (config.json of each architecture)."""
     text = path.read_text()
+    if "runs/smollm2-grpo" in text and not (path.parents[1] / "runs" / "smollm2-grpo").is_dir():
+        # configs/smollm2_opd.yaml: its teacher is the run of configs/smollm2_grpo.yaml; stand in the start model
+        data = yaml.safe_load(text)
+        for stage in data["stages"]:
+            for t in stage.get("teachers", {}).get("teachers", []):
+                t["checkpoint"] = "smollm2-135m-instruct"
+        out = tmp_path / path.name
+        out.write_text(yaml.safe_dump(data))
+        return out
     if "runs/opd-teachers" not in text or (path.parents[1] / "runs" / "opd-teachers").is_dir():
         return path
     from teachers.architectures import ARCHITECTURES

@@ -414,12 +414,35 @@ def test_errors_surface_when_a_teacher_is_added(zoo, tmp_path):
     spec = _save(tmp_path, "wide-vocab", bad, 0)
     with pytest.raises(ValueError, match="vocab_size=128 but the student has vocab_size=99"):
         TeacherPool([spec], 64, student_vocab=CharTokenizer().vocab_size)
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match="missing: no such file or directory"):
         TeacherPool([TeacherSpec(name="x", checkpoint=tmp_path / "missing")], 64)
     # a checkpoint whose weights do not match its config.json
     (tmp_path / "wide-vocab" / "config.json").write_text(_SAME.model_dump_json())
     with pytest.raises(ValueError, match=r"does not match its config: .*embed_tokens.weight is \(128, 16\) not \(99, 32\)"):
         TeacherPool([spec], 64)
+
+
+def test_a_teacher_may_be_a_hugging_face_directory_or_a_gguf_file(tmp_path):
+    """A real model teaches as it is (seed §5.2.4: teachers from different stages of development): an HF
+    directory (a run's export) and a GGUF file load through the declared conversions, and the pool's
+    logits are the transformers model's own."""
+    pytest.importorskip("transformers")
+    from tests.hf_tiny import logit_gap, make_hf, write_gguf
+
+    hf = make_hf("llama", tmp_path / "hf", seed=3, rope_scaling=None)  # GGUF: plain RoPE (test_pretrained_gguf.py)
+    gguf = write_gguf(hf, tmp_path / "t.gguf", qtype="F32")
+    pool = TeacherPool([TeacherSpec(name="hf", checkpoint=tmp_path / "hf"), TeacherSpec(name="gguf", checkpoint=gguf)],
+                       64, student_vocab=160, prefetch=False)
+    ids = torch.randint(0, 160, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+    for name in ("hf", "gguf"):
+        assert pool.config(name).init is not None and pool.config(name).num_layers == 2
+        out = pool.forward(name, ids)
+        got = out.hidden @ out.head_weight.T
+        assert logit_gap(got, want)[0] < 1e-4, name
+    with pytest.raises(ValueError, match="vocab_size=160 but the student has vocab_size=99"):
+        TeacherPool([TeacherSpec(name="hf", checkpoint=tmp_path / "hf")], 64, student_vocab=99)
 
 
 def test_check_vocab_names_both_sizes_on_one_line():

@@ -21,7 +21,7 @@ def _judge(spec, response: str, answer: str, row: dict | None = None) -> Verdict
 
 
 def test_exact_compares_the_normalised_last_line_or_the_whole_response():
-    assert _judge("exact", "work\n 41 +1\n\n  42  \n", "42") == Verdict(1.0, True, "answer '42'")
+    assert _judge("exact", "work\n 41 +1\n\n  42  \n", "42") == Verdict(1.0, True, "answer '42'", answered=True)
     assert _judge("exact", "x =  42\t", "x = 42").correct  # whitespace runs collapse
     wrong = _judge("exact", "42\n43", "42")
     assert (wrong.reward, wrong.correct, wrong.reason) == (0.0, False, "answer '43', expected '42'")
@@ -41,14 +41,14 @@ def test_math_accepts_any_clear_final_answer(response):
     assert v.correct and v.reward == 1.0 and v.reason.startswith("parsed 42"), v
 
 
-@pytest.mark.parametrize("response, reason", [
-    ("The answer is 41.", "parsed 41, expected 42"),
-    (r"\boxed{43}", "parsed 43, expected 42"),
-    ("I think it is forty-two", "no answer found"),
-    ("", "no answer found"),
+@pytest.mark.parametrize("response, reason, answered", [
+    ("The answer is 41.", "parsed 41, expected 42", True),
+    (r"\boxed{43}", "parsed 43, expected 42", True),
+    ("I think it is forty-two", "no answer found", False),
+    ("", "no answer found", False),
 ])
-def test_math_rejects_wrong_or_missing_answers_and_says_what_it_read(response, reason):
-    assert V.math_verdict(response, "42") == Verdict(0.0, False, reason)
+def test_math_rejects_wrong_or_missing_answers_and_says_what_it_read(response, reason, answered):
+    assert V.math_verdict(response, "42") == Verdict(0.0, False, reason, answered=answered)
 
 
 def test_math_references_as_written_or_as_latex():
@@ -73,7 +73,7 @@ def test_math_off_the_main_thread_runs_in_a_child_process_that_is_killed_when_it
     worker = threading.Thread(target=lambda: out.append(V.math_verdict("The answer is 42.", "42")))
     worker.start()
     worker.join(120)
-    assert out == [Verdict(1.0, True, "parsed 42")]
+    assert out == [Verdict(1.0, True, "parsed 42", answered=True)]
     monkeypatch.setattr(V, "_CHILD_START_S", -3.95)  # the parent waits 0.05 s: the child overruns, is killed
     worker = threading.Thread(target=lambda: out.append(V.math_verdict(r"\boxed{9^{9^{9^{9}}}}", "42", timeout_s=1)))
     worker.start()
@@ -85,7 +85,7 @@ def test_math_off_the_main_thread_runs_in_a_child_process_that_is_killed_when_it
 def test_regex_extracts_the_last_match_and_compares_it():
     spec = {"type": "regex", "pattern": r"#### *(\S+)"}
     assert _judge(spec, "#### 7\nwork\n#### 42", "42").correct
-    assert _judge(spec, "no marker", "42") == Verdict(0.0, False, "no match of the pattern")
+    assert _judge(spec, "no marker", "42") == Verdict(0.0, False, "no match of the pattern", answered=False)
     assert not _judge(spec, "#### 41", "42").correct
     named = {"type": "regex", "pattern": r"(?P<unit>km|m): (?P<answer>\d+)"}
     assert _judge(named, "m: 3 then km: 42", "42").correct

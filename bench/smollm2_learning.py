@@ -1,0 +1,138 @@
+"""Learning on a real model (issue #14 evidence): GRPO from SmolLM2-135M-Instruct next to an SFT control
+that spends the same minutes from the same start, then OPD in which the GRPO-trained model teaches the
+original one.
+
+    python bench/smollm2_learning.py --phase arms [--minutes 7] [--out runs/smollm2-bench]   # both arms at once
+    python bench/smollm2_learning.py --phase opd  [--minutes 6]   [--out runs/smollm2-bench]   # after the arms
+    python bench/smollm2_learning.py --quick                       # CPU, one step of each: the plumbing only
+
+`arms` runs `rl train configs/smollm2_grpo.yaml` and `rl train configs/smollm2_sft.yaml` at the same time,
+one per GPU when there are two (CUDA_VISIBLE_DEVICES=0 and 1), each for --minutes; `opd` runs
+`rl train configs/smollm2_opd.yaml` with the GRPO run as its teacher. Every run evaluates its start and its
+end greedily on the same held-out problems (eval.before_training), with math-verify on the final answer, and
+reports the share of responses with an answer and the share cut at the length limit. A phase reads the
+runs already under --out, so the last line covers every run there:
+RESULT init_acc=.. grpo_acc=.. sft_acc=.. opd_acc=.. opd_gap_closed=.. answered_init=.. answered_grpo=..
+truncated_init=.. truncated_grpo=.. grpo_rollout_tok_s=.. grpo_train_tok_s=.. ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
+RECIPES = {"grpo": "configs/smollm2_grpo.yaml", "sft": "configs/smollm2_sft.yaml", "opd": "configs/smollm2_opd.yaml"}
+QUICK = ["run.device=cpu", "run.num_threads=1", "runtime.ray=false", "stages.0.max_steps=1", "eval.max_problems=2",
+         "engine.max_new_tokens=16", "engine.max_batch_size=8", "logging.wandb=false", "checkpoint.every_steps=0"]
+QUICK_STAGE = {"grpo": ["stages.0.prompts_per_step=2", "stages.0.group_size=2", "stages.0.micro_batch_size=4",
+                        "stages.0.dispatch.max_inflight=4"],
+               "sft": ["stages.0.batch_size=4"]}
+QUICK_STAGE["opd"] = QUICK_STAGE["grpo"]
+
+
+def _launch(arm: str, out: Path, minutes: float, quick: bool, gpu: int | None) -> subprocess.Popen:
+    sets = [f"stages.0.max_minutes={minutes}", "logging.progress_bar=false"]
+    if quick:
+        sets += QUICK + QUICK_STAGE[arm]
+    if arm == "opd":
+        sets.append(f"stages.0.teachers.teachers.0.checkpoint={out / 'grpo'}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    log = open(out / f"{arm}.log", "w")
+    cmd = [*CLI, "train", RECIPES[arm], "--run-dir", str(out / arm), *[a for s in sets for a in ("--set", s)]]
+    print(f"[{arm}] {' '.join(cmd[3:])}" + ("" if gpu is None else f"  (GPU {gpu})"), flush=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait(procs: dict[str, subprocess.Popen], out: Path) -> None:
+    """Wait for every run; the first failure stops the others and exits with its log's tail."""
+    while procs:
+        for arm, p in list(procs.items()):
+            if p.poll() is None:
+                continue
+            del procs[arm]
+            if p.returncode != 0:
+                for q in procs.values():
+                    q.terminate()
+                tail = (out / f"{arm}.log").read_text()[-3000:]
+                sys.exit(f"{arm} run failed (exit {p.returncode}):\n{tail}")
+        time.sleep(2)
+
+
+def summarize(run_dir: Path) -> dict[str, float] | None:
+    """Start and end evaluation, steps, minutes and mean throughputs of a finished run (metrics.jsonl)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    if len(evals) < 2 or evals[0]["step"] != 0:
+        return None
+
+    def mean(key: str) -> float:
+        vals = [r[key] for r in rows if key in r and r.get("step", 0) > 0]
+        return sum(vals) / len(vals) if vals else float("nan")
+    first, last = evals[0], evals[-1]
+    return {"init_acc": first["eval/accuracy"], "acc": last["eval/accuracy"],
+            "answered_init": first["eval/answered"], "answered": last["eval/answered"],
+            "truncated_init": first["eval/truncated"], "truncated": last["eval/truncated"],
+            "num_problems": sum(v for k, v in last.items() if k.endswith("/num_problems")),
+            "steps": last["step"], "minutes": (rows[-1]["time"] - rows[0]["time"]) / 60 if "time" in rows[0] else float("nan"),
+            "rollout_tok_s": mean("rollout/tokens_per_s"), "train_tok_s": mean("train/tokens_per_s"),
+            "response_len": last.get("eval/wp/response_len", float("nan"))}
+
+
+def report(out: Path) -> str:
+    runs = {arm: s for arm in RECIPES if (s := summarize(out / arm)) is not None}
+    print(f"\n{'run':<6}{'steps':>6}{'min':>6}{'acc start':>10}{'acc end':>9}{'answered':>14}{'truncated':>14}"
+          f"{'rollout tok/s':>14}{'train tok/s':>12}")
+    for arm, s in runs.items():
+        print(f"{arm:<6}{s['steps']:>6}{s['minutes']:>6.1f}{s['init_acc']:>10.3f}{s['acc']:>9.3f}"
+              f"{s['answered_init']:>7.2f}->{s['answered']:<5.2f}{s['truncated_init']:>7.2f}->{s['truncated']:<5.2f}"
+              f"{s['rollout_tok_s']:>14.0f}{s['train_tok_s']:>12.0f}")
+    result = {}
+    base = runs.get("grpo") or next(iter(runs.values()), None)
+    if base is not None:
+        result.update(init_acc=base["init_acc"], answered_init=base["answered_init"], truncated_init=base["truncated_init"],
+                      num_problems=int(base["num_problems"]))
+    for arm, s in runs.items():
+        result.update({f"{arm}_acc": s["acc"], f"answered_{arm}": s["answered"], f"truncated_{arm}": s["truncated"],
+                       f"{arm}_steps": s["steps"], f"{arm}_rollout_tok_s": s["rollout_tok_s"], f"{arm}_train_tok_s": s["train_tok_s"]})
+    if "grpo" in runs and "opd" in runs:
+        gap = runs["grpo"]["acc"] - runs["opd"]["init_acc"]
+        result["opd_gap_closed"] = (runs["opd"]["acc"] - runs["opd"]["init_acc"]) / gap if gap > 0 else float("nan")
+    return "RESULT " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in result.items())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--phase", choices=["arms", "opd", "all"], default="all")
+    ap.add_argument("--minutes", type=float, default=None, help="stage budget of each run (default: 7 arms, 6 opd)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "smollm2-bench")
+    ap.add_argument("--quick", action="store_true", help="CPU, one step per run: checks the plumbing, not learning")
+    args = ap.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    gpus = torch.cuda.device_count() if not args.quick else 0
+    if args.phase in ("arms", "all"):
+        minutes = args.minutes or (0.5 if args.quick else 7.0)
+        procs = {arm: _launch(arm, out, minutes, args.quick, (i % gpus) if gpus else None) for i, arm in enumerate(("grpo", "sft"))}
+        _wait(procs, out)
+    if args.phase in ("opd", "all"):
+        minutes = args.minutes or (0.5 if args.quick else 6.0)
+        _wait({"opd": _launch("opd", out, minutes, args.quick, 0 if gpus else None)}, out)
+    print(report(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
