@@ -34,6 +34,9 @@ class EngineConfig(StrictConfig):
     """Default response length limit; a sequence stops with finish_reason 'length' there."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     """Default sampling settings of rollouts."""
+    cuda_graphs: bool = True
+    """On CUDA, replay each decode step from a CUDA graph captured per batch-size bucket (rollout/graphs.py);
+    dense paged models only (MoE and CSA2 models decode eagerly). False: always eager."""
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> "EngineConfig":

@@ -30,6 +30,7 @@ from model.kv_cache import CacheFullError, PagedBatch, PagedKVCache
 from model.sparse_attention import CSA2Cache
 from model.sparse_attention import bytes_per_token as csa2_bytes_per_token
 from rollout.config import EngineConfig
+from rollout.graphs import DecodeGraphs
 from rollout.sampling import sample_tokens
 from rollout.types import Generation, GenerationRequest, RolloutState
 
@@ -69,6 +70,14 @@ class EngineStats:
     """Tokens whose KV came back from a RolloutState instead of being recomputed."""
     reprefill_tokens: int = 0
     """Generated tokens that had to be prefilled again (a state that lost its KV); 0 by design."""
+    prefill_seqs: int = 0
+    """Sequences prefilled."""
+    prefill_logit_rows: int = 0
+    """Rows of logits computed at prefill: one per prefilled sequence (its last prompt position)."""
+    graph_steps: int = 0
+    """Decode steps replayed from a CUDA graph (rollout/graphs.py)."""
+    kv_gather_bytes: int = 0
+    """Bytes of K/V copied out of the paged cache (dequantised) into temporary context tensors by decode."""
 
 
 class Engine:
@@ -87,6 +96,9 @@ class Engine:
             num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
             dtype=next(model.parameters()).dtype, device=self.device, kv_dtype=mcfg.kv_cache.dtype,
         )
+        self.graphs = None
+        if cfg.cuda_graphs and self.device.type == "cuda" and not self.sparse and not mcfg.is_moe:
+            self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch_size, self.cache.blocks_for(cfg.max_seq_len))
         self.policy_version = 0
         self.stats = EngineStats()
         self._waiting: list[RolloutState] = []
@@ -244,19 +256,30 @@ class Engine:
             slot_map[i, : lens[i]] = torch.tensor(self.cache.slots(s.blocks, 0, lens[i]))
         ids, slot_map = ids.to(self.device), slot_map.to(self.device)
         batch = PagedBatch(self.cache, is_prefill=True, slot_mapping=slot_map)
-        logits, routing = self.model(ids, batch=batch)
+        out = self.model.forward_hidden(ids, batch=batch)
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += sum(lens)
         self.stats.reprefill_tokens += sum(s.num_response for s in seqs)
+        self.stats.prefill_seqs += len(seqs)
         last = torch.tensor(lens, device=self.device) - 1
-        if routing is not None:
+        if out.routing is not None:
             for i, s in enumerate(seqs):
-                s.routing.append(routing[i, : lens[i]].cpu())
-        return logits[torch.arange(len(seqs), device=self.device), last]
+                s.routing.append(out.routing[i, : lens[i]].cpu())
+        logits = self.model.logits(out.hidden[torch.arange(len(seqs), device=self.device), last])  # last positions only
+        self.stats.prefill_logit_rows += logits.shape[0]
+        return logits
 
     def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
         """Feed each sequence's last sampled token; returns next-token logits [B, V]."""
         B, bs = len(seqs), self.cache.block_size
+        if self.graphs is not None:
+            logits = self.graphs.run([s.tokens[-1] for s in seqs], [s.num_cached for s in seqs], [s.blocks for s in seqs])
+            if logits is not None:
+                self.stats.decode_steps += 1
+                self.stats.graph_steps += 1
+                self.stats.kv_gather_bytes += self._gather_bytes(self.graphs.bucket(B),
+                                                                 self.graphs.max_blocks * bs)
+                return logits
         pos = torch.tensor([s.num_cached for s in seqs], dtype=torch.long)
         ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long)
         nb = max(self.cache.blocks_for(p + 1) for p in pos.tolist())
@@ -268,11 +291,18 @@ class Engine:
         batch = PagedBatch(self.cache, False, slot.to(dev), ctx_slots.to(dev), mask.to(dev))
         logits, routing = self.model(ids[:, None].to(dev), pos[:, None].to(dev), batch=batch)
         self.stats.decode_steps += 1
+        self.stats.kv_gather_bytes += self._gather_bytes(B, nb * bs)
         if routing is not None:
             r = routing[:, 0].cpu()
             for i, s in enumerate(seqs):
                 s.routing.append(r[i : i + 1])
         return logits[:, 0]
+
+    def _gather_bytes(self, rows: int, context: int) -> int:
+        """K and V of `context` slots for `rows` rows in every layer, in the compute dtype (what decode's
+        gather materialises)."""
+        m = self.model.config
+        return 2 * m.num_layers * rows * context * m.num_kv_heads * m.head_dim * self.cache.dtype.itemsize
 
     def _forward_csa2(self, seqs: list[_Seq], prefill: bool) -> torch.Tensor:
         """CSA2: feed each sequence's prompt (prefill) or last sampled token (decode) through its own
@@ -286,19 +316,23 @@ class Engine:
         for idx in groups.values():
             cache = seqs[idx[0]].csa2 if len(idx) == 1 else CSA2Cache.stack([seqs[i].csa2 for i in idx])
             ids = torch.tensor([feeds[i] for i in idx], dtype=torch.long, device=self.device)
-            logits, routing = self.model(ids, csa2_cache=cache)
+            res = self.model.forward_hidden(ids, csa2_cache=cache)
+            logits = self.model.logits(res.hidden[:, -1])  # the last fed position only
+            if prefill:
+                self.stats.prefill_logit_rows += logits.shape[0]
             if len(idx) > 1:
                 for i, c in zip(idx, cache.split()):
                     seqs[i].csa2 = c
             for j, i in enumerate(idx):
-                out[i] = logits[j, -1]
-                if routing is not None:
-                    seqs[i].routing.append(routing[j].cpu())
+                out[i] = logits[j]
+                if res.routing is not None:
+                    seqs[i].routing.append(res.routing[j].cpu())
         if prefill:
             lens = [len(f) for f in feeds]
             self.stats.prefill_calls += 1
             self.stats.prefill_tokens += sum(lens)
             self.stats.reprefill_tokens += sum(s.num_response for s in seqs)
+            self.stats.prefill_seqs += len(seqs)
         else:
             self.stats.decode_steps += 1
         return torch.stack(out)

@@ -1,0 +1,145 @@
+"""Rollout engine speed (issue #15): asyncrl's engine with CUDA-graphed decode, the same engine eager, and
+HF transformers `generate`, in one run on the same weights.
+
+    python bench/engine.py --quick              # CPU, a tiny shape: the plumbing and the counters
+    python bench/engine.py                      # CUDA: SmolLM2-135M and Qwen3-0.6B shapes, bf16 (+ fp4 KV)
+
+Random weights (bf16 on CUDA, fp32 on CPU), 128-token prompts (16 with --quick), a fixed number of new
+tokens with EOS ignored. ms per step = wall time of the decode phase of a whole generate call (every step
+after the first, which prefills) divided by its decode steps, host work included; tokens/s = batch / that.
+HF runs `generate` greedily with its default dynamic cache; its decode time is the whole call minus a
+1-token call's. Counters from the engine: logit rows computed per prefilled sequence, and bytes of K/V that
+decode gathered into temporary context tensors per generated token.
+Last line: RESULT ms_per_step_b1=.. ms_per_step_b16=.. speedup_vs_hf_b16=.. prefill_logit_rows_per_seq=..
+kv_gather_bytes=.. (per generated token) [CUDA: ms_per_step_b64=.. ms_per_step_b256=.. eager_ms_per_step_b64=..
+graph_speedup_b64=.. fp4_over_bf16_b64=.. and the same for the 0.6B shape with a qwen3_ prefix]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import torch
+
+from model.config import DenseFFNConfig, ModelConfig
+from model.decoder import Decoder
+from rollout.config import EngineConfig
+from rollout.engine import Engine
+from rollout.types import GenerationRequest
+
+SHAPES = {  # name -> ModelConfig fields (random weights of the published architectures' shapes)
+    "smollm2": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                    ffn=DenseFFNConfig(intermediate_size=1536), tie_word_embeddings=True, rope_theta=100000.0),
+    "qwen3": dict(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                  ffn=DenseFFNConfig(intermediate_size=3072), qk_norm=True, tie_word_embeddings=True, rope_theta=1e6),
+    "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                 ffn=DenseFFNConfig(intermediate_size=128)),
+}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: str, *, graphs: bool) -> tuple[float, Engine]:
+    cfg = EngineConfig(max_batch_size=batch, block_size=16, max_seq_len=prompt + new + 16, max_new_tokens=new,
+                       cuda_graphs=graphs)
+    eng = Engine(model, cfg, eos_id=0, device=device)
+    vocab = model.config.vocab_size
+
+    def requests(tag: str, n: int):
+        g = torch.Generator().manual_seed(batch)
+        return [GenerationRequest(f"{tag}{i}", tuple(torch.randint(1, vocab, (prompt,), generator=g).tolist()), n,
+                                  seed=i, temperature=1.0, ignore_eos=True) for i in range(batch)]
+    eng.generate(requests("warm", 4))  # captures the graph of this bucket, warms the allocator
+    before = eng.stats.decode_steps
+    eng.add(requests("r", new))
+    eng.step()  # prefill + first token
+    _sync(device)
+    t0 = time.perf_counter()
+    while eng.has_work():
+        eng.step()
+    _sync(device)
+    steps = eng.stats.decode_steps - before
+    return 1000 * (time.perf_counter() - t0) / steps, eng
+
+
+def hf_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: str) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from model.pretrained import export_hf
+
+    with tempfile.TemporaryDirectory() as d:
+        export_hf(model, f"{d}/hf")
+        hf = AutoModelForCausalLM.from_pretrained(f"{d}/hf", dtype=next(model.parameters()).dtype).to(device).eval()
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=device)
+
+    def run(n: int) -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                        pad_token_id=0)
+        _sync(device)
+        return time.perf_counter() - t0
+    run(2)
+    return 1000 * (run(new) - run(1)) / (new - 1)
+
+
+def build(shape: str, device: str, kv: str = "bf16") -> Decoder:
+    torch.manual_seed(0)
+    cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=4096, kv_cache={"dtype": kv})
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return Decoder(cfg).to(device=device, dtype=dtype).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default="smollm2,qwen3")
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    torch.set_num_threads(2 if device == "cpu" else torch.get_num_threads())
+    result: dict[str, float] = {}
+    if device == "cpu":
+        shapes, batches, prompt, new = ["tiny"], [1, 16], 16, 32
+    else:
+        shapes, batches, prompt, new = args.shapes.split(","), [1, 16, 64, 256], 128, 256
+    print(f"{'shape':<9}{'kv':<6}{'batch':>6}{'graphs ms/step':>16}{'eager ms/step':>15}{'HF ms/step':>12}{'tok/s':>10}")
+    for n, shape in enumerate(shapes):
+        prefix = "" if n == 0 else f"{shape}_"
+        model = build(shape, device)
+        for b in batches:
+            ms, eng = engine_ms_per_step(model, b, prompt, new, device, graphs=True)
+            eager = engine_ms_per_step(model, b, prompt, new, device, graphs=False)[0] if device == "cuda" and b == 64 else float("nan")
+            hf = hf_ms_per_step(model, b, prompt, new, device) if b == 16 and not args.no_hf else float("nan")
+            print(f"{shape:<9}{'bf16':<6}{b:>6}{ms:>16.2f}{eager:>15.2f}{hf:>12.2f}{1000 * b / ms:>10.0f}", flush=True)
+            result[f"{prefix}ms_per_step_b{b}"] = ms
+            if device == "cuda" and b == 64:
+                result[f"{prefix}eager_ms_per_step_b{b}"] = eager
+                result[f"{prefix}graph_speedup_b{b}"] = eager / ms
+            if b == 16:
+                result[f"{prefix}speedup_vs_hf_b16"] = hf / ms
+            if n == 0 and b == batches[-1]:
+                st = eng.stats
+                result["prefill_logit_rows_per_seq"] = st.prefill_logit_rows / max(st.prefill_seqs, 1)
+                result["kv_gather_bytes"] = st.kv_gather_bytes / max(st.generated_tokens, 1)
+                if eng.graphs is not None and eng.graphs.disabled_reason:
+                    print(f"graphs disabled: {eng.graphs.disabled_reason}")
+        if device == "cuda":
+            del model
+            fp4 = build(shape, device, "fp4")
+            ms4 = engine_ms_per_step(fp4, 64, prompt, new, device, graphs=True)[0]
+            print(f"{shape:<9}{'fp4':<6}{64:>6}{ms4:>16.2f}", flush=True)
+            result[f"{prefix}fp4_over_bf16_b64"] = ms4 / result[f"{prefix}ms_per_step_b64"]
+            del fp4
+            torch.cuda.empty_cache()
+    print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

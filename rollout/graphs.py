@@ -1,0 +1,103 @@
+"""CUDA graphs of the decode step (issue #15): one graph per batch-size bucket, replayed every step.
+
+An eager decode step of a small model is launch-bound: ~20 kernels per layer, each ~7 us to launch and
+each waiting on Python, so a 30-layer model spends tens of milliseconds per token on the host whatever the
+batch. A graph replays the whole step's kernels with one launch (~1 us each on the device).
+
+What is captured: for a bucket of `b` rows (the next power of two at or above the batch, up to
+`max_batch_size`), the dense model's forward of one token per row over the paged cache, from one static
+int64 input buffer [b, 3 + max_blocks] = (token id, position, valid, block table padded with block 0)
+to the static float32 logits [b, V]. The context slots, this token's slot and the attention mask are
+computed from it inside the graph, over a fixed context of max_blocks · block_size slots (masked beyond
+each row's position), so the graph's shapes never change. Rows past the batch are invalid: their K/V go
+to the cache's scratch slot (`PagedKVCache.write` sends slot −1 there) and their logits are ignored. A
+step is one host-to-device copy of the input buffer, one replay, and the sampling that follows.
+
+The graphs read the model's parameters and the cache's tensors where they are: the trainer updates the
+shared weights in place (rl/worker.py), so new weights need no recapture. Models the graph cannot hold
+(MoE: the expert loop reads counts on the host; CSA2: per-sequence caches) decode eagerly, as does any
+model whose capture fails (the error is kept in `DecodeGraphs.disabled_reason`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model.kv_cache import PagedBatch, PagedKVCache
+
+_COLS = 3
+"""Leading columns of the input buffer: token id, position, valid (1) or padding (0)."""
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... below max_batch_size, then max_batch_size itself."""
+    out, b = [], 1
+    while b < max_batch_size:
+        out.append(b)
+        b *= 2
+    return out + [max_batch_size]
+
+
+class DecodeGraphs:
+    def __init__(self, model, cache: PagedKVCache, max_batch_size: int, max_blocks: int):
+        self.model, self.cache, self.max_blocks = model, cache, max_blocks
+        self.buckets = batch_buckets(max_batch_size)
+        self.device = cache.k.device
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        """bucket -> (graph, device input buffer, device logits, pinned host input buffer)."""
+        self._pool = None
+        self.disabled_reason: str | None = None
+        self.replays = 0
+
+    def bucket(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    def _forward(self, buf: torch.Tensor) -> torch.Tensor:
+        """The captured computation: input buffer [b, 3 + max_blocks] -> next-token logits [b, V]."""
+        bs, S = self.cache.block_size, self.max_blocks * self.cache.block_size
+        ids, pos, valid, tables = buf[:, 0:1], buf[:, 1:2], buf[:, 2:3], buf[:, _COLS:]
+        ctx = (tables[:, :, None] * bs + torch.arange(bs, device=buf.device)).reshape(buf.shape[0], S)
+        slot = torch.where(valid > 0, ctx.gather(1, pos), torch.full_like(pos, -1))  # padding -> scratch slot
+        mask = (torch.arange(S, device=buf.device)[None, :] <= pos)[:, None, None, :]
+        logits, _ = self.model(ids, pos, batch=PagedBatch(self.cache, False, slot, ctx, mask))
+        return logits[:, 0]
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]:
+        buf = torch.zeros(b, _COLS + self.max_blocks, dtype=torch.long, device=self.device)  # all padding
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, lazy inits); writes hit the scratch slot
+            for _ in range(2):
+                self._forward(buf)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(buf)
+        return graph, buf, out, torch.zeros(buf.shape, dtype=torch.long, pin_memory=True)
+
+    def run(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor | None:
+        """Next-token logits [B, V] of one decode step, or None when graphs are off (decode eagerly)."""
+        if self.disabled_reason is not None:
+            return None
+        B = len(ids)
+        b = self.bucket(B)
+        if b not in self._graphs:
+            try:
+                self._graphs[b] = self._capture(b)
+            except Exception as e:  # noqa: BLE001 - any capture failure means: decode eagerly from now on
+                self.disabled_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                self._graphs.clear()
+                return None
+        graph, buf, out, host = self._graphs[b]
+        h = host.numpy()  # pinned; the previous step's copy from it is done (its tokens were read back)
+        h[:] = 0
+        h[:B, 0], h[:B, 1], h[:B, 2] = ids, positions, 1
+        for i, t in enumerate(tables):
+            n = min(len(t), self.max_blocks)
+            h[i, _COLS:_COLS + n] = t[:n]
+        buf.copy_(host, non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        return out[:B]

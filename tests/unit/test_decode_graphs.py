@@ -1,0 +1,81 @@
+"""Decode steps replayed from CUDA graphs (rollout/graphs.py, issue #15) give the eager engine's tokens;
+prefill computes logits at one position per sequence. The graph tests need CUDA (they run on the GPU
+machine); the counters and buckets run everywhere."""
+
+import pytest
+import torch
+
+from rollout.config import EngineConfig
+from rollout.engine import Engine
+from rollout.graphs import batch_buckets
+from rollout.types import GenerationRequest
+
+EOS = 2
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+
+
+def _requests(n, max_new=24, temperature=0.0):
+    return [GenerationRequest(f"s{i}", tuple([1] + [10 + (7 * i + j) % 60 for j in range(3 + i % 5)]), max_new,
+                              seed=1000 + i, temperature=temperature) for i in range(n)]
+
+
+def test_batch_buckets_cover_every_batch_size():
+    assert batch_buckets(1) == [1] and batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(8) == [1, 2, 4, 8]
+    for m in (1, 5, 64, 100):
+        assert all(any(b >= n for b in batch_buckets(m)) for n in range(1, m + 1))
+
+
+def test_prefill_computes_logits_at_the_last_position_only(dense_model):
+    eng = Engine(dense_model, EngineConfig(max_batch_size=4, block_size=4, max_seq_len=64), eos_id=EOS)
+    assert eng.graphs is None  # CPU: eager
+    eng.generate(_requests(6, max_new=5))
+    assert eng.stats.prefill_logit_rows == eng.stats.prefill_seqs == 6 and eng.stats.prefill_tokens > 6
+    assert eng.stats.kv_gather_bytes > 0 and eng.stats.graph_steps == 0
+
+
+@cuda
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp4"])
+def test_graph_decode_equals_eager_decode(kv):
+    from model.decoder import Decoder
+    from tests.conftest import debug_config
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False, kv_cache={"dtype": kv})).cuda().eval()
+    out = {}
+    for graphs in (False, True):
+        eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, cuda_graphs=graphs), eos_id=EOS,
+                     device="cuda")
+        reqs = _requests(11, max_new=20) + [GenerationRequest("t", (1, 5, 6), 20, seed=7, temperature=1.0)]
+        out[graphs] = eng.generate(reqs)
+        if graphs:
+            assert eng.graphs.disabled_reason is None and eng.stats.graph_steps == eng.stats.decode_steps > 0
+    for a, b in zip(out[False], out[True]):
+        assert a.response_tokens == b.response_tokens, a.sample_id
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+@cuda
+def test_graph_decode_survives_interrupt_resume_and_weight_updates():
+    from model.decoder import Decoder
+    from tests.conftest import debug_config
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False)).cuda().eval()
+    eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64), eos_id=EOS, device="cuda")
+    ref = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, cuda_graphs=False), eos_id=EOS,
+                 device="cuda")
+    for e in (eng, ref):
+        e.add(_requests(5, max_new=30))
+        for _ in range(6):
+            e.step()
+    with torch.no_grad():  # an in-place weight update, as the trainer's optimizer makes
+        for p in model.parameters():
+            p.mul_(1.01)
+    got, want = [], []
+    for e, sink in ((eng, got), (ref, want)):
+        e.resume(e.interrupt())
+        while e.has_work():
+            sink += e.step()
+    key = lambda g: g.sample_id  # noqa: E731
+    assert [g.response_tokens for g in sorted(got, key=key)] == [g.response_tokens for g in sorted(want, key=key)]
+    assert eng.stats.graph_steps > 0
