@@ -11,8 +11,10 @@ HF runs `generate` greedily with its default dynamic cache; its decode time is t
 1-token call's. Counters from the engine: logit rows computed per prefilled sequence, and bytes of K/V that
 decode gathered into temporary context tensors per generated token.
 Last line: RESULT ms_per_step_b1=.. ms_per_step_b16=.. speedup_vs_hf_b16=.. prefill_logit_rows_per_seq=..
-kv_gather_bytes=.. (per generated token) [CUDA: ms_per_step_b64=.. ms_per_step_b256=.. eager_ms_per_step_b64=..
-graph_speedup_b64=.. fp4_over_bf16_b64=.. and the same for the 0.6B shape with a qwen3_ prefix]
+kv_gather_bytes=.. (per generated token) [CUDA: ms_per_step_b64=.. ms_per_step_b256=.. and, side by side at
+batch 64, unfused_graphs_ms_per_step_b64 (graphs over the unfused forward with a gathered context) and
+eager_ms_per_step_b64 (no graphs, no fused kernels: the engine before issue #15), speedup_vs_eager_b64,
+fp4_over_bf16_b64; the same for the 0.6B shape with a qwen3_ prefix]
 """
 
 from __future__ import annotations
@@ -44,9 +46,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: str, *, graphs: bool) -> tuple[float, Engine]:
+VARIANTS = {  # name -> (cuda_graphs, paged decode kernel, fused RMSNorm/RoPE)
+    "graphs": (True, True, True),            # this engine
+    "graphs_gather": (True, False, False),   # graphs over the unfused forward (the first step, c2e4c99)
+    "eager": (False, False, False),          # the engine before issue #15
+}
+
+
+def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: str, *,
+                       variant: str = "graphs") -> tuple[float, Engine]:
+    from model.kernels import norm_rope
+
+    graphs, paged, fused = VARIANTS[variant]
+    norm_rope.ENABLED = fused
     cfg = EngineConfig(max_batch_size=batch, block_size=16, max_seq_len=prompt + new + 16, max_new_tokens=new,
-                       cuda_graphs=graphs)
+                       cuda_graphs=graphs, paged_decode_kernel=paged)
     eng = Engine(model, cfg, eos_id=0, device=device)
     vocab = model.config.vocab_size
 
@@ -64,6 +78,7 @@ def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device
         eng.step()
     _sync(device)
     steps = eng.stats.decode_steps - before
+    norm_rope.ENABLED = True
     return 1000 * (time.perf_counter() - t0) / steps, eng
 
 
@@ -109,19 +124,24 @@ def main() -> None:
         shapes, batches, prompt, new = ["tiny"], [1, 16], 16, 32
     else:
         shapes, batches, prompt, new = args.shapes.split(","), [1, 16, 64, 256], 128, 256
-    print(f"{'shape':<9}{'kv':<6}{'batch':>6}{'graphs ms/step':>16}{'eager ms/step':>15}{'HF ms/step':>12}{'tok/s':>10}")
+    print(f"{'shape':<9}{'kv':<6}{'batch':>6}{'graphs ms/step':>16}{'unfused graphs':>16}{'eager ms/step':>15}"
+          f"{'HF ms/step':>12}{'tok/s':>10}")
     for n, shape in enumerate(shapes):
         prefix = "" if n == 0 else f"{shape}_"
         model = build(shape, device)
         for b in batches:
-            ms, eng = engine_ms_per_step(model, b, prompt, new, device, graphs=True)
-            eager = engine_ms_per_step(model, b, prompt, new, device, graphs=False)[0] if device == "cuda" and b == 64 else float("nan")
+            ms, eng = engine_ms_per_step(model, b, prompt, new, device)
+            side = device == "cuda" and b == 64  # the three variants side by side
+            unfused = engine_ms_per_step(model, b, prompt, new, device, variant="graphs_gather")[0] if side else float("nan")
+            eager = engine_ms_per_step(model, b, prompt, new, device, variant="eager")[0] if side else float("nan")
             hf = hf_ms_per_step(model, b, prompt, new, device) if b == 16 and not args.no_hf else float("nan")
-            print(f"{shape:<9}{'bf16':<6}{b:>6}{ms:>16.2f}{eager:>15.2f}{hf:>12.2f}{1000 * b / ms:>10.0f}", flush=True)
+            print(f"{shape:<9}{'bf16':<6}{b:>6}{ms:>16.2f}{unfused:>16.2f}{eager:>15.2f}{hf:>12.2f}{1000 * b / ms:>10.0f}",
+                  flush=True)
             result[f"{prefix}ms_per_step_b{b}"] = ms
-            if device == "cuda" and b == 64:
+            if side:
+                result[f"{prefix}unfused_graphs_ms_per_step_b{b}"] = unfused
                 result[f"{prefix}eager_ms_per_step_b{b}"] = eager
-                result[f"{prefix}graph_speedup_b{b}"] = eager / ms
+                result[f"{prefix}speedup_vs_eager_b{b}"] = eager / ms
             if b == 16:
                 result[f"{prefix}speedup_vs_hf_b16"] = hf / ms
             if n == 0 and b == batches[-1]:
@@ -133,7 +153,7 @@ def main() -> None:
         if device == "cuda":
             del model
             fp4 = build(shape, device, "fp4")
-            ms4 = engine_ms_per_step(fp4, 64, prompt, new, device, graphs=True)[0]
+            ms4 = engine_ms_per_step(fp4, 64, prompt, new, device)[0]
             print(f"{shape:<9}{'fp4':<6}{64:>6}{ms4:>16.2f}", flush=True)
             result[f"{prefix}fp4_over_bf16_b64"] = ms4 / result[f"{prefix}ms_per_step_b64"]
             del fp4

@@ -36,9 +36,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * self.weight.float()).to(x.dtype)
+        if x.is_cuda and not torch.is_grad_enabled():  # rollout / evaluation: one fused kernel
+            from model.kernels import norm_rope
+
+            if norm_rope.ENABLED:
+                return norm_rope.rms_norm(x, self.weight, self.eps)
+        return rms_norm_eager(x, self.weight, self.eps)
+
+
+def rms_norm_eager(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 as transformers computes it (the reference of model/kernels/norm_rope.py)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * w.float()).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig | None = None,
@@ -75,6 +85,16 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, H, D]."""
+    if x.is_cuda and not torch.is_grad_enabled():  # rollout / evaluation: one fused kernel
+        from model.kernels import norm_rope
+
+        if norm_rope.ENABLED:
+            return norm_rope.rope(x, cos, sin)
+    return rope_eager(x, cos, sin)
+
+
+def rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE in float32 (the reference of model/kernels/norm_rope.py)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -119,6 +139,11 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
             )
+        elif batch.block_table is not None:
+            # Decode through the paged kernel: the cache is read in its storage format, nothing gathered.
+            batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
+            out = batch.cache.attend(self.layer_idx, q[:, 0], batch.block_table, batch.context_lens)  # [B, H, D]
+            return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
         else:
             # Decode: write this step's K/V, then attend over the sequence's cached context.
             batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)

@@ -280,6 +280,17 @@ class PagedKVCache:
             for data, scale in ((self.k, self.k_scale), (self.v, self.v_scale))
         )
 
+    def attend(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """Decode attention of one query token per sequence over its paged context, read in the storage
+        format with no gathered or dequantised copy (model/kernels/decode_attention.py, Triton):
+        q [B, H, D], block_table [B, max_blocks], context_lens [B] (0: a padding row, zero output) -> [B, H, D]."""
+        from model.kernels.decode_attention import decode_attention  # triton: only where decode runs it
+
+        k = self.k[layer] if self.k_scale is None else (self.k[layer], self.k_scale[layer])
+        v = self.v[layer] if self.v_scale is None else (self.v[layer], self.v_scale[layer])
+        fmt = "dense" if not self.format.quantised else self.format.name
+        return decode_attention(q, k, v, block_table, context_lens, self.block_size, kv_format=fmt)
+
     def export(self, slots: list[int]) -> dict[str, torch.Tensor]:
         """Copy the given slots of every layer to host memory, in the storage format:
         {"k", "v"} [L, n, KVH, ...] (+ {"k_scale", "v_scale"} for quantised formats)."""
@@ -308,3 +319,8 @@ class PagedBatch:
     """Decode only: [B, S] slots of each sequence's context, current token included."""
     context_mask: torch.Tensor | None = None
     """Decode only: [B, 1, 1, S] True where the slot belongs to the sequence's context."""
+    block_table: torch.Tensor | None = None
+    """Decode through the paged kernel (`PagedKVCache.attend`): [B, max_blocks] block ids; then
+    context_slots and context_mask are unused."""
+    context_lens: torch.Tensor | None = None
+    """With block_table: [B] tokens of context per sequence, this one included (0: padding row)."""

@@ -98,7 +98,8 @@ class Engine:
         )
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda" and not self.sparse and not mcfg.is_moe:
-            self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch_size, self.cache.blocks_for(cfg.max_seq_len))
+            self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch_size, self.cache.blocks_for(cfg.max_seq_len),
+                                       paged_kernel=cfg.paged_decode_kernel)
         self.policy_version = 0
         self.stats = EngineStats()
         self._waiting: list[RolloutState] = []
@@ -277,8 +278,8 @@ class Engine:
             if logits is not None:
                 self.stats.decode_steps += 1
                 self.stats.graph_steps += 1
-                self.stats.kv_gather_bytes += self._gather_bytes(self.graphs.bucket(B),
-                                                                 self.graphs.max_blocks * bs)
+                if not self.graphs.paged_kernel:
+                    self.stats.kv_gather_bytes += self._gather_bytes(self.graphs.bucket(B), self.graphs.max_blocks * bs)
                 return logits
         pos = torch.tensor([s.num_cached for s in seqs], dtype=torch.long)
         ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long)

@@ -7,10 +7,13 @@ batch. A graph replays the whole step's kernels with one launch (~1 us each on t
 What is captured: for a bucket of `b` rows (the next power of two at or above the batch, up to
 `max_batch_size`), the dense model's forward of one token per row over the paged cache, from one static
 int64 input buffer [b, 3 + max_blocks] = (token id, position, valid, block table padded with block 0)
-to the static float32 logits [b, V]. The context slots, this token's slot and the attention mask are
-computed from it inside the graph, over a fixed context of max_blocks · block_size slots (masked beyond
-each row's position), so the graph's shapes never change. Rows past the batch are invalid: their K/V go
-to the cache's scratch slot (`PagedKVCache.write` sends slot −1 there) and their logits are ignored. A
+to the static float32 logits [b, V]. This token's slot and the context lengths are computed from it inside
+the graph, and attention reads the paged cache through the decode kernel (model/kernels/decode_attention.py:
+the storage format, bf16/fp8/fp4, read in place, no gathered copy); without it (`paged_decode_kernel:
+false`, or a head_dim the kernel does not take) the graph gathers a fixed context of max_blocks ·
+block_size slots, masked beyond each row's position, for SDPA. Either way the shapes never change. Rows
+past the batch are invalid: their K/V go to the cache's scratch slot (`PagedKVCache.write` sends slot −1
+there), they have no context, and their logits are ignored. A
 step is one host-to-device copy of the input buffer, one replay, and the sampling that follows.
 
 The graphs read the model's parameters and the cache's tensors where they are: the trainer updates the
@@ -39,7 +42,7 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, cache: PagedKVCache, max_batch_size: int, max_blocks: int):
+    def __init__(self, model, cache: PagedKVCache, max_batch_size: int, max_blocks: int, paged_kernel: bool = True):
         self.model, self.cache, self.max_blocks = model, cache, max_blocks
         self.buckets = batch_buckets(max_batch_size)
         self.device = cache.k.device
@@ -47,6 +50,10 @@ class DecodeGraphs:
         """bucket -> (graph, device input buffer, device logits, pinned host input buffer)."""
         self._pool = None
         self.disabled_reason: str | None = None
+        d = model.config.head_dim
+        self.paged_kernel = paged_kernel and d >= 16 and d & (d - 1) == 0
+        """Attention through the paged decode kernel (its head_dim must be a power of two >= 16); else
+        a gather of a fixed max_blocks · block_size context and SDPA."""
         self.replays = 0
 
     def bucket(self, batch: int) -> int:
@@ -56,10 +63,16 @@ class DecodeGraphs:
         """The captured computation: input buffer [b, 3 + max_blocks] -> next-token logits [b, V]."""
         bs, S = self.cache.block_size, self.max_blocks * self.cache.block_size
         ids, pos, valid, tables = buf[:, 0:1], buf[:, 1:2], buf[:, 2:3], buf[:, _COLS:]
-        ctx = (tables[:, :, None] * bs + torch.arange(bs, device=buf.device)).reshape(buf.shape[0], S)
-        slot = torch.where(valid > 0, ctx.gather(1, pos), torch.full_like(pos, -1))  # padding -> scratch slot
-        mask = (torch.arange(S, device=buf.device)[None, :] <= pos)[:, None, None, :]
-        logits, _ = self.model(ids, pos, batch=PagedBatch(self.cache, False, slot, ctx, mask))
+        slot = tables.gather(1, pos // bs) * bs + pos % bs
+        slot = torch.where(valid > 0, slot, torch.full_like(pos, -1))  # padding -> the scratch slot
+        if self.paged_kernel:  # attention reads the paged cache itself; padding rows have no context
+            lens = torch.where(valid > 0, pos + 1, torch.zeros_like(pos))[:, 0]
+            batch = PagedBatch(self.cache, False, slot, block_table=tables, context_lens=lens)
+        else:
+            ctx = (tables[:, :, None] * bs + torch.arange(bs, device=buf.device)).reshape(buf.shape[0], S)
+            mask = (torch.arange(S, device=buf.device)[None, :] <= pos)[:, None, None, :]
+            batch = PagedBatch(self.cache, False, slot, ctx, mask)
+        logits, _ = self.model(ids, pos, batch=batch)
         return logits[:, 0]
 
     def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]:
