@@ -81,30 +81,31 @@ def test_graph_decode_survives_interrupt_resume_and_weight_updates():
     assert eng.stats.graph_steps > 0
 
 
-def test_paged_kernel_decode_equals_gather_decode(dense_model):
+def test_paged_kernel_decode_equals_gather_decode():
     """The decode forward through the paged kernel (Triton; interpreted on CPU) gives the gather + SDPA
-    forward's logits, padding rows (context 0, scratch slot) included, for every KV format."""
+    forward's logits, padding rows (context 0, scratch slot) included, for every KV format (fp32 model)."""
+    from model.decoder import Decoder
     from model.kv_cache import PagedBatch
+    from tests.conftest import debug_config
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     for kv in ("bf16", "fp8", "fp4"):
-        from model.decoder import Decoder
-        from tests.conftest import debug_config
-
         torch.manual_seed(0)
-        model = Decoder(debug_config(moe=False, kv_cache={"dtype": kv})).eval()
-        eng = Engine(model, EngineConfig(max_batch_size=4, block_size=4, max_seq_len=32), eos_id=EOS)
+        model = Decoder(debug_config(moe=False, kv_cache={"dtype": kv})).to(dev).eval()
+        eng = Engine(model, EngineConfig(max_batch_size=4, block_size=4, max_seq_len=32, cuda_graphs=False), eos_id=EOS,
+                     device=dev)
         eng.add(_requests(3, max_new=20))
         for _ in range(5):
             eng.step()
         seqs, bs = eng._active, 4
         mb = eng.cache.blocks_for(32)
-        tables = torch.tensor([s.blocks + [0] * (mb - len(s.blocks)) for s in seqs] + [[0] * mb])  # + a padding row
-        pos = torch.tensor([s.num_cached for s in seqs] + [0])[:, None]
-        valid = torch.tensor([1, 1, 1, 0])[:, None]
-        ids = torch.tensor([s.tokens[-1] for s in seqs] + [0])[:, None]
+        tables = torch.tensor([s.blocks + [0] * (mb - len(s.blocks)) for s in seqs] + [[0] * mb], device=dev)  # + padding
+        pos = torch.tensor([s.num_cached for s in seqs] + [0], device=dev)[:, None]
+        valid = torch.tensor([1, 1, 1, 0], device=dev)[:, None]
+        ids = torch.tensor([s.tokens[-1] for s in seqs] + [0], device=dev)[:, None]
         slot = torch.where(valid > 0, tables.gather(1, pos // bs) * bs + pos % bs, torch.full_like(pos, -1))
-        ctx = (tables[:, :, None] * bs + torch.arange(bs)).reshape(4, mb * bs)
-        mask = (torch.arange(mb * bs)[None, :] <= pos)[:, None, None, :]
+        ctx = (tables[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(4, mb * bs)
+        mask = (torch.arange(mb * bs, device=dev)[None, :] <= pos)[:, None, None, :]
         with torch.no_grad():
             want, _ = model(ids, pos, batch=PagedBatch(eng.cache, False, slot, ctx, mask))
             lens = torch.where(valid > 0, pos + 1, torch.zeros_like(pos))[:, 0]

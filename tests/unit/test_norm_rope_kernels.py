@@ -9,7 +9,7 @@ from model.decoder import rope_cos_sin
 from model.decoder import rope_eager as rope_ref
 from model.kernels.norm_rope import rms_norm, rope
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cuda"] if torch.cuda.is_available() else ["cpu"]  # CPU: interpreted (no GPU, tests/conftest.py)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -39,6 +39,6 @@ def test_rope_matches_reference(device, dtype, tol, B, T, H, D):
 
 def test_a_wrong_kernel_would_fail_these_tests():
     """The references are not the kernels' mirror: swapping the halves' signs changes the result."""
-    x = torch.randn(1, 2, 2, 16)
-    cos, sin = rope_cos_sin(torch.tensor([[3, 9]]), 16, 10000.0)
+    x = torch.randn(1, 2, 2, 16, device=DEVICES[0])
+    cos, sin = rope_cos_sin(torch.tensor([[3, 9]], device=DEVICES[0]), 16, 10000.0)
     assert (rope_ref(x, cos, -sin) - rope(x, cos, sin)).abs().max() > 1e-2
