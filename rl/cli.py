@@ -50,25 +50,28 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume and args.run_dir and Path(args.resume) != Path(args.run_dir):
         raise RecipeError("--resume", "give either --run-dir or --resume RUN_DIR, not two different directories")
     run_dir = Path(args.resume or args.run_dir or Path("runs") / recipe.run.name)
-    return _train(recipe, run_dir, resume=bool(args.resume))
+    if args.resume and args.overwrite:
+        raise RecipeError("--overwrite", "--resume continues a run; --overwrite starts one over: give one of them")
+    return _train(recipe, run_dir, resume=bool(args.resume), overwrite=args.overwrite, break_lock=args.break_lock)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "recipe.yaml").is_file():
         raise RecipeError(str(run_dir), "not a run directory (no recipe.yaml)")
-    return _train(load_recipe(run_dir / "recipe.yaml", args.overrides), run_dir, resume=True)
+    return _train(load_recipe(run_dir / "recipe.yaml", args.overrides), run_dir, resume=True, break_lock=args.break_lock)
 
 
-def _train(recipe, run_dir: Path, resume: bool) -> int:
+def _train(recipe, run_dir: Path, resume: bool, overwrite: bool = False, break_lock: bool = False) -> int:
     from rewards.dataset_io import DatasetError
     from rl.checkpoint import CheckpointError
     from rl.driver import train  # heavy: torch
+    from rl.run_dir import RunDirError
     from rl.store_db import StoreError
 
     try:
-        summary = train(recipe, run_dir, resume=resume)
-    except (CheckpointError, StoreError, DatasetError) as e:
+        summary = train(recipe, run_dir, resume=resume, overwrite=overwrite, break_lock=break_lock)
+    except (CheckpointError, StoreError, DatasetError, RunDirError) as e:
         print(f"rl: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))
@@ -111,6 +114,11 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_break_lock(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--break-lock", action="store_true",
+                   help="do not take the run directory's lock (filesystems without working file locks only)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rl", description="asyncrl: asynchronous RL and OPD post-training")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,11 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(p)
     p.add_argument("--run-dir", help="run directory (default runs/<run.name>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its newest valid checkpoint")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over in a run directory that holds a run (its checkpoints, metrics and store go)")
+    _add_break_lock(p)
     p.set_defaults(func=cmd_train)
     p = sub.add_parser("resume", help="continue a run from its newest valid checkpoint (its own recipe)")
     p.add_argument("run_dir", help="run directory")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field (compatible changes only: budgets, logging, lr, ...)")
+    _add_break_lock(p)
     p.set_defaults(func=cmd_resume)
     p = sub.add_parser("reconfigure", help="change a running job's dataset mixture, caps or teachers")
     p.add_argument("run_dir", help="run directory of the running job")

@@ -74,11 +74,13 @@ def describe_eval(metrics: Mapping[str, float]) -> str:
     return f"held-out accuracy {metrics['eval/accuracy']:.3f} on {n} problems" + (f" ({shares})" if shares else "")
 
 
-def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, resume: bool = False) -> dict[str, float]:
+def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, resume: bool = False, *,
+          overwrite: bool = False, break_lock: bool = False) -> dict[str, float]:
     """Run every stage of the recipe (from the run's newest valid checkpoint when `resume`); returns
-    the summary that the RESULT line prints. A SIGTERM/SIGINT ends it early with `preempted=1`."""
+    the summary that the RESULT line prints. A SIGTERM/SIGINT ends it early with `preempted=1`.
+    `overwrite`, `break_lock`: see rl/run_dir.py."""
     t_start = time.monotonic()
-    with open_job(recipe, run_dir, say=say, resume=resume) as job:
+    with open_job(recipe, run_dir, say=say, resume=resume, overwrite=overwrite, break_lock=break_lock) as job:
         info = job.policy.info()
         say(f"run dir {run_dir}: {info[0]['num_parameters'] / 1e6:.2f}M-parameter {'MoE' if recipe.model.is_moe else 'dense'} "
             f"policy on {len(info)} {'Ray' if recipe.runtime.ray else 'in-process'} worker(s), {len(recipe.stages)} stages")

@@ -26,6 +26,7 @@ from rl.metrics import MetricsLogger
 from rl.recipe_io import recipe_to_yaml
 from rl.rendering import Renderer
 from rl.resume import Checkpointer, find_resume_point
+from rl.run_dir import RunLock, claim_for_new_run
 from rl.runtime import PolicyGroup, RewardGroup, Runtime
 from rl.store import TrajectoryStore
 
@@ -158,11 +159,13 @@ class Job:
 
 @contextmanager
 def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = print, resume: bool = False,
-             checkpoints: bool = True) -> Iterator[Job]:
+             checkpoints: bool = True, overwrite: bool = False, break_lock: bool = False) -> Iterator[Job]:
     """The job of `recipe` in `run_dir`: its datasets scanned (`Task.scan`: a bad row raises a DatasetError
     before anything starts), its store (upgraded under its lock; run identity in run.json), its
     newest valid checkpoint when resuming (the store rolled back to it), metrics sinks and workers; all of it
-    closed on exit. `checkpoints=False`: no checkpoint is written (a bench driving one stage)."""
+    closed on exit. `checkpoints=False`: no checkpoint is written (a bench driving one stage). The job holds
+    the run directory's lock throughout (rl/run_dir.py); a fresh job refuses a directory that holds a run
+    unless `overwrite`."""
     t_start = time.monotonic()
     tasks = {d.name: d.build() for d in recipe.datasets}
     for task in tasks.values():  # every row of every dataset file, before the run directory, the store or any worker
@@ -170,8 +173,15 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
         if note:
             say(note)
     run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir, break_lock=break_lock).acquire()
+    try:
+        if not resume:
+            claim_for_new_run(run_dir, overwrite=overwrite, say=say)
+        store = TrajectoryStore.for_run_dir(run_dir, url=recipe.store.url, name=recipe.run.name)
+    except BaseException:
+        lock.release()
+        raise
     recipe_yaml = recipe_to_yaml(recipe)
-    store = TrajectoryStore.for_run_dir(run_dir, url=recipe.store.url, name=recipe.run.name)
     runtime = logger = None
     try:
         manager = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, warn=say) if checkpoints else None
@@ -196,3 +206,4 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
         if logger is not None:
             logger.close()
         store.close()
+        lock.release()

@@ -475,6 +475,11 @@ class TrajectoryStore:
         with self._sessions() as s:
             return s.scalar(select(func.count()).select_from(SampleTable).where(SampleTable.run_id == self.run_id))
 
+    def count_train_steps(self) -> int:
+        """Train steps this run has recorded (GRPO/OPD steps)."""
+        with self._sessions() as s:
+            return s.scalar(select(func.count()).select_from(TrainStepTable).where(TrainStepTable.run_id == self.run_id))
+
     def run_ids(self) -> list[str]:
         """Every run id recorded in this database (one, for a run directory's own file)."""
         with self._sessions() as s:
