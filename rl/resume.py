@@ -80,7 +80,9 @@ def find_resume_point(recipe: Recipe, store: TrajectoryStore, manager: Checkpoin
         if manager.complete():
             raise CheckpointError(f"none of the {len(manager.complete())} checkpoints under {manager.root} is usable (see "
                                   f"the warnings); refusing to start the run over: restore one, or start a new run directory")
-        if (trained := store.count_train_steps()) > 0:
+        # A crash before the first periodic checkpoint leaves at most every_steps recorded steps: those
+        # are redone. More than that means checkpoints existed and are gone: never start over silently.
+        if (trained := store.count_train_steps()) > recipe.checkpoint.every_steps:
             raise CheckpointError(f"the run has {trained} recorded train steps but no checkpoint under {manager.root}; "
                                   "refusing to start it over (that rolls its store back over them): restore a "
                                   "checkpoint, or start a new run directory (or rl train --overwrite)")
