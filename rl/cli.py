@@ -101,6 +101,12 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
     except rc.ReconfigError as e:
         print(f"rl: bad patch: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from rl.run_dir import running_job
+
+    if running_job(run_dir) is None:  # a patch left in the inbox would be applied by some later job
+        print(f"rl: no job is running in {run_dir} (its lock is free): a patch changes a running job only; "
+              "nothing was queued", file=sys.stderr)
+        return EXIT_BAD_INPUT
     pid = rc.submit(run_dir, patch)
     answer = rc.wait_answer(run_dir, pid, args.wait)
     if answer is None:

@@ -9,6 +9,7 @@
   continue it with `rl resume`, or pass `--overwrite`, which removes the run's own artifacts (checkpoints,
   exports, metrics, its SQLite store, its identity) and nothing else, so the new run gets a new identity
   and a shared database keeps the old run's rows under the old one.
+- `rl reconfigure` needs a running job: with the lock free it refuses at once (`running_job`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ class RunLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def running_job(run_dir: str | Path) -> str | None:
+    """Who holds the run directory's lock ("pid N on HOST since T"), or None when no job does."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)  # drops the shared lock if it was taken
+    return None
 
 
 def holds_run(run_dir: str | Path) -> list[str]:

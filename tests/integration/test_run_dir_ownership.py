@@ -92,3 +92,11 @@ def test_resume_without_checkpoints_never_rolls_trained_steps_back(tmp_path, rec
 
     with sqlite3.connect(run / "trajectories.db") as c:
         assert c.execute("select count(*) from train_steps").fetchone()[0] == 2  # nothing rolled back
+
+
+def test_reconfigure_needs_a_running_job(tmp_path, recipe):
+    run = tmp_path / "run"
+    assert _cli("train", recipe, "--run-dir", str(run)).returncode == 0
+    t0 = time.monotonic()
+    _one_line_exit_2(_cli("reconfigure", str(run), "--set", "mixture.add=2"), f"no job is running in {run}", "nothing was queued")
+    assert time.monotonic() - t0 < 30 and not (run / "control" / "inbox").exists()  # at once, nothing left behind
