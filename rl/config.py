@@ -7,6 +7,7 @@ before validation. Variants are discriminated unions on `type`; cross-component 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Union
 
@@ -25,7 +26,7 @@ class RunConfig(StrictConfig):
     """Identity, seeding and placement of a run."""
 
     name: str = "run"
-    """Run name; the default run directory is runs/<name>."""
+    """Run name (letters, digits, '.', '_', '-'; not a path); the default run directory is runs/<name>."""
     seed: int = 0
     """Seed of model init, data order and sampling."""
     device: Literal["cpu", "cuda"] = "cpu"
@@ -34,6 +35,14 @@ class RunConfig(StrictConfig):
     """torch intra-op threads on CPU."""
     init_checkpoint: Path | None = None
     """Start from this checkpoint directory (config.json + model.safetensors) instead of random init."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", v):
+            raise ValueError(f"{v!r} is not a plain name: use letters, digits, '.', '_' and '-' (at most 128, "
+                             "not starting with '.' or '-'); it names runs/<name>, so no path")
+        return v
 
     @field_validator("init_checkpoint")
     @classmethod

@@ -100,3 +100,8 @@ def test_reconfigure_needs_a_running_job(tmp_path, recipe):
     t0 = time.monotonic()
     _one_line_exit_2(_cli("reconfigure", str(run), "--set", "mixture.add=2"), f"no job is running in {run}", "nothing was queued")
     assert time.monotonic() - t0 < 30 and not (run / "control" / "inbox").exists()  # at once, nothing left behind
+
+
+@pytest.mark.parametrize("name", ["../escape", "/abs/path", "a/b", ".hidden", "with space"])
+def test_run_name_is_a_plain_name(recipe, name):
+    _one_line_exit_2(_cli("validate", recipe, "--set", f"run.name={name}"), "run.name", "is not a plain name")
