@@ -125,8 +125,16 @@ def _add_break_lock(p: argparse.ArgumentParser) -> None:
                    help="do not take the run directory's lock (filesystems without working file locks only)")
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`rl eval: argument --max-problems: must be at least 1`)
+    and exit 2, like every other expected failure of the CLI; `-h` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: {message.splitlines()[0]}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rl", description="asyncrl: asynchronous RL and OPD post-training")
+    parser = _OneLineParser(prog="rl", description="asyncrl: asynchronous RL and OPD post-training")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("validate", help="check a recipe and exit")
     _add_recipe_args(p)

@@ -17,8 +17,19 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("run_dir")
     p.add_argument("--effort", default=None, help="comma-separated effort levels in 1..100 (default: no effort prefix)")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's latest)")
-    p.add_argument("--max-problems", type=int, default=None, help="held-out problems per dataset (default: the recipe's)")
+    p.add_argument("--max-problems", type=_positive_int, default=None,
+                   help="held-out problems per dataset (default: the recipe's)")
     p.set_defaults(func=cmd_eval)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _fail(msg: str) -> int:

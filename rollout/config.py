@@ -42,6 +42,14 @@ class EngineConfig(StrictConfig):
     format (bf16, fp8, fp4) with no gathered copy; False: gather a fixed-length context, then SDPA."""
 
     @model_validator(mode="after")
+    def _pool_holds_a_sequence(self) -> "EngineConfig":
+        if self.num_blocks is not None and self.num_blocks * self.block_size < self.max_seq_len:
+            raise ValueError(f"num_blocks={self.num_blocks} of block_size={self.block_size} hold "
+                             f"{self.num_blocks * self.block_size} tokens, fewer than one sequence of "
+                             f"max_seq_len={self.max_seq_len}")
+        return self
+
+    @model_validator(mode="after")
     def _prompt_fits(self) -> "EngineConfig":
         if self.max_prompt_tokens is not None and self.max_prompt_tokens >= self.max_seq_len:
             raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} leaves no room for a response in "

@@ -1,0 +1,29 @@
+"""Usage errors of the `rl` command are one line and exit 2, like its other expected failures (issue #13):
+argparse's own errors included, and values that validate but could not run."""
+
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["eval", "runs/none", "--max-problems", "-1000"], "rl eval: argument --max-problems: must be at least 1, got -1000"),
+    (["eval", "runs/none", "--max-problems", "x"], "rl eval: argument --max-problems: not an integer: 'x'"),
+    (["train"], "rl train: the following arguments are required: recipe"),
+    (["nosuch"], "rl: argument command: invalid choice: 'nosuch'"),
+    (["validate", "configs/quickstart.yaml", "--set", "engine.num_blocks=1"],
+     "num_blocks=1 of block_size=16 hold 16 tokens, fewer than one sequence of max_seq_len=160"),
+])
+def test_usage_errors_are_one_line_exit_2(args, needle):
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_help_still_prints_the_usage():
+    proc = subprocess.run([*CLI, "eval", "-h"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--max-problems" in proc.stdout
