@@ -84,9 +84,13 @@ def load_recipe_dict(path: str | Path) -> tuple[dict, dict[KeyPath, int]]:
     except (OSError, UnicodeDecodeError) as err:
         raise RecipeError(where, f"cannot read recipe file ({type(err).__name__}: {err})") from None
 
+    if len(text) > MAX_RECIPE_CHARS:
+        raise RecipeError(where, f"recipe file has {len(text)} characters; the limit is {MAX_RECIPE_CHARS}")
     loader = _RecipeLoader(text)
     try:
         root = loader.get_single_node()
+        if root is not None and (n := _expanded_size(root, {})) > MAX_RECIPE_NODES:
+            raise RecipeError(where, f"recipe expands to {n} YAML nodes (aliases of aliases?); the limit is {MAX_RECIPE_NODES}")
         data = loader.construct_document(root) if root is not None else None
         if not isinstance(data, dict):
             raise RecipeError(where, "recipe must be a YAML mapping")
@@ -97,6 +101,24 @@ def load_recipe_dict(path: str | Path) -> tuple[dict, dict[KeyPath, int]]:
     finally:
         loader.dispose()
     return data, lines
+
+
+MAX_RECIPE_CHARS = 1 << 20
+"""A recipe is a page of YAML; a file beyond this is refused before parsing."""
+MAX_RECIPE_NODES = 100_000
+"""Nodes of the recipe with every alias expanded: nested aliases ("billion laughs") grow exponentially in
+what validation walks, so they are counted, in time linear in the file, before anything is built."""
+
+
+def _expanded_size(node: yaml.Node, memo: dict[int, int]) -> int:
+    """Nodes under `node` with aliases expanded (each distinct node counted once per reference)."""
+    if id(node) in memo:
+        return memo[id(node)]
+    memo[id(node)] = 1  # a recursive alias counts once (SafeLoader refuses to construct it anyway)
+    children = [c for pair in node.value for c in pair] if isinstance(node, yaml.MappingNode) else (
+        node.value if isinstance(node, yaml.SequenceNode) else [])
+    memo[id(node)] = 1 + sum(_expanded_size(c, memo) for c in children)
+    return memo[id(node)]
 
 
 def _index_lines(loader: yaml.SafeLoader, node: yaml.Node, prefix: KeyPath, lines: dict[KeyPath, int],

@@ -27,3 +27,19 @@ def test_usage_errors_are_one_line_exit_2(args, needle):
 def test_help_still_prints_the_usage():
     proc = subprocess.run([*CLI, "eval", "-h"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--max-problems" in proc.stdout
+
+
+def test_nested_aliases_and_huge_files_are_refused_before_anything_is_built(tmp_path):
+    """A 400-byte "billion laughs" recipe expands to 4.9e8 nodes: counted in linear time, refused in one line."""
+    import time
+
+    bomb = tmp_path / "bomb.yaml"
+    rows = ["a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb.write_text("\n".join(rows) + "\n")
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("run: {name: x}\n" + "# padding\n" * 120_000)
+    for path, needle in ((bomb, "recipe expands to 490329066 YAML nodes"), (huge, "characters; the limit is 1048576")):
+        t0 = time.monotonic()
+        proc = subprocess.run([*CLI, "validate", str(path)], capture_output=True, text=True, timeout=120)
+        assert time.monotonic() - t0 < 30
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
