@@ -10,6 +10,7 @@ The job holds no model: the PolicyWorkers do. Stage runners (rl/driver.py `run_s
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -49,16 +50,29 @@ class RunState:
 
 class Progress:
     """The console side of a job: a progress bar per stage, and after a resume the time to the first new
-    token (`resume/first_token_s`, seconds since the process started)."""
+    token (`resume/first_token_s`, seconds since the process started).
 
-    def __init__(self, enabled: bool, say: Callable[[str], None], logger: MetricsLogger, t_start: float):
-        self.enabled, self.say, self.logger, self.t_start = enabled, say, logger, t_start
+    The bar tells the truth about the budget that binds: it starts at the step a resumed stage continues
+    from, and when the stage has a wall-clock budget its total is the number of steps that budget will
+    allow at the rate so far (never more than max_steps), so its ETA is the stage's real end."""
+
+    def __init__(self, enabled: bool, say: Callable[[str], None], logger: MetricsLogger, t_start: float, file=None):
+        self.enabled, self.say, self.logger, self.t_start, self.file = enabled, say, logger, t_start, file
         self.bar: tqdm | None = None
         self.first_token_pending = False
+        self._max_steps, self._deadline, self._start, self._t_first = 0, None, 0, 0.0
 
     def start_stage(self, stage_idx: int, stage: SFTStage | GRPOStage) -> None:
         self.bar = tqdm(total=stage.max_steps, desc=f"stage {stage_idx} {stage.type}", dynamic_ncols=True,
-                        disable=not self.enabled)
+                        disable=not self.enabled, file=self.file)
+        self._max_steps, self._deadline, self._start = stage.max_steps, None, 0
+
+    def begin_steps(self, start: int, deadline: float | None) -> None:
+        """The stage's steps run from `start` (a resume's step) until max_steps or `deadline` (monotonic)."""
+        self._start, self._deadline, self._t_first = start, deadline, time.monotonic()
+        if self.bar is not None and start:
+            self.bar.n = self.bar.last_print_n = start
+            self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:
@@ -68,6 +82,11 @@ class Progress:
     def step(self, metrics: Mapping[str, float]) -> None:
         if self.bar is not None:
             self.bar.update(1)
+            if self._deadline is not None and self.bar.n > self._start:
+                now = time.monotonic()
+                rate = (self.bar.n - self._start) / max(now - self._t_first, 1e-9)
+                projected = self.bar.n + rate * max(self._deadline - now, 0.0)
+                self.bar.total = max(self.bar.n, min(self._max_steps, math.ceil(projected)))
             shown = {"loss": "sft/loss", "reward": "rollout/reward", "len": "rollout/response_len", "tok_s": "rollout/tokens_per_s"}
             self.bar.set_postfix({k: f"{metrics[m]:.3g}" for k, m in shown.items() if m in metrics})
 
@@ -111,6 +130,7 @@ class Job:
         spent before a resume) lasts."""
         s = self.state
         deadline = None if stage.max_minutes is None else s.stage_t0 + 60.0 * (stage.max_minutes - s.stage_minutes_before)
+        self.progress.begin_steps(start, deadline)
         for step in range(start, stage.max_steps):
             if deadline is not None and time.monotonic() >= deadline:
                 return
