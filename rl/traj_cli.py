@@ -182,7 +182,7 @@ def _fail(e: Exception) -> int:
     if not isinstance(e, (_UserError, StoreError)):  # the driver's own message, without SQLAlchemy's SQL echo
         e = f"cannot read the trajectory store: {getattr(e, 'orig', None) or e}"
     msg = str(e)
-    print("error: " + " ".join(msg.split()), file=sys.stderr)  # one line, whatever the driver said
+    print("rl traj: " + " ".join(msg.split()), file=sys.stderr)  # one line, whatever the driver said
     return 2
 
 

@@ -74,7 +74,7 @@ def test_validate_refuses_bad_input_in_one_line(tmp_path, case):
         parts = ["datasets.0.verifier", "reward function 'tests.tasks.reward_fns:two_args' does not fit RewardFunction",
                  "does not accept (trajectory, answer, row)"]
     line = _one_line_exit_2(_cli("validate", _recipe(tmp_path, dataset)), *parts)
-    assert line.startswith(f"rl: recipe error: {tmp_path / 'recipe.yaml'}:")  # with the dataset's YAML line
+    assert line.startswith(f"rl validate: recipe error: {tmp_path / 'recipe.yaml'}:")  # with the dataset's YAML line
 
 
 def test_a_bad_row_past_the_first_rows_passes_validate_and_stops_train_before_anything_starts(tmp_path):
@@ -84,7 +84,7 @@ def test_a_bad_row_past_the_first_rows_passes_validate_and_stops_train_before_an
     assert _cli("validate", recipe).returncode == 0  # validate reads the first 5 rows: it stays instant
     run_dir = tmp_path / "run"
     proc = _cli("train", recipe, "--run-dir", str(run_dir))
-    assert _one_line_exit_2(proc, f"{data}: row 7: field 'a': missing") == f"rl: {data}: row 7: field 'a': missing"
+    assert _one_line_exit_2(proc, f"{data}: row 7: field 'a': missing") == f"rl train: {data}: row 7: field 'a': missing"
     assert not run_dir.exists() and "worker" not in proc.stdout  # no run directory, store or worker was made
 
 

@@ -105,7 +105,7 @@ def test_sigterm_mid_rollout_then_resume_equals_uninterrupted(recipe_file, refer
     _wait_for_grpo_steps(proc, run_dir, 2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 3, err[-2000:]  # preempted with a checkpoint written: a scheduler requeues on 3
     assert "preempted=1" in out.splitlines()[-1]
     ckpt = CheckpointManager(run_dir / "checkpoints").latest()
     assert ckpt is not None

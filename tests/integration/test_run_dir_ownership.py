@@ -87,7 +87,7 @@ def test_resume_without_checkpoints_never_rolls_trained_steps_back(tmp_path, rec
     shutil.rmtree(run / "checkpoints")
     line = _one_line_exit_2(_cli("resume", str(run)), "the run has 2 recorded train steps but no checkpoint",
                             "refusing to start it over")
-    assert line.startswith("rl: ")
+    assert line.startswith("rl resume: ")
     import sqlite3
 
     with sqlite3.connect(run / "trajectories.db") as c:

