@@ -14,6 +14,7 @@ so work done after it is redone with the same ids. Each stage loop takes its sta
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,12 +126,21 @@ class Checkpointer:
             return None
         state = job.state
         tmp = self.manager.begin(state.global_step)
-        job.policy.save(str(tmp))
         driver = {"stage_idx": stage_idx, "stage_type": job.recipe.stages[stage_idx].type, "global_step": state.global_step,
                   "stage_minutes": state.stage_minutes_before + (time.monotonic() - state.stage_t0) / 60,
                   "watermark": job.store.watermark(state.global_step), "summary": dict(state.summary),
                   "recipe_yaml": recipe_to_yaml(job.recipe), "num_workers": len(job.policy), "stage_end": stage_end}
-        path = self.manager.commit(tmp, state.global_step, controller_to_record(driver, stage_record), stage_end=stage_end)
+        try:
+            job.policy.save(str(tmp))
+            path = self.manager.commit(tmp, state.global_step, controller_to_record(driver, stage_record), stage_end=stage_end)
+        except OSError as e:  # a full disk, a quota: stop with the previous checkpoint intact (a Ray worker's error too)
+            shutil.rmtree(tmp, ignore_errors=True)
+            cause = getattr(e, "cause", None) or e
+            last = self.manager.latest()
+            raise CheckpointError(
+                f"the checkpoint of train step {state.global_step} could not be written ({type(cause).__name__}: "
+                f"{str(cause).splitlines()[0]}); stopping. The run resumes from "
+                + (f"{last.name}" if last is not None else "its start") + " once the disk has room") from None
         self.last_step = state.global_step
         job.logger.log({"checkpoint/global_step": state.global_step}, step=state.global_step)
         if self.guard is not None and self.guard.requested:

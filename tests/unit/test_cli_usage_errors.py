@@ -43,3 +43,15 @@ def test_nested_aliases_and_huge_files_are_refused_before_anything_is_built(tmp_
         proc = subprocess.run([*CLI, "validate", str(path)], capture_output=True, text=True, timeout=120)
         assert time.monotonic() - t0 < 30
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and needle in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args", [
+    "traj ls {d}", "eval {d}", "export {d} --out {d}x", "merge {d} --out {d}x", "train {d}.yaml", "resume {d}",
+    "reconfigure {d} --set mixture.a=1", "db upgrade {d}", "validate {d}.yaml", "models fetch no-such-model",
+])
+def test_every_subcommand_fails_with_one_line_under_its_own_prefix(tmp_path, args):
+    argv = args.format(d=tmp_path / "missing").split()
+    proc = subprocess.run([*CLI, *argv], capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    prefix = "rl models fetch: " if argv[0] == "models" else f"rl {argv[0]}: "
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(prefix), proc.stderr

@@ -37,7 +37,7 @@ def _request(i: int, max_new: int = 4) -> GenerationRequest:
 
 
 def test_a_request_that_exactly_fits_the_free_blocks_is_admitted(dense_model):
-    eng = _engine(dense_model, num_blocks=2)  # 4 prompt + 4 new tokens = 2 blocks of 4: the whole pool
+    eng = _engine(dense_model, num_blocks=2, max_seq_len=8)  # 4 prompt + 4 new tokens = 2 blocks of 4: the whole pool
     (g,) = eng.generate([_request(0)])
     assert len(g.response_tokens) == 4 and eng.cache.num_free_blocks == 2
 
