@@ -266,6 +266,26 @@ def test_a_crafted_file_under_a_rewritten_manifest_is_skipped(tmp_path):
     assert mgr.latest() == good and "unreadable" in warnings[0]
 
 
+@pytest.mark.parametrize("entry", ["link", "../escape", ".hidden"])
+def test_a_manifest_entry_that_is_a_link_or_leaves_the_directory_skips_the_checkpoint(tmp_path, entry):
+    """Files are read only from inside the checkpoint: a symbolic link (even with matching digests) or a name
+    with a path is refused, so nothing outside the run directory is ever read as part of a checkpoint."""
+    warnings = []
+    mgr = CheckpointManager(tmp_path, warn=warnings.append)
+    good, bad = _write(mgr, 4), _write(mgr, 8)
+    manifest = json.loads((bad / "MANIFEST.json").read_text())
+    if entry == "link":
+        outside = tmp_path.parent / f"{tmp_path.name}-outside.json"
+        outside.write_bytes((bad / "controller.json").read_bytes())
+        (bad / "controller.json").unlink()
+        (bad / "controller.json").symlink_to(outside)
+    else:
+        manifest["files"][entry] = manifest["files"]["controller.json"]
+    (bad / "MANIFEST.json").write_text(json.dumps(manifest))
+    assert mgr.latest() == good
+    assert warnings[0].endswith("controller.json is a symbolic link" if entry == "link" else f"bad entry {entry!r}")
+
+
 def test_stage_end_checkpoints_survive_pruning(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=2, warn=lambda m: None)
     marker = lambda i: {"stage": i, "type": "sft", "eval": {"eval/accuracy": 0.5}}
