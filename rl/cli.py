@@ -43,8 +43,16 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
+    from rl.memory import check  # torch (a meta-device model): after the recipe itself checked out
+
+    try:
+        memory = check(recipe)
+    except ValueError as e:
+        print(f"rl validate: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     stages = " -> ".join(s.type for s in recipe.stages)
     print(f"ok: {args.recipe} ({len(recipe.stages)} stages: {stages}; datasets: {', '.join(d.name for d in recipe.datasets)})")
+    print(memory)
     return 0
 
 

@@ -33,6 +33,9 @@ class RunConfig(StrictConfig):
     """Device of the policy (engine and trainer share it)."""
     num_threads: int = Field(2, gt=0)
     """torch intra-op threads on CPU."""
+    device_memory_gib: float | None = Field(None, gt=0)
+    """Memory of one worker's device, GiB, for `rl validate`'s estimate (rl/memory.py) on a host without
+    that device; None: the device's own (CUDA), the host's RAM (CPU), or not checked."""
     init_checkpoint: Path | None = None
     """Start from this checkpoint directory (config.json + model.safetensors) instead of random init."""
 

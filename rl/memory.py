@@ -1,0 +1,80 @@
+"""What one policy worker will hold in device memory, estimated at `rl validate` (issue #13): a recipe that
+cannot fit is refused before any worker starts, with the figure.
+
+Per worker (one device), in the worker's dtype (float32: `build_policy`):
+    weights P·4, gradients P·4, AdamW moments 2·P·4, the frozen reference P·4 when a stage has kl_ref_coef > 0
+    (P: parameters, counted on a meta-device Decoder: exact for every architecture, nothing allocated);
+    the engine's KV pool: num_blocks · block_size tokens · num_layers · the format's bytes per token per layer
+    (model/kv_cache.py; CSA2 models keep per-sequence caches: counted at max_seq_len for each of
+    max_batch_size sequences at the compressed rate);
+    the OPD teacher pool's device budget (the largest of the stages').
+Activations, logits and the allocator's slack are not counted: the estimate is a floor. The device's memory:
+the first CUDA device's total where there is one, `run.device_memory_gib` where the recipe states it (a
+host without that device), else the host's RAM for CPU runs; with none of these the estimate is printed only.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rl.config import GRPOStage, OPDStage, Recipe
+
+GIB = 2**30
+
+
+def estimate(recipe: Recipe) -> dict[str, float]:
+    """Bytes per worker by part, and their sum under "total"."""
+    import torch
+
+    from model.decoder import Decoder
+    from model.kv_cache import kv_format
+    from model.sparse_attention import bytes_per_token as csa2_bytes_per_token
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Decoder(recipe.model).parameters())
+    elem = 4  # the worker's float32
+    m, e = recipe.model, recipe.engine
+    if m.is_sparse:
+        kv = e.max_batch_size * e.max_seq_len * csa2_bytes_per_token(m, elem)
+    else:
+        blocks = e.num_blocks or e.max_batch_size * -(-e.max_seq_len // e.block_size)
+        per_token = m.num_layers * kv_format(m.kv_cache.dtype).bytes_per_token_per_layer(m.num_kv_heads, m.head_dim, torch.float32)
+        kv = blocks * e.block_size * per_token
+    reference = any(isinstance(s, GRPOStage) and s.kl_ref_coef > 0 for s in recipe.stages)
+    teachers = max((s.teachers.device_memory_mib * 2**20 for s in recipe.stages if isinstance(s, OPDStage)), default=0.0)
+    parts = {"weights": params * elem, "gradients": params * elem, "adamw": 2 * params * elem,
+             "reference": params * elem if reference else 0.0, "kv_pool": float(kv), "teachers": float(teachers)}
+    return {**parts, "total": sum(parts.values()), "parameters": float(params)}
+
+
+def device_capacity(recipe: Recipe) -> tuple[float | None, str]:
+    """(bytes, where the figure comes from) of the memory one worker's device has; None when unknown."""
+    if recipe.run.device_memory_gib is not None:
+        return recipe.run.device_memory_gib * GIB, "run.device_memory_gib"
+    if recipe.run.device == "cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            return float(torch.cuda.get_device_properties(0).total_memory), torch.cuda.get_device_name(0)
+        return None, "no CUDA device here and no run.device_memory_gib"
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "host RAM"
+
+
+def describe(parts: dict[str, float]) -> str:
+    shown = ", ".join(f"{k} {parts[k] / GIB:.2f}" for k in ("weights", "gradients", "adamw", "reference", "kv_pool", "teachers")
+                      if parts[k])
+    return f"{parts['total'] / GIB:.2f} GiB per worker ({shown}; activations not counted)"
+
+
+def check(recipe: Recipe) -> str:
+    """The line `rl validate` prints; ValueError (one line) when the estimate exceeds the device's memory."""
+    parts = estimate(recipe)
+    capacity, source = device_capacity(recipe)
+    line = f"memory: {describe(parts)} on {recipe.run.device}"
+    if capacity is None:
+        return f"{line}; not checked ({source})"
+    if parts["total"] > capacity:
+        raise ValueError(f"the {recipe.run.device} worker needs at least {describe(parts)}, more than the "
+                         f"{capacity / GIB:.2f} GiB of {source}: lower engine.max_batch_size / max_seq_len / num_blocks, "
+                         f"the teachers' device_memory_mib, or the model")
+    return f"{line}, of {capacity / GIB:.2f} GiB ({source})"

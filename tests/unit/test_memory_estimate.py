@@ -1,0 +1,43 @@
+"""`rl validate`'s memory estimate (rl/memory.py, issue #13): the parts it counts equal what the worker
+allocates, and a recipe that cannot fit is refused with the figure in one line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from model.decoder import Decoder
+from rl.memory import estimate
+from rl.recipe_io import load_recipe
+from rollout.engine import Engine
+
+CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
+
+
+@pytest.mark.parametrize("config, sets", [
+    ("configs/quickstart.yaml", []),
+    ("configs/effort.yaml", ["model.kv_cache.dtype=fp4"]),
+    ("configs/quickstart.yaml", ["engine.num_blocks=200", "model.kv_cache.dtype=fp8", "stages.1.kl_ref_coef=0.1"]),
+])
+def test_the_estimate_counts_what_the_worker_allocates(config, sets):
+    recipe = load_recipe(config, sets)
+    parts = estimate(recipe)
+    model = Decoder(recipe.model)
+    assert parts["parameters"] == model.num_parameters() and parts["weights"] == 4 * model.num_parameters()
+    assert parts["adamw"] == 2 * parts["weights"]
+    assert parts["reference"] == (parts["weights"] if any(getattr(s, "kl_ref_coef", 0) for s in recipe.stages) else 0)
+    cache = Engine(model, recipe.engine, eos_id=0).cache
+    pool = sum(t.numel() * t.element_size() for t in cache._tensors().values())  # noqa: SLF001 - what it holds
+    slots = cache.k.shape[1]
+    assert parts["kv_pool"] == pytest.approx(pool * (slots - 1) / slots)  # the scratch slot aside
+    assert parts["total"] == sum(parts[k] for k in ("weights", "gradients", "adamw", "reference", "kv_pool", "teachers"))
+
+
+def test_validate_refuses_a_recipe_that_cannot_fit_and_prints_the_estimate():
+    proc = subprocess.run([*CLI, "validate", "configs/quickstart.yaml", "--set", "run.device_memory_gib=0.01"],
+                          capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith("rl validate: the cpu worker needs at least 0.10 GiB per worker (") and "0.01 GiB of run.device_memory_gib" in lines[0]
+    ok = subprocess.run([*CLI, "validate", "configs/quickstart.yaml"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("memory: 0.10 GiB per worker (weights")
