@@ -14,6 +14,9 @@ no layers and only keeps the admission budget. Sequences whose caches have the s
 together as one lockstep batch (a GRPO group shares its prompt, so its members usually do); others
 run in separate forwards. interrupt() exports each cache's tensors in their storage format into the
 RolloutState; resume() rebuilds the cache, again with no prefill.
+
+On CUDA, a dense model's decode step is replayed from a CUDA graph of its batch-size bucket
+(rollout/graphs.py; `EngineConfig.cuda_graphs`); prefill computes logits at each last prompt position only.
 """
 
 from __future__ import annotations
