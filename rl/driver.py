@@ -74,41 +74,52 @@ def describe_eval(metrics: Mapping[str, float]) -> str:
     return f"held-out accuracy {metrics['eval/accuracy']:.3f} on {n} problems" + (f" ({shares})" if shares else "")
 
 
+def _run_stages(job: Job, say: Callable[[str], None]) -> dict:
+    """The job's stages from where it stands; the summary (with `preempted=1` after a signal)."""
+    recipe, run_dir, guard = job.recipe, job.run_dir, job.checkpointer.guard
+    info = job.policy.info()
+    say(f"run dir {run_dir}: {info[0]['num_parameters'] / 1e6:.2f}M-parameter {'MoE' if recipe.model.is_moe else 'dense'} "
+        f"policy on {len(info)} {'Ray' if recipe.runtime.ray else 'in-process'} worker(s), {len(recipe.stages)} stages")
+    state, summary = job.state, job.state.summary
+    if recipe.eval.before_training and state.first_stage == 0 and state.global_step == 0 and "init_acc" not in summary:
+        metrics = job.evaluate()
+        job.logger.log(metrics, step=0)
+        summary["init_acc"] = round(metrics["eval/accuracy"], 4)
+        say(f"before training: {describe_eval(metrics)}")
+    try:
+        for i in range(state.first_stage, len(recipe.stages)):
+            stage = recipe.stages[i]
+            state.stage_t0 = time.monotonic()
+            job.progress.start_stage(i, stage)
+            metrics = STAGE_RUNNERS[stage.type](job, stage, i).eval
+            job.progress.close()
+            state.stage_minutes_before = 0.0
+            job.logger.log(metrics, step=state.global_step)
+            key = f"{stage.type}_acc" if f"{stage.type}_acc" not in summary else f"{stage.type}{i}_acc"
+            summary[key] = round(metrics["eval/accuracy"], 4)
+            say(f"stage {i} ({stage.type}): {state.global_step} steps so far, "
+                f"{(time.monotonic() - state.stage_t0) / 60:.1f} min, {describe_eval(metrics)}")
+    except Preempted as p:
+        job.progress.close()
+        say(f"preempted: checkpoint {p.checkpoint} written {time.monotonic() - guard.signal_time:.2f} s after the signal; "
+            f"continue with: rl resume {run_dir}")
+        summary = dict(summary, preempted=1, global_step=state.global_step)
+    return summary
+
+
 def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, resume: bool = False, *,
           overwrite: bool = False, break_lock: bool = False) -> dict[str, float]:
     """Run every stage of the recipe (from the run's newest valid checkpoint when `resume`); returns
     the summary that the RESULT line prints. A SIGTERM/SIGINT ends it early with `preempted=1`.
     `overwrite`, `break_lock`: see rl/run_dir.py."""
     t_start = time.monotonic()
-    with open_job(recipe, run_dir, say=say, resume=resume, overwrite=overwrite, break_lock=break_lock) as job:
-        info = job.policy.info()
-        say(f"run dir {run_dir}: {info[0]['num_parameters'] / 1e6:.2f}M-parameter {'MoE' if recipe.model.is_moe else 'dense'} "
-            f"policy on {len(info)} {'Ray' if recipe.runtime.ray else 'in-process'} worker(s), {len(recipe.stages)} stages")
-        state, summary = job.state, job.state.summary
-        if recipe.eval.before_training and state.first_stage == 0 and state.global_step == 0 and "init_acc" not in summary:
-            metrics = job.evaluate()
-            job.logger.log(metrics, step=0)
-            summary["init_acc"] = round(metrics["eval/accuracy"], 4)
-            say(f"before training: {describe_eval(metrics)}")
-        try:
-            with PreemptionGuard() as guard:
-                job.checkpointer.guard = guard
-                for i in range(state.first_stage, len(recipe.stages)):
-                    stage = recipe.stages[i]
-                    state.stage_t0 = time.monotonic()
-                    job.progress.start_stage(i, stage)
-                    metrics = STAGE_RUNNERS[stage.type](job, stage, i).eval
-                    job.progress.close()
-                    state.stage_minutes_before = 0.0
-                    job.logger.log(metrics, step=state.global_step)
-                    key = f"{stage.type}_acc" if f"{stage.type}_acc" not in summary else f"{stage.type}{i}_acc"
-                    summary[key] = round(metrics["eval/accuracy"], 4)
-                    say(f"stage {i} ({stage.type}): {state.global_step} steps so far, "
-                        f"{(time.monotonic() - state.stage_t0) / 60:.1f} min, {describe_eval(metrics)}")
-        except Preempted as p:
-            job.progress.close()
-            say(f"preempted: checkpoint {p.checkpoint} written {time.monotonic() - guard.signal_time:.2f} s after the signal; "
-                f"continue with: rl resume {run_dir}")
-            summary = dict(summary, preempted=1, global_step=state.global_step)
+    guard = PreemptionGuard()
+    try:
+        with open_job(recipe, run_dir, say=say, resume=resume, overwrite=overwrite, break_lock=break_lock) as job:
+            guard.install()  # after ray.init's own SIGTERM handler; held through the job's teardown
+            job.checkpointer.guard = guard
+            summary = _run_stages(job, say)
+    finally:
+        guard.restore()
     summary["minutes"] = round((time.monotonic() - t_start) / 60, 2)
     return summary
