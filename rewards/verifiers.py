@@ -11,8 +11,9 @@ A recipe picks one per dataset with `verifier:`, a string or a mapping:
   42.", "**42**", "\\boxed{42}", "42 apples". math-verify's own timeouts bound parsing and comparing.
 - `regex` (`{type: regex, pattern, compare: exact | math, ignore_case}`): the pattern's last match in
   the response (its group `answer`, else its group 1, else the whole match) compared with the answer.
-- `python:pkg.module:fn` (`{type: python, function: "pkg.module:fn", correct_at}`): a function of the
-  user's that fits `RewardFunction`; `rl validate` imports it and checks its signature.
+- `python:pkg.module:fn` (`{type: python, function: "pkg.module:fn", correct_at, timeout_s}`): a function of
+  the user's that fits `RewardFunction`; `rl validate` imports it and checks its signature. Each call runs
+  in a child process killed after `timeout_s` (default 10; null: in the caller, unbounded).
 
 Each config's `build()` returns a `Verifier`: (trajectory, answer, row) -> Verdict, which never raises
 (a failure is a reward 0 with the reason) and whose reason says what it read ("parsed 42, expected 41",
@@ -151,23 +152,33 @@ _child_lock = threading.Lock()
 _child_pool: Any = None
 
 
-def _math_verdict_in_child(response: str, answer: str, timeout_s: int) -> Verdict:
-    """Off the main thread math-verify's SIGALRM timeouts cannot run: one child process does the work
-    (with them, in its main thread) and is killed when it overruns, so no input hangs the caller."""
+def _in_child(fn: Callable[..., Verdict], args: tuple, wait_s: float, timed_out: str, *, start_allowance: bool = False
+              ) -> Verdict:
+    """`fn(*args)` in the one child process verdicts may run in, killed (and replaced at the next call)
+    when it overruns `wait_s` (plus `_CHILD_START_S` on the child's first call, or always with
+    `start_allowance`); then a 0 Verdict whose reason is `timed_out`. No input hangs the caller, whatever
+    thread it runs on (SIGALRM-based limits need a main thread; a thread cannot be stopped)."""
     global _child_pool
     with _child_lock:
-        if _child_pool is None:
+        fresh = _child_pool is None
+        if fresh:
             _child_pool = multiprocessing.get_context("spawn").Pool(1)
             atexit.register(_child_pool.terminate)
         pool = _child_pool
     try:
-        return pool.apply_async(_math_verdict_here, (response, answer, timeout_s)).get(_CHILD_START_S + 4 * timeout_s)
+        return pool.apply_async(fn, args).get(wait_s + (_CHILD_START_S if fresh or start_allowance else 0.0))
     except multiprocessing.TimeoutError:
         with _child_lock:
             if _child_pool is pool:
                 pool.terminate()
                 _child_pool = None
-        return Verdict(0.0, False, f"math verification timed out in its child process ({timeout_s} s limits)")
+        return Verdict(0.0, False, timed_out)
+
+
+def _math_verdict_in_child(response: str, answer: str, timeout_s: int) -> Verdict:
+    """Off the main thread math-verify's SIGALRM timeouts cannot run: the child does the work with them."""
+    return _in_child(_math_verdict_here, (response, answer, timeout_s), 4 * timeout_s,
+                     f"math verification timed out in its child process ({timeout_s} s limits)", start_allowance=True)
 
 
 def math_verdict(response: str, answer: str, timeout_s: int = 2) -> Verdict:
@@ -314,6 +325,23 @@ def load_reward_function(path: str) -> Callable[..., Any]:
     return fn
 
 
+def bounded_python_verdict(function: str, trajectory: Trajectory, answer: str, row: Mapping[str, Any], *,
+                           correct_at: float = 1.0, timeout_s: float = 10.0) -> Verdict:
+    """`python_verdict` of the reward function at import path `function`, run in the verdict child process
+    and stopped after `timeout_s` (a function that hangs scores 0 with the reason; the job goes on)."""
+    return _in_child(_python_verdict_by_path, (function, trajectory, answer, dict(row), correct_at), timeout_s,
+                     f"reward function {function} timed out in its child process ({timeout_s:g} s)")
+
+
+def _python_verdict_by_path(function: str, trajectory: Trajectory, answer: str, row: dict, correct_at: float) -> Verdict:
+    return python_verdict(_load_cached(function), trajectory, answer, row, correct_at=correct_at)
+
+
+@lru_cache(maxsize=64)
+def _load_cached(function: str) -> Callable[..., Any]:
+    return load_reward_function(function)
+
+
 def python_verdict(fn: Callable[..., Any], trajectory: Trajectory, answer: str, row: Mapping[str, Any], *,
                    correct_at: float = 1.0) -> Verdict:
     """The user's function's judgement as a Verdict; an error or a wrong return type scores 0 with the reason."""
@@ -339,6 +367,9 @@ class PythonVerifierConfig(StrictConfig):
     """Import path "pkg.module:fn" (importable where the job runs)."""
     correct_at: float = 1.0
     """A numeric reward counts as correct (accuracy metrics) when it is at least this."""
+    timeout_s: float | None = Field(10.0, gt=0)
+    """Wall-clock limit of one call: the function runs in a child process that is killed past it (the sample
+    scores 0 with the reason). null: call it in the reward worker itself, unbounded (no process hop)."""
 
     @model_validator(mode="after")
     def _fits(self) -> "PythonVerifierConfig":
@@ -346,7 +377,9 @@ class PythonVerifierConfig(StrictConfig):
         return self
 
     def build(self) -> Verifier:
-        return partial(python_verdict, load_reward_function(self.function), correct_at=self.correct_at)
+        if self.timeout_s is None:
+            return partial(python_verdict, load_reward_function(self.function), correct_at=self.correct_at)
+        return partial(bounded_python_verdict, self.function, correct_at=self.correct_at, timeout_s=self.timeout_s)
 
 
 VerifierConfig = Annotated[Union[ExactVerifierConfig, MathVerifierConfig, RegexVerifierConfig, PythonVerifierConfig],

@@ -44,3 +44,9 @@ def returns_none(trajectory, answer, row):
 
 
 NOT_A_FUNCTION = 3
+
+
+def hangs(trajectory: Trajectory, answer: str, row: dict) -> float:
+    """Never returns (a user's bug): the bounded verifier must stop it."""
+    while True:
+        pass

@@ -123,6 +123,24 @@ def test_python_reward_functions_are_checked_against_the_protocol():
         VERIFIER.validate_python(V.verifier_shorthand("python:tests.tasks.missing:f"))
 
 
+def test_a_python_reward_function_that_hangs_is_stopped_and_the_next_call_works():
+    """issue #13: every verifier call is bounded in wall time, off the main thread too (the reward workers'
+    threads): the function runs in a child process killed past timeout_s."""
+    import threading
+    import time
+
+    spec = {"type": "python", "function": "tests.tasks.reward_fns:hangs", "timeout_s": 1.5}
+    _judge({**spec, "function": "tests.tasks.reward_fns:echo_length"}, "42", "42")  # the child is up
+    out = []
+    t0 = time.monotonic()
+    worker = threading.Thread(target=lambda: out.append(_judge(spec, "x", "42")))
+    worker.start()
+    worker.join(30)
+    assert out == [Verdict(0.0, False, "reward function tests.tasks.reward_fns:hangs timed out in its child process (1.5 s)")]
+    assert time.monotonic() - t0 < 10
+    assert _judge({**spec, "function": "tests.tasks.reward_fns:echo_length"}, " 42 ", "42").correct  # a fresh child
+
+
 def test_python_reward_function_results_become_verdicts():
     fn = "python:tests.tasks.reward_fns:"
     assert _judge(fn + "echo_length", " 42 ", "42") == Verdict(1.0, True, "reward function: True")
