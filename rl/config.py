@@ -385,6 +385,14 @@ class Recipe(StrictConfig):
                                      f"{self.runtime.num_workers}: every worker trains on whole groups")
                 if stage.dispatch.max_inflight < stage.group_size:
                     raise ValueError(f"stages.{i}.dispatch.max_inflight={stage.dispatch.max_inflight} is below group_size={stage.group_size}")
+                step_samples = stage.prompts_per_step * stage.group_size
+                if stage.dispatch.policy in ("sample", "prompt") and stage.dispatch.max_inflight < step_samples:
+                    # these policies count completed groups that wait for the step as in flight: below one
+                    # step's samples the step never fills and the rollout stalls
+                    raise ValueError(f"stages.{i}.dispatch.max_inflight={stage.dispatch.max_inflight} is below one train "
+                                     f"step's samples (prompts_per_step={stage.prompts_per_step} x group_size="
+                                     f"{stage.group_size} = {step_samples}), which the {stage.dispatch.policy!r} policy "
+                                     f"holds in flight until the step: raise max_inflight or lower prompts_per_step")
                 if self.engine.max_batch_size * self.runtime.num_workers < stage.dispatch.max_inflight:
                     raise ValueError(
                         f"stages.{i}.dispatch.max_inflight={stage.dispatch.max_inflight} exceeds what the engines decode at once "

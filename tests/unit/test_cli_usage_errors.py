@@ -16,6 +16,9 @@ CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"
     (["nosuch"], "rl: argument command: invalid choice: 'nosuch'"),
     (["validate", "configs/quickstart.yaml", "--set", "engine.num_blocks=1"],
      "num_blocks=1 of block_size=16 hold 16 tokens, fewer than one sequence of max_seq_len=160"),
+    # formerly a "rollout stalled" RuntimeError minutes in: completed groups waiting for the step count as in flight
+    (["validate", "configs/quickstart.yaml", "--set", "stages.1.dispatch.max_inflight=200"],
+     "stages.1.dispatch.max_inflight=200 is below one train step's samples (prompts_per_step=32 x group_size=8 = 256)"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, needle):
     proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
