@@ -37,16 +37,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
-TINY = {"run": {"name": "abuse", "seed": 0, "num_threads": 1},
-        "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
-                  "max_position_embeddings": 64, "ffn": {"type": "dense", "intermediate_size": 64}},
-        "datasets": [{"type": "arithmetic", "name": "add", "max_digits": 2, "num_heldout": 8}],
-        "engine": {"max_batch_size": 16, "max_seq_len": 48, "max_new_tokens": 4},
-        "runtime": {"ray": False},
-        "stages": [{"type": "grpo", "max_steps": 2, "prompts_per_step": 2, "group_size": 2, "micro_batch_size": 4,
-                    "dispatch": {"max_inflight": 4}}],
-        "eval": {"max_problems": 4}, "checkpoint": {"every_steps": 1},
-        "logging": {"wandb": False, "progress_bar": False}}
+TINY = yaml.safe_load((ROOT / "configs" / "tiny_grpo.yaml").read_text())
+"""A 20K-parameter GRPO run of seconds (configs/tiny_grpo.yaml)."""
 
 
 def pickle_payload(canary: Path) -> bytes:
