@@ -37,9 +37,8 @@ def estimate(recipe: Recipe) -> dict[str, float]:
     if m.is_sparse:
         kv = e.max_batch_size * e.max_seq_len * csa2_bytes_per_token(m, elem)
     else:
-        blocks = e.num_blocks or e.max_batch_size * -(-e.max_seq_len // e.block_size)
         per_token = m.num_layers * kv_format(m.kv_cache.dtype).bytes_per_token_per_layer(m.num_kv_heads, m.head_dim, torch.float32)
-        kv = blocks * e.block_size * per_token
+        kv = e.pool_blocks * e.block_size * per_token
     reference = any(isinstance(s, GRPOStage) and s.kl_ref_coef > 0 for s in recipe.stages)
     teachers = max((s.teachers.device_memory_mib * 2**20 for s in recipe.stages if isinstance(s, OPDStage)), default=0.0)
     parts = {"weights": params * elem, "gradients": params * elem, "adamw": 2 * params * elem,

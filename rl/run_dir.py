@@ -22,9 +22,12 @@ import socket
 import time
 from pathlib import Path
 
+from rl.run_id import RECIPE_FILE, RUN_FILE
+from rl.store_db import DB_FILE
+
 LOCK_FILE = ".lock"
-RUN_ARTIFACTS = ("checkpoints", "export", "wandb", "metrics.jsonl", "recipe.yaml", "run.json", "trajectories.db",
-                 "trajectories.db-wal", "trajectories.db-shm", "trajectories.db.lock", "control")
+RUN_ARTIFACTS = ("checkpoints", "export", "wandb", "metrics.jsonl", RECIPE_FILE, RUN_FILE, DB_FILE, f"{DB_FILE}-wal",
+                 f"{DB_FILE}-shm", f"{DB_FILE}.lock", "control")
 """What a run writes into its directory (what --overwrite removes); any other file stays."""
 
 
@@ -90,7 +93,7 @@ def running_job(run_dir: str | Path) -> str | None:
 def holds_run(run_dir: str | Path) -> list[str]:
     """The run artifacts that say `run_dir` already holds a run (empty: a new or empty directory)."""
     d = Path(run_dir)
-    found = [n for n in ("run.json", "recipe.yaml") if (d / n).is_file()]
+    found = [n for n in (RUN_FILE, RECIPE_FILE) if (d / n).is_file()]
     if (d / "checkpoints").is_dir() and any((d / "checkpoints").iterdir()):
         found.append("checkpoints/")
     return found

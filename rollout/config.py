@@ -57,6 +57,11 @@ class EngineConfig(StrictConfig):
         return self
 
     @property
+    def pool_blocks(self) -> int:
+        """KV blocks in the pool: num_blocks, or enough for max_batch_size sequences of max_seq_len."""
+        return self.num_blocks or self.max_batch_size * -(-self.max_seq_len // self.block_size)
+
+    @property
     def prompt_limit(self) -> int:
         """Longest prompt the engine is given: max_prompt_tokens, or max_seq_len - 1 (room for one token)."""
         return self.max_prompt_tokens or self.max_seq_len - 1

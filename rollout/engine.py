@@ -92,10 +92,9 @@ class Engine:
         self.eos_ids = frozenset((eos_id, *eos_ids))
         self.device = torch.device(device)
         mcfg = model.config
-        num_blocks = cfg.num_blocks or cfg.max_batch_size * -(-cfg.max_seq_len // cfg.block_size)
         self.sparse = mcfg.is_sparse
         self.cache = PagedKVCache(  # CSA2: no paged layers, block bookkeeping only (admission budget)
-            num_layers=0 if self.sparse else mcfg.num_layers, num_blocks=num_blocks, block_size=cfg.block_size,
+            num_layers=0 if self.sparse else mcfg.num_layers, num_blocks=cfg.pool_blocks, block_size=cfg.block_size,
             num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
             dtype=next(model.parameters()).dtype, device=self.device, kv_dtype=mcfg.kv_cache.dtype,
         )
