@@ -7,7 +7,7 @@ the release transformers also requires for its sandbox fixes). The environment m
 that does not escape HTML, a `dict` and a `namespace` that refuse underscore names; the template sees
 `messages`, `tools` (None), `documents` (None), `add_generation_prompt` and the tokenizer's named special
 tokens (`bos_token`, `eos_token`, `unk_token`, `pad_token`) as strings. A template that fails to compile
-or raises is one line (ValueError).
+or raises is one line (ChatTemplateError, a ValueError).
 """
 
 from __future__ import annotations
@@ -67,6 +67,10 @@ def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
 
 
+class ChatTemplateError(ValueError):
+    """A chat template that does not compile, raises, or reaches for what the sandbox forbids (one line)."""
+
+
 def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -84,7 +88,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"chat template does not compile: {_one_line(e)}") from None
+        raise ChatTemplateError(f"chat template does not compile: {_one_line(e)}") from None
 
 
 def render_chat_template(source: str, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool,
@@ -97,7 +101,7 @@ def render_chat_template(source: str, messages: Sequence[Mapping[str, object]], 
         return template.render(messages=chat, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
                                **special_tokens)
     except jinja2.exceptions.TemplateError as e:
-        raise ValueError(f"chat template: {_one_line(e)}") from None
+        raise ChatTemplateError(f"chat template: {_one_line(e)}") from None
 
 
 def _one_line(e: Exception) -> str:

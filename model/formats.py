@@ -71,6 +71,27 @@ def _read_json(path: Path) -> dict:
     return doc
 
 
+MAX_SAFETENSORS_HEADER = 100_000_000
+"""Bytes of a safetensors header asyncrl reads (the safetensors library's own limit)."""
+
+
+def check_safetensors_header(path: Path) -> None:
+    """One line unless `path` starts with a safetensors header: an 8-byte little-endian length, at most
+    MAX_SAFETENSORS_HEADER and within the file, then a JSON object. Read before any tensor is allocated."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= min(MAX_SAFETENSORS_HEADER, path.stat().st_size - 8):
+                raise CheckpointFormatError(f"{path}: not a safetensors file (header length {size})")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError) as e:
+        if isinstance(e, CheckpointFormatError):
+            raise
+        raise CheckpointFormatError(f"{path}: not a safetensors file ({str(e).splitlines()[0][:100]})") from None
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{path}: not a safetensors file (header is not a JSON object)")
+
+
 def checkpoint_fields(path: str | Path) -> dict:
     """The ModelConfig fields (a plain dict, `init` excluded) that checkpoint `path` fixes; also checks
     that its weight files are all there (and, for GGUF, of a type asyncrl dequantises)."""
@@ -81,6 +102,7 @@ def checkpoint_fields(path: str | Path) -> dict:
     if kind == "asyncrl":
         if not (p / "model.safetensors").is_file():
             raise CheckpointFormatError(f"{p / 'model.safetensors'}: missing")
+        check_safetensors_header(p / "model.safetensors")
         return {k: v for k, v in _read_json(p / "config.json").items() if k not in ("init", "kv_cache", "init_std")}
     hf_weight_files(p)
     return hf_fields(_read_json(p / "config.json"), str(p / "config.json"))
@@ -100,8 +122,11 @@ def hf_weight_files(directory: Path) -> list[Path]:
             if not (directory / name).is_file():
                 raise CheckpointFormatError(f"{directory / name}: missing shard (listed in {SAFETENSORS_INDEX})")
             files.append(directory / name)
+        for f in files:
+            check_safetensors_header(f)
         return files
     if single.is_file():
+        check_safetensors_header(single)
         return [single]
     if (directory / "pytorch_model.bin").exists():
         raise CheckpointFormatError(f"{directory}: only pytorch_model.bin (a pickle); asyncrl loads safetensors only")

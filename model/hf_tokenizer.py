@@ -34,7 +34,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from model.chat_template import render_chat_template
+from model.chat_template import ChatTemplateError, render_chat_template
 from model.gguf_metadata import read_gguf_metadata
 
 
@@ -83,7 +83,7 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
-            raise ValueError(f"the {self.source} tokenizer has no chat template; give prompts as text")
+            raise ChatTemplateError(f"the {self.source} tokenizer has no chat template; give prompts as text")
         return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
                                     special_tokens=self.special_tokens)
 

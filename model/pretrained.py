@@ -63,7 +63,7 @@ def build_decoder(cfg: ModelConfig, device="cpu", dtype=None):
 def _open_source(path: Path, kind: str, cfg: ModelConfig):
     """(conversion, [(file, names, get(name) -> tensor)] lazily) of checkpoint `path` of `kind`."""
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     from model.conversion import gguf_conversion, hf_conversion, hf_expert_layout, identity_conversion
 
@@ -76,8 +76,11 @@ def _open_source(path: Path, kind: str, cfg: ModelConfig):
     files = hf_weight_files(path) if kind == "hf" else [path / "model.safetensors"]
     names = {}
     for f in files:  # headers only: every tensor name, to pick the expert layout before loading any
-        with safe_open(str(f), framework="pt") as st:
-            names[f] = list(st.keys())
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                names[f] = list(st.keys())
+        except (SafetensorError, OSError) as e:
+            raise CheckpointFormatError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0][:100]})") from None
     all_names = [n for ns in names.values() for n in ns]
     conv = hf_conversion(cfg, hf_expert_layout(all_names)) if kind == "hf" else identity_conversion(cfg, all_names)
 

@@ -75,6 +75,8 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = False, break_lock: bool = False) -> int:
+    from model.chat_template import ChatTemplateError
+    from model.formats import CheckpointFormatError
     from rewards.dataset_io import DatasetError
     from rl.checkpoint import CheckpointError
     from rl.driver import train  # heavy: torch
@@ -83,7 +85,7 @@ def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = F
 
     try:
         summary = train(recipe, run_dir, resume=resume, overwrite=overwrite, break_lock=break_lock)
-    except (CheckpointError, StoreError, DatasetError, RunDirError) as e:
+    except (CheckpointError, CheckpointFormatError, ChatTemplateError, StoreError, DatasetError, RunDirError) as e:
         print(f"{prefix}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))

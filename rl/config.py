@@ -314,6 +314,10 @@ class Recipe(StrictConfig):
         if self.model.vocab_size < vocab:
             raise ValueError(f"model.vocab_size={self.model.vocab_size} is smaller than the {self.tokenizer.type} tokenizer's "
                              f"{vocab} ids ({self.tokenizer.path}): the embedding needs a row for every id")
+        chat = [d for d in self.datasets if getattr(d, "chat", False) or getattr(d, "messages", None)]
+        if chat:  # render one conversation now: a template that raises fails here, not minutes into the job
+            system = [{"role": "system", "content": chat[0].system}] if getattr(chat[0], "system", None) else []
+            tok.apply_chat_template([*system, {"role": "user", "content": "What is 1 + 1?"}], add_generation_prompt=True)
         return self
 
     @model_validator(mode="after")

@@ -7,8 +7,11 @@ Per worker (one device), in the worker's dtype (float32: `build_policy`):
     the engine's KV pool: num_blocks · block_size tokens · num_layers · the format's bytes per token per layer
     (model/kv_cache.py; CSA2 models keep per-sequence caches: counted at max_seq_len for each of
     max_batch_size sequences at the compressed rate);
-    the OPD teacher pool's device budget (the largest of the stages').
-Activations, logits and the allocator's slack are not counted: the estimate is a floor. The device's memory:
+    the OPD teacher pool's device budget (the largest of the stages');
+    the training step's logits: one micro-batch (the largest of the stages'; SFT without one: its batch)
+    of engine.max_seq_len tokens (the longest a sample can be) × vocab_size, float32, three times (the logits, their log-softmax, and
+    the gradient of either; rl/losses.py), the activation that dominates at a real vocabulary.
+Other activations and the allocator's slack are not counted: the estimate is a floor. The device's memory:
 the first CUDA device's total where there is one, `run.device_memory_gib` where the recipe states it (a
 host without that device), else the host's RAM for CPU runs; with none of these the estimate is printed only.
 """
@@ -17,9 +20,10 @@ from __future__ import annotations
 
 import os
 
-from rl.config import GRPOStage, OPDStage, Recipe
+from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 
 GIB = 2**30
+PARTS = ("weights", "gradients", "adamw", "reference", "kv_pool", "teachers", "logits")
 
 
 def estimate(recipe: Recipe) -> dict[str, float]:
@@ -41,8 +45,12 @@ def estimate(recipe: Recipe) -> dict[str, float]:
         kv = e.pool_blocks * e.block_size * per_token
     reference = any(isinstance(s, GRPOStage) and s.kl_ref_coef > 0 for s in recipe.stages)
     teachers = max((s.teachers.device_memory_mib * 2**20 for s in recipe.stages if isinstance(s, OPDStage)), default=0.0)
+    micro = max((s.micro_batch_size or s.batch_size) if isinstance(s, SFTStage) else s.micro_batch_size
+                for s in recipe.stages)
+    logits = 3 * micro * e.max_seq_len * m.vocab_size * 4
     parts = {"weights": params * elem, "gradients": params * elem, "adamw": 2 * params * elem,
-             "reference": params * elem if reference else 0.0, "kv_pool": float(kv), "teachers": float(teachers)}
+             "reference": params * elem if reference else 0.0, "kv_pool": float(kv), "teachers": float(teachers),
+             "logits": float(logits)}
     return {**parts, "total": sum(parts.values()), "parameters": float(params)}
 
 
@@ -60,9 +68,8 @@ def device_capacity(recipe: Recipe) -> tuple[float | None, str]:
 
 
 def describe(parts: dict[str, float]) -> str:
-    shown = ", ".join(f"{k} {parts[k] / GIB:.2f}" for k in ("weights", "gradients", "adamw", "reference", "kv_pool", "teachers")
-                      if parts[k])
-    return f"{parts['total'] / GIB:.2f} GiB per worker ({shown}; activations not counted)"
+    shown = ", ".join(f"{k} {parts[k] / GIB:.2f}" for k in PARTS if parts[k])
+    return f"{parts['total'] / GIB:.2f} GiB per worker ({shown}; other activations not counted)"
 
 
 def check(recipe: Recipe) -> str:
@@ -74,6 +81,6 @@ def check(recipe: Recipe) -> str:
         return f"{line}; not checked ({source})"
     if parts["total"] > capacity:
         raise ValueError(f"the {recipe.run.device} worker needs at least {describe(parts)}, more than the "
-                         f"{capacity / GIB:.2f} GiB of {source}: lower engine.max_batch_size / max_seq_len / num_blocks, "
+                         f"{capacity / GIB:.2f} GiB of {source}: lower engine.max_batch_size / max_seq_len / num_blocks, micro_batch_size, "
                          f"the teachers' device_memory_mib, or the model")
     return f"{line}, of {capacity / GIB:.2f} GiB ({source})"

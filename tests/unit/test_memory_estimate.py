@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from model.decoder import Decoder
-from rl.memory import estimate
+from rl.memory import PARTS, estimate
 from rl.recipe_io import load_recipe
 from rollout.engine import Engine
 
@@ -30,7 +30,9 @@ def test_the_estimate_counts_what_the_worker_allocates(config, sets):
     pool = sum(t.numel() * t.element_size() for t in cache._tensors().values())  # noqa: SLF001 - what it holds
     slots = cache.k.shape[1]
     assert parts["kv_pool"] == pytest.approx(pool * (slots - 1) / slots)  # the scratch slot aside
-    assert parts["total"] == sum(parts[k] for k in ("weights", "gradients", "adamw", "reference", "kv_pool", "teachers"))
+    micro = max(getattr(s, "micro_batch_size", None) or s.batch_size for s in recipe.stages)
+    assert parts["logits"] == 3 * micro * recipe.engine.max_seq_len * recipe.model.vocab_size * 4
+    assert parts["total"] == sum(parts[k] for k in PARTS)
 
 
 def test_validate_refuses_a_recipe_that_cannot_fit_and_prints_the_estimate():
@@ -38,6 +40,6 @@ def test_validate_refuses_a_recipe_that_cannot_fit_and_prints_the_estimate():
                           capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("rl validate: the cpu worker needs at least 0.10 GiB per worker (") and "0.01 GiB of run.device_memory_gib" in lines[0]
+    assert lines[0].startswith("rl validate: the cpu worker needs at least 0.11 GiB per worker (") and "0.01 GiB of run.device_memory_gib" in lines[0]
     ok = subprocess.run([*CLI, "validate", "configs/quickstart.yaml"], capture_output=True, text=True, timeout=120)
-    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("memory: 0.10 GiB per worker (weights")
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("memory: 0.11 GiB per worker (weights")

@@ -32,6 +32,18 @@ def test_a_missing_shard_is_one_line_exit_2(tmp_path):
     assert f"{shard}: missing shard" in _validate_with_init(d)
 
 
+@pytest.mark.parametrize("header, message", [
+    ((1 << 40).to_bytes(8, "little") + b"{}", "not a safetensors file (header length 1099511627776)"),  # before allocating
+    ((8).to_bytes(8, "little") + b"[1, 2]  ", "not a safetensors file (header is not a JSON object)"),
+    (b"c__builtin__\nopen\n(S'x'\ntR.", "not a safetensors file (header length"),  # a pickle: never unpickled
+])
+def test_a_weight_file_that_is_not_safetensors_is_one_line_exit_2(tmp_path, header, message):
+    d = tmp_path / "hf"
+    make_hf("qwen2", seed=0).save_pretrained(d)
+    (d / "model.safetensors").write_bytes(header)
+    assert f"{d / 'model.safetensors'}: {message}" in _validate_with_init(d)
+
+
 def test_an_unsupported_quantisation_is_one_line_exit_2(tmp_path):
     path = write_gguf(make_hf("llama", seed=1, rope_scaling=None, hidden_size=256, intermediate_size=256, head_dim=64),
                       tmp_path / "iq.gguf", "IQ2_XXS")
