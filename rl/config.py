@@ -31,6 +31,11 @@ class RunConfig(StrictConfig):
     """Seed of model init, data order and sampling."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Device of the policy (engine and trainer share it)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the policy. float32: one module in float32 for the engine and the trainer. bfloat16:
+    mixed precision, as verl and prime-rl train: the trainer keeps float32 master weights and AdamW state and
+    runs the forward under bf16 autocast; the engine decodes with a bf16 copy of the weights (its KV cache in
+    bf16 too), refreshed in place after every optimizer step, before the version advances (rl/worker.py)."""
     num_threads: int = Field(2, gt=0)
     """torch intra-op threads on CPU."""
     device_memory_gib: float | None = Field(None, gt=0)

@@ -1,10 +1,12 @@
 """What one policy worker will hold in device memory, estimated at `rl validate` (issue #13): a recipe that
 cannot fit is refused before any worker starts, with the figure.
 
-Per worker (one device), in the worker's dtype (float32: `build_policy`):
+Per worker (one device); the trainer's tensors are float32 (`build_policy`), also under run.dtype bfloat16:
     weights P·4, gradients P·4, AdamW moments 2·P·4, the frozen reference P·4 when a stage has kl_ref_coef > 0
     (P: parameters, counted on a meta-device Decoder: exact for every architecture, nothing allocated);
+    with run.dtype bfloat16 the engine's own copy of the weights, P·2 (rl/worker.py);
     the engine's KV pool: num_blocks · block_size tokens · num_layers · the format's bytes per token per layer
+    (the unquantised format in the engine's dtype)
     (model/kv_cache.py; CSA2 models keep per-sequence caches: counted at max_seq_len for each of
     max_batch_size sequences at the compressed rate);
     the OPD teacher pool's device budget (the largest of the stages');
@@ -23,7 +25,7 @@ import os
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 
 GIB = 2**30
-PARTS = ("weights", "gradients", "adamw", "reference", "kv_pool", "teachers", "logits")
+PARTS = ("weights", "gradients", "adamw", "reference", "engine_weights", "kv_pool", "teachers", "logits")
 
 
 def estimate(recipe: Recipe) -> dict[str, float]:
@@ -36,12 +38,13 @@ def estimate(recipe: Recipe) -> dict[str, float]:
 
     with torch.device("meta"):
         params = sum(p.numel() for p in Decoder(recipe.model).parameters())
-    elem = 4  # the worker's float32
+    elem = 4  # the trainer's float32
+    engine_dtype = getattr(torch, recipe.run.dtype)
     m, e = recipe.model, recipe.engine
     if m.is_sparse:
-        kv = e.max_batch_size * e.max_seq_len * csa2_bytes_per_token(m, elem)
+        kv = e.max_batch_size * e.max_seq_len * csa2_bytes_per_token(m, engine_dtype.itemsize)
     else:
-        per_token = m.num_layers * kv_format(m.kv_cache.dtype).bytes_per_token_per_layer(m.num_kv_heads, m.head_dim, torch.float32)
+        per_token = m.num_layers * kv_format(m.kv_cache.dtype).bytes_per_token_per_layer(m.num_kv_heads, m.head_dim, engine_dtype)
         kv = e.pool_blocks * e.block_size * per_token
     reference = any(isinstance(s, GRPOStage) and s.kl_ref_coef > 0 for s in recipe.stages)
     teachers = max((s.teachers.device_memory_mib * 2**20 for s in recipe.stages if isinstance(s, OPDStage)), default=0.0)
@@ -49,7 +52,9 @@ def estimate(recipe: Recipe) -> dict[str, float]:
                 for s in recipe.stages)
     logits = 3 * micro * e.max_seq_len * m.vocab_size * 4
     parts = {"weights": params * elem, "gradients": params * elem, "adamw": 2 * params * elem,
-             "reference": params * elem if reference else 0.0, "kv_pool": float(kv), "teachers": float(teachers),
+             "reference": params * elem if reference else 0.0,
+             "engine_weights": params * engine_dtype.itemsize if recipe.run.dtype != "float32" else 0.0,
+             "kv_pool": float(kv), "teachers": float(teachers),
              "logits": float(logits)}
     return {**parts, "total": sum(parts.values()), "parameters": float(params)}
 

@@ -239,9 +239,11 @@ def by_length(batch: TrainBatch) -> list[int]:
 
 
 class Trainer:
-    def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu", total_steps: int | None = None):
-        """total_steps: the stage's optimizer steps (the cosine schedule decays over them)."""
-        self.model, self.optim_cfg, self.device = model, optim, device
+    def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu", total_steps: int | None = None,
+                 autocast: torch.dtype | None = None):
+        """total_steps: the stage's optimizer steps (the cosine schedule decays over them). autocast: the
+        forward's compute dtype under mixed precision (master weights, gradients and AdamW stay the model's)."""
+        self.model, self.optim_cfg, self.device, self.autocast = model, optim, device, autocast
         self.opt, self.sched = build_optimizer(model, optim, total_steps)
 
     def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
@@ -261,7 +263,9 @@ class Trainer:
         aux_weight = self.model.config.sparse_attention.aux_loss_weight if self.model.config.is_sparse else 0.0
         for k, rows in enumerate(micro):
             b = rows.pack(self.device, routing=objective.routing_replay)
-            terms = objective(self.model, b, rows, micro[k + 1] if k + 1 < len(micro) else None)
+            with torch.autocast(torch.device(self.device).type, dtype=self.autocast or torch.float32,
+                                enabled=self.autocast is not None):
+                terms = objective(self.model, b, rows, micro[k + 1] if k + 1 < len(micro) else None)
             tokens = float(b.mask.sum())
             loss = terms.loss
             if terms.indexer_kl is not None:

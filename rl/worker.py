@@ -60,6 +60,25 @@ def build_policy(recipe: Recipe) -> Decoder:
     return model
 
 
+def rollout_copy(model: Decoder, dtype: torch.dtype) -> Decoder:
+    """A copy of `model` with its parameters in `dtype` (buffers, e.g. the MoE selection bias, keep theirs)
+    for the engine, without gradients; `refresh_rollout_copy` updates it in place."""
+    import copy
+
+    twin = copy.deepcopy(model).requires_grad_(False).eval()
+    for p in twin.parameters():
+        p.data = p.data.to(dtype)
+    return twin
+
+
+@torch.no_grad()
+def refresh_rollout_copy(twin: Decoder, model: Decoder) -> None:
+    """The master weights cast into the copy's existing tensors: the addresses do not change, so the engine's
+    captured CUDA graphs stay valid (seed §5.2.1: the weight update happens in place on the device)."""
+    for dst, src in [*zip(twin.parameters(), model.parameters()), *zip(twin.buffers(), model.buffers())]:
+        dst.copy_(src)
+
+
 class PolicyWorker:
     def __init__(self, recipe: Recipe, *, rank: int = 0, world_size: int = 1, dist_init: str | None = None,
                  num_threads: int | None = None):
@@ -69,8 +88,11 @@ class PolicyWorker:
             backend = "nccl" if recipe.run.device == "cuda" else "gloo"  # NCCL reduces CUDA tensors; gloo, CPU ones
             dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size)
         self.model = build_policy(recipe)  # same seed on every rank: identical initial weights
+        # run.dtype bfloat16: the engine decodes with its own bf16 copy of the float32 master weights
+        self.rollout_model = self.model if recipe.run.dtype == "float32" else rollout_copy(self.model, torch.bfloat16)
         tok = recipe.tokenizer.build()
-        self.engine = Engine(self.model, recipe.engine, eos_id=tok.eos_id, eos_ids=tok.eos_ids, device=recipe.run.device)
+        self.engine = Engine(self.rollout_model, recipe.engine, eos_id=tok.eos_id, eos_ids=tok.eos_ids,
+                             device=recipe.run.device)
         self.trainer: Trainer | None = None
         self.pool: TeacherPool | None = None  # OPD stages: the teachers (teachers/pool.py)
         self.reference: Decoder | None = None  # the run's initial policy, frozen (stages with kl_ref_coef > 0)
@@ -83,7 +105,7 @@ class PolicyWorker:
 
     def rollout(self, num_steps: int = 1) -> StepResult:
         """Advance every active sequence by up to `num_steps` tokens (a token boundary after each)."""
-        self.model.eval()
+        self.rollout_model.eval()
         finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
         for i in range(num_steps):
             if not self.engine.has_work():
@@ -98,7 +120,7 @@ class PolicyWorker:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """Run requests to completion (evaluation); in-flight samples are parked meanwhile and
         continue afterwards from their exact token."""
-        self.model.eval()
+        self.rollout_model.eval()
         parked = self.engine.interrupt()
         try:
             return self.engine.generate(list(requests))
@@ -126,13 +148,16 @@ class PolicyWorker:
         return n
 
     def update_weights(self, version: int) -> None:
-        """The new weights are in place already (engine and trainer share the module): new tokens carry
-        `version` from here on."""
+        """The new weights are in place already (engine and trainer share the module; with run.dtype
+        bfloat16 the engine's copy is refreshed here): new tokens carry `version` from here on."""
+        if self.rollout_model is not self.model:
+            refresh_rollout_copy(self.rollout_model, self.model)
         self.engine.policy_version = version
 
     # -- TRAIN ---------------------------------------------------------------------------------------
     def begin_stage(self, stage: SFTStage | GRPOStage) -> None:
-        self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device, total_steps=stage.max_steps)
+        self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device, total_steps=stage.max_steps,
+                               autocast=torch.bfloat16 if self.recipe.run.dtype == "bfloat16" else None)
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -177,6 +202,8 @@ class PolicyWorker:
         from rl.checkpoint import load_tree
 
         load_weights_into(self.model, directory)
+        if self.rollout_model is not self.model:
+            refresh_rollout_copy(self.rollout_model, self.model)
         state = load_tree(directory)
         if self.trainer is not None and state["optimizer"] is not None:
             self.trainer.opt.load_state_dict(state["optimizer"])

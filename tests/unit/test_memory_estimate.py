@@ -9,6 +9,7 @@ import pytest
 from model.decoder import Decoder
 from rl.memory import PARTS, estimate
 from rl.recipe_io import load_recipe
+from rl.worker import PolicyWorker
 from rollout.engine import Engine
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
@@ -18,6 +19,7 @@ CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"
     ("configs/quickstart.yaml", []),
     ("configs/effort.yaml", ["model.kv_cache.dtype=fp4"]),
     ("configs/quickstart.yaml", ["engine.num_blocks=200", "model.kv_cache.dtype=fp8", "stages.1.kl_ref_coef=0.1"]),
+    ("configs/quickstart.yaml", ["run.dtype=bfloat16"]),
 ])
 def test_the_estimate_counts_what_the_worker_allocates(config, sets):
     recipe = load_recipe(config, sets)
@@ -26,7 +28,9 @@ def test_the_estimate_counts_what_the_worker_allocates(config, sets):
     assert parts["parameters"] == model.num_parameters() and parts["weights"] == 4 * model.num_parameters()
     assert parts["adamw"] == 2 * parts["weights"]
     assert parts["reference"] == (parts["weights"] if any(getattr(s, "kl_ref_coef", 0) for s in recipe.stages) else 0)
-    cache = Engine(model, recipe.engine, eos_id=0).cache
+    bf16 = recipe.run.dtype == "bfloat16"
+    assert parts["engine_weights"] == (2 * model.num_parameters() if bf16 else 0)
+    cache = PolicyWorker(recipe).engine.cache if bf16 else Engine(model, recipe.engine, eos_id=0).cache
     pool = sum(t.numel() * t.element_size() for t in cache._tensors().values())  # noqa: SLF001 - what it holds
     slots = cache.k.shape[1]
     assert parts["kv_pool"] == pytest.approx(pool * (slots - 1) / slots)  # the scratch slot aside

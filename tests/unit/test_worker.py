@@ -104,3 +104,43 @@ def test_a_stage_with_a_kl_penalty_keeps_the_runs_initial_policy_as_reference():
                        [g.policy_versions for g in gens], [g.routing_trace for g in gens], [1.0, -1.0, 0.5, -0.5])
     m = merge_step_metrics([w.train_step(batch, recipe.stages[0])])
     assert m["rl/kl_ref"] > 0  # the policy had moved: a positive penalty
+
+
+def test_bfloat16_trains_float32_master_weights_and_refreshes_the_engines_copy_in_place():
+    """run.dtype bfloat16 (mixed precision): the trainer's master weights and AdamW state stay float32, the
+    forward runs under bf16 autocast, and the engine decodes with a bf16 copy that `update_weights` refreshes
+    in the same tensors (captured CUDA graphs keep their addresses)."""
+    from rl.trainer import TrainBatch
+
+    recipe = Recipe.model_validate({**RECIPE, "run": {**RECIPE["run"], "dtype": "bfloat16"}})
+    w = PolicyWorker(recipe)
+    engine_params = list(w.engine.model.parameters())
+    assert w.engine.model is w.rollout_model is not w.model
+    assert {p.dtype for p in w.model.parameters()} == {torch.float32}
+    assert {p.dtype for p in engine_params} == {torch.bfloat16} and not any(p.requires_grad for p in engine_params)
+    assert w.engine.cache.k.dtype == torch.bfloat16  # the unquantised cache in the engine's dtype
+    assert all(torch.equal(e, m.to(torch.bfloat16)) for e, m in zip(engine_params, w.model.parameters()))
+    addresses = [p.data_ptr() for p in engine_params]
+
+    w.begin_stage(recipe.stages[0])
+    gens = w.generate(_reqs())
+    batch = TrainBatch([g.prompt_tokens for g in gens], [g.response_tokens for g in gens],
+                       float(sum(len(g.response_tokens) for g in gens)), [g.logprobs for g in gens],
+                       [g.policy_versions for g in gens], [g.routing_trace for g in gens], [1.0, -1.0, 0.5, -0.5])
+    before = [p.detach().clone() for p in w.model.parameters()]
+    w.train_step(batch, recipe.stages[0])
+    assert {p.dtype for p in w.model.parameters()} == {torch.float32}
+    assert {s["exp_avg"].dtype for s in w.trainer.opt.state.values()} == {torch.float32}
+    assert any(not torch.equal(a, b) for a, b in zip(before, w.model.parameters()))  # it trained
+    stale = [p.clone() for p in engine_params]
+    w.update_weights(1)
+    assert [p.data_ptr() for p in w.engine.model.parameters()] == addresses
+    assert all(torch.equal(e, m.to(torch.bfloat16)) for e, m in zip(engine_params, w.model.parameters()))
+    assert any(not torch.equal(a, b) for a, b in zip(stale, engine_params))
+
+    # the forward ran in bf16: the same step under float32 gives different weights
+    w32 = PolicyWorker(Recipe.model_validate(RECIPE))
+    w32.begin_stage(recipe.stages[0])
+    w32.train_step(batch, recipe.stages[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, PolicyWorker(Recipe.model_validate(RECIPE)).model.parameters()))
+    assert any(not torch.allclose(a, b, atol=0, rtol=0) for a, b in zip(w32.model.parameters(), w.model.parameters()))
