@@ -37,8 +37,8 @@ QUICK_STAGE = {"grpo": ["stages.0.prompts_per_step=2", "stages.0.group_size=2", 
 QUICK_STAGE["opd"] = QUICK_STAGE["grpo"]
 
 
-def _launch(arm: str, out: Path, minutes: float, quick: bool, gpu: int | None) -> subprocess.Popen:
-    sets = [f"stages.0.max_minutes={minutes}", "logging.progress_bar=false"]
+def _launch(arm: str, out: Path, minutes: float, quick: bool, gpu: int | None, extra: list[str] = ()) -> subprocess.Popen:
+    sets = [f"stages.0.max_minutes={minutes}", "logging.progress_bar=false", *extra]
     if quick:
         sets += QUICK + QUICK_STAGE[arm]
     if arm == "opd":
@@ -118,7 +118,15 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=None, help="stage budget of each run (default: 7 arms, 6 opd)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "smollm2-bench")
     ap.add_argument("--quick", action="store_true", help="CPU, one step per run: checks the plumbing, not learning")
+    ap.add_argument("--set", action="append", default=[], metavar="ARM:KEY=VALUE",
+                    help="a recipe override for one arm (grpo, sft or opd), e.g. grpo:stages.0.optim.lr=2e-5")
     args = ap.parse_args()
+    extra: dict[str, list[str]] = {arm: [] for arm in RECIPES}
+    for item in args.set:
+        arm, sep, override = item.partition(":")
+        if arm not in RECIPES or not sep:
+            ap.error(f"--set {item!r}: expected ARM:KEY=VALUE with ARM one of {', '.join(RECIPES)}")
+        extra[arm].append(override)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -126,11 +134,12 @@ def main() -> None:
     gpus = torch.cuda.device_count() if not args.quick else 0
     if args.phase in ("arms", "all"):
         minutes = args.minutes or (0.5 if args.quick else 7.0)
-        procs = {arm: _launch(arm, out, minutes, args.quick, (i % gpus) if gpus else None) for i, arm in enumerate(("grpo", "sft"))}
+        procs = {arm: _launch(arm, out, minutes, args.quick, (i % gpus) if gpus else None, extra[arm])
+                 for i, arm in enumerate(("grpo", "sft"))}
         _wait(procs, out)
     if args.phase in ("opd", "all"):
         minutes = args.minutes or (0.5 if args.quick else 6.0)
-        _wait({"opd": _launch("opd", out, minutes, args.quick, 0 if gpus else None)}, out)
+        _wait({"opd": _launch("opd", out, minutes, args.quick, 0 if gpus else None, extra["opd"])}, out)
     print(report(out), flush=True)
 
 
