@@ -31,8 +31,10 @@ from rl.traj_cli import add_traj_parser
 
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 3
+EXIT_WORKER_FAILED = 4
 """Exit codes (README "Exit codes"): 0 done, 1 internal error (a traceback), 2 bad input or refused (one line),
-3 preempted by SIGTERM/SIGINT with a checkpoint written: `rl resume` continues it (a scheduler requeues on 3)."""
+3 preempted by SIGTERM/SIGINT with a checkpoint written: `rl resume` continues it (a scheduler requeues on 3),
+4 a worker died or hung: `rl resume` continues from the newest checkpoint (requeue too)."""
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +83,7 @@ def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = F
     from rl.checkpoint import CheckpointError
     from rl.driver import train  # heavy: torch
     from rl.run_dir import RunDirError
+    from rl.runtime import WorkerFailure
     from rl.store_db import StoreError
 
     try:
@@ -88,6 +91,9 @@ def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = F
     except (CheckpointError, CheckpointFormatError, ChatTemplateError, StoreError, DatasetError, RunDirError) as e:
         print(f"{prefix}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except WorkerFailure as e:
+        print(f"{prefix}: {e}; the newest checkpoint holds: rl resume {run_dir}", file=sys.stderr)
+        return EXIT_WORKER_FAILED
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))
     return EXIT_PREEMPTED if summary.get("preempted") else 0
 

@@ -214,6 +214,11 @@ class RuntimeConfig(StrictConfig):
     """Ray CPU resource of each PolicyWorker."""
     num_reward_workers: int = Field(1, gt=0)
     """CPU actors that verify finished samples."""
+    worker_timeout_s: float = Field(1800.0, gt=0)
+    """Longest one call to the workers (a rollout slice, a train step, an evaluation, a checkpoint write) and
+    one collective between them may take. A worker that has not answered by then is declared hung, one
+    that died is named at once: the job stops with one line naming the worker and the phase (exit 4) and
+    `rl resume` continues from the newest checkpoint (rl/runtime.py)."""
 
 
 class EvalConfig(StrictConfig):

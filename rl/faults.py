@@ -1,7 +1,9 @@
-"""Fail points for crash testing (bench/crash_resume.py, tests): `ASYNCRL_FAULT=<point>:<n>` makes the
-process SIGKILL itself the n-th time it reaches `fault_point("<point>")`. Points: `checkpoint_write`
-(checkpoint files written, manifest not yet), `train` (optimizer step taken, store not yet told).
-Unset, a fail point is one dictionary lookup."""
+"""Fail points for crash testing (bench/crash_resume.py, tests): `ASYNCRL_FAULT=<point>[@<rank>]:<n>[:STOP]`
+makes the process SIGKILL itself (with `:STOP`, SIGSTOP: a hung process) the n-th time it reaches
+`fault_point("<point>")`; `@<rank>` limits it to the policy worker of that rank. Points: `checkpoint_write`
+(checkpoint files written, manifest not yet), `train` (optimizer step taken, store not yet told), and in
+the policy workers `worker_rollout` (a rollout slice begins) and `worker_train` (a train step begins).
+Ray actors get the variable from the driver (rl/runtime.py). Unset, a fail point is one dictionary lookup."""
 
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ import signal
 _counts: dict[str, int] = {}
 
 
-def fault_point(name: str) -> None:
+def fault_point(name: str, rank: int | None = None) -> None:
     spec = os.environ.get("ASYNCRL_FAULT")
     if not spec:
         return
-    point, _, n = spec.partition(":")
-    if point != name:
+    point, _, rest = spec.partition(":")
+    point, _, only_rank = point.partition("@")
+    if point != name or (only_rank and rank != int(only_rank)):
         return
+    n, _, how = rest.partition(":")
     _counts[name] = _counts.get(name, 0) + 1
     if _counts[name] == int(n or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if how == "STOP" else signal.SIGKILL)

@@ -10,7 +10,7 @@ boundary.
 from __future__ import annotations
 
 import os
-import socket
+import time
 from collections.abc import Sequence
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,6 +35,9 @@ class RewardWorker:
     def verify(self, trajectories: Sequence[Trajectory]) -> list[Verdict]:
         return [verify_one(self.tasks[t.problem.dataset], t, self.ctx) for t in trajectories]
 
+    def ping(self) -> int:
+        return os.getpid()
+
 
 def verify_one(task, trajectory: Trajectory, ctx: VerifyContext) -> Verdict:
     """The task's verdict; a verifier that raises scores 0 with the error as its reason instead of ending
@@ -54,11 +57,23 @@ class _Done:
         self.value = value
 
 
-class Group:
-    """A list of workers, local objects or Ray actor handles, called uniformly."""
+class WorkerFailure(RuntimeError):
+    """A worker died or stopped answering (one line naming the worker and the phase)."""
 
-    def __init__(self, members: list, remote: bool):
-        self.members, self.remote = members, remote
+
+HEALTH = {"health": 1}
+"""A Ray concurrency group of one thread for `ping`, so that a worker busy in a long call still answers it."""
+GRACE_S = 5.0
+"""After one worker's call fails, how long the others get to answer before those still silent count as hung."""
+
+
+class Group:
+    """A list of workers, local objects or Ray actor handles, called uniformly. Remote calls are bounded by
+    `timeout_s`: a worker that died or did not answer in time raises WorkerFailure naming it and the call."""
+
+    def __init__(self, members: list, remote: bool, name: str = "worker", timeout_s: float | None = None):
+        self.members, self.remote, self.name, self.timeout_s = members, remote, name, timeout_s
+        self._calls: dict = {}  # pending remote futures -> (worker index, method)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -66,19 +81,67 @@ class Group:
     def submit(self, i: int, method: str, *args, **kwargs):
         m = self.members[i]
         if self.remote:
-            return getattr(m, method).remote(*args, **kwargs)
+            future = getattr(m, method).remote(*args, **kwargs)
+            self._calls[future] = (i, method)
+            return future
         return _Done(getattr(m, method)(*args, **kwargs))
 
     def submit_all(self, method: str, *args, **kwargs) -> list:
         return [self.submit(i, method, *args, **kwargs) for i in range(len(self.members))]
 
+    def _get_remote(self, futures: list) -> list:
+        """Every result. A task's own exception is re-raised as is (Ray's error is also of its class), unless a
+        worker died or hung: then WorkerFailure names them. A worker that has not answered by the deadline (or
+        within GRACE_S of another's failure) is asked `ping` on its own thread: silent means hung or stopped;
+        one that answers is alive in a call that is merely slow (or waits on a hung peer's collective)."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        labels = {f: self._calls.pop(f, (None, "?")) for f in futures}
+        deadline = time.monotonic() + (self.timeout_s if self.timeout_s is not None else float("inf"))
+        results, errors, pending = {}, {}, list(futures)
+        while pending:
+            wait = deadline - time.monotonic()
+            if wait <= 0:
+                break
+            done, pending = ray.wait(pending, num_returns=1, timeout=None if wait == float("inf") else wait)
+            for f in done:
+                try:
+                    results[f] = ray.get(f)
+                except Exception as e:  # the worker's own exception, or its death
+                    errors[f] = e
+                    deadline = min(deadline, time.monotonic() + GRACE_S)
+        died = [(labels[f], e) for f, e in errors.items() if isinstance(e, RayActorError)]
+        silent = [labels[f] for f in pending if not self._answers_ping(labels[f][0])]
+        if died or silent:
+            parts = [f"{self.name} {i} died during {method} ({type(e).__name__})" for (i, method), e in died]
+            parts += [f"{self.name} {i} did not answer {method} within {self.timeout_s:g} s and does not answer a ping "
+                      "(hung or stopped)" for i, method in silent]
+            raise WorkerFailure("; ".join(parts))
+        if errors:
+            raise next(iter(errors.values()))
+        if pending:
+            i, method = labels[pending[0]]
+            raise WorkerFailure(f"{self.name} {i} did not finish {method} within {self.timeout_s:g} s "
+                                "(alive: raise runtime.worker_timeout_s if a call may take that long)")
+        return [results[f] for f in futures]
+
+    def _answers_ping(self, i: int | None) -> bool:
+        import ray
+
+        if i is None:
+            return True
+        try:
+            ray.get(self.members[i].ping.options(concurrency_group="health").remote(), timeout=GRACE_S)
+            return True
+        except Exception:  # timed out, or the actor is gone
+            return False
+
     def get(self, futures):
         """Block for one future or a list of them."""
         if isinstance(futures, list):
             if self.remote:
-                import ray
-
-                return ray.get(futures)
+                return self._get_remote(futures)
             return [f.value for f in futures]
         return self.get([futures])[0]
 
@@ -179,12 +242,6 @@ class RewardGroup:
         return self.group.get(handle)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Runtime:
     def __init__(self, recipe: Recipe):
         cfg = recipe.runtime
@@ -204,13 +261,19 @@ class Runtime:
             else:
                 ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
         self._owns_ray = True
-        dist_init = f"tcp://127.0.0.1:{_free_port()}" if n > 1 else None
         threads = max(1, recipe.run.num_threads // n)
-        actor = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=1 if recipe.run.device == "cuda" else 0)(PolicyWorker)
-        self.policy = PolicyGroup(Group([actor.remote(recipe, rank=r, world_size=n, dist_init=dist_init, num_threads=threads)
-                                         for r in range(n)], remote=True))
-        reward_actor = ray.remote(num_cpus=0)(RewardWorker)
-        self.rewards = RewardGroup(Group([reward_actor.remote(recipe) for _ in range(cfg.num_reward_workers)], remote=True))
+        fault = {"ASYNCRL_FAULT": os.environ["ASYNCRL_FAULT"]} if os.environ.get("ASYNCRL_FAULT") else {}
+        actor = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=1 if recipe.run.device == "cuda" else 0,
+                           concurrency_groups=HEALTH, runtime_env={"env_vars": fault} if fault else None)(PolicyWorker)
+        group = Group([actor.remote(recipe, rank=r, world_size=n, num_threads=threads) for r in range(n)], remote=True,
+                      name="policy worker", timeout_s=cfg.worker_timeout_s)
+        self.policy = PolicyGroup(group)
+        reward_actor = ray.remote(num_cpus=0, concurrency_groups=HEALTH)(RewardWorker)
+        self.rewards = RewardGroup(Group([reward_actor.remote(recipe) for _ in range(cfg.num_reward_workers)], remote=True,
+                                         name="reward worker", timeout_s=cfg.worker_timeout_s))
+        if n > 1:  # the group meets at rank 0's node address (a cluster spans nodes), not at a loopback address
+            address = group.get(group.submit(0, "rendezvous_address"))
+            group.call_all("join_process_group", address)
         self.policy.info()  # surface construction errors now
 
     def shutdown(self) -> None:

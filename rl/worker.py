@@ -25,6 +25,7 @@ from model.checkpoint import load_weights_into, write_weights
 from model.decoder import Decoder
 from model.pretrained import build_decoder
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
+from rl.faults import fault_point
 from rl.objectives import build_objective
 from rl.trainer import StepMetrics, TrainBatch, Trainer
 from rollout.engine import Engine
@@ -80,13 +81,10 @@ def refresh_rollout_copy(twin: Decoder, model: Decoder) -> None:
 
 
 class PolicyWorker:
-    def __init__(self, recipe: Recipe, *, rank: int = 0, world_size: int = 1, dist_init: str | None = None,
-                 num_threads: int | None = None):
+    def __init__(self, recipe: Recipe, *, rank: int = 0, world_size: int = 1, num_threads: int | None = None):
+        """World size > 1: `join_process_group` before the first train step (rl/runtime.py calls it)."""
         self.recipe, self.rank, self.world_size = recipe, rank, world_size
         torch.set_num_threads(num_threads or recipe.run.num_threads)
-        if world_size > 1:
-            backend = "nccl" if recipe.run.device == "cuda" else "gloo"  # NCCL reduces CUDA tensors; gloo, CPU ones
-            dist.init_process_group(backend, init_method=dist_init, rank=rank, world_size=world_size)
         self.model = build_policy(recipe)  # same seed on every rank: identical initial weights
         # run.dtype bfloat16: the engine decodes with its own bf16 copy of the float32 master weights
         self.rollout_model = self.model if recipe.run.dtype == "float32" else rollout_copy(self.model, torch.bfloat16)
@@ -98,6 +96,29 @@ class PolicyWorker:
         self.reference: Decoder | None = None  # the run's initial policy, frozen (stages with kl_ref_coef > 0)
         self._held: list[RolloutState] = []  # in-flight states parked in host memory during TRAIN
 
+    # -- data parallel -------------------------------------------------------------------------------
+    def rendezvous_address(self) -> str:
+        """`tcp://IP:PORT` for the process group, on this worker's node (rank 0's): the node's address as Ray
+        knows it, so that ranks on other nodes reach it; a port free on that address now."""
+        import socket
+
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+            s.bind((ip, 0))
+            port = s.getsockname()[1]
+        return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+
+    def join_process_group(self, init_method: str) -> None:
+        """Join the data-parallel group (NCCL reduces CUDA tensors, gloo CPU ones); every collective is
+        bounded by runtime.worker_timeout_s, so a rank whose peer hangs fails instead of waiting forever."""
+        from datetime import timedelta
+
+        backend = "nccl" if self.recipe.run.device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=self.recipe.runtime.worker_timeout_s))
+
     # -- ROLLOUT -------------------------------------------------------------------------------------
     def add_requests(self, requests: Sequence[GenerationRequest]) -> None:
         """Queue requests; the engine admits them as KV blocks allow."""
@@ -105,6 +126,7 @@ class PolicyWorker:
 
     def rollout(self, num_steps: int = 1) -> StepResult:
         """Advance every active sequence by up to `num_steps` tokens (a token boundary after each)."""
+        fault_point("worker_rollout", self.rank)
         self.rollout_model.eval()
         finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
         for i in range(num_steps):
@@ -176,6 +198,7 @@ class PolicyWorker:
     def train_step(self, batch: TrainBatch, stage: SFTStage | GRPOStage | OPDStage) -> StepMetrics:
         """One optimizer step on this rank's rows with the stage's objective (rl/objectives.py); the
         weights change in place, shared with the engine."""
+        fault_point("worker_train", self.rank)
         objective = build_objective(stage, model=self.model, temperature=self.recipe.engine.sampling.temperature or 1.0,
                                     current_version=self.engine.policy_version, pool=self.pool, reference=self.reference)
         return self.trainer.train_step(batch, objective)
@@ -225,6 +248,10 @@ class PolicyWorker:
         return [s.request.sample_id for s in self._held]
 
     # -- misc ----------------------------------------------------------------------------------------
+    def ping(self) -> int:
+        """Liveness (rl/runtime.py calls it on its own thread while another call may be running)."""
+        return os.getpid()
+
     def info(self) -> dict:
         """Size, engine counters and a checksum of the weights (data-parallel ranks must agree)."""
         return {"num_parameters": self.model.num_parameters(), "pid": os.getpid(), "rank": self.rank,

@@ -1,0 +1,58 @@
+"""A policy worker that hangs (SIGSTOP) or dies (SIGKILL) never hangs the job (issue #17, rl/runtime.py): two
+Ray workers training data-parallel over gloo, a fail point (rl/faults.py) stops or kills rank 1 in a train
+step or a rollout slice; the job exits 4 within runtime.worker_timeout_s (plus a ping's grace) with one line
+naming the worker and the phase, leaves no Ray process behind, and `rl resume` with one worker continues from
+the newest checkpoint: nothing trained twice, no prompt left open."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rl.store import TrajectoryStore
+
+pytestmark = pytest.mark.integration
+
+CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
+TIMEOUT_S = 8
+TWO_WORKERS = ["runtime.ray=true", "runtime.num_workers=2", "runtime.num_cpus=2", "runtime.cpus_per_worker=0.5",
+               f"runtime.worker_timeout_s={TIMEOUT_S}", "stages.0.max_steps=5"]
+
+
+def _cli(args: list[str], sets: list[str], fault: str | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_FAULT"}
+    if fault:
+        env["ASYNCRL_FAULT"] = fault
+    t0 = time.monotonic()
+    proc = subprocess.run([*CLI, *args, *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True,
+                          timeout=300, env=env)
+    return proc, time.monotonic() - t0
+
+
+def _ray_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "ray::" in line]
+
+
+@pytest.mark.parametrize("fault, line", [
+    ("worker_train@1:3:STOP", "policy worker 1 did not answer train_step within 8 s and does not answer a ping (hung or stopped)"),
+    ("worker_rollout@1:8", "policy worker 1 died during rollout (ActorDiedError)"),
+])
+def test_a_hung_or_dead_worker_ends_the_job_with_one_line_and_resume_continues(tmp_path, fault, line):
+    run = tmp_path / "run"
+    before = set(_ray_processes())
+    proc, seconds = _cli(["train", "configs/tiny_grpo.yaml", "--run-dir", str(run)], TWO_WORKERS, fault)
+    assert proc.returncode == 4, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+    ours = [s for s in proc.stderr.splitlines() if s.startswith("rl train: ")]
+    assert ours == [f"rl train: {line}; the newest checkpoint holds: rl resume {run}"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert seconds < 120  # bounded: the timeout, a ping's grace, Ray's start and teardown
+    assert set(_ray_processes()) <= before  # the stopped worker was killed with the others
+
+    proc, _ = _cli(["resume", str(run)], ["runtime.num_workers=1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "stage 0 (grpo): 5 steps so far" in proc.stdout
+    audit = TrajectoryStore.for_run_dir(run).audit()
+    assert audit["trained_twice"] == 0 and audit["link_mismatch"] == 0 and audit["prompts_open"] == 0, audit
