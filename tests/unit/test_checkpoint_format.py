@@ -356,6 +356,16 @@ def test_rollout_state_decoding_refuses_anything_but_its_own_layout(change, erro
         RolloutState.from_bytes(data[:5])
 
 
+def test_deeply_nested_msgpack_is_refused_before_it_is_built():
+    from rollout.types import unpack_plain
+
+    with pytest.raises(ValueError, match="StackError"):  # 200,000 nested arrays: msgpack's own depth limit
+        unpack_plain(b"\x91" * 200_000 + b"\xc0")
+    data = b"\x91" * 200_000 + b"\xc0"
+    with pytest.raises(ValueError, match="StackError"):
+        RolloutState.from_bytes(len(data).to_bytes(8, "little") + data)
+
+
 def test_no_pickle_or_torch_load_in_the_code_base():
     """Loading never unpickles (issue #12): no pickle, torch.load or torch.distributed.checkpoint anywhere
     but in the tests that plant a poisoned pickle on purpose."""
