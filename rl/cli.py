@@ -140,6 +140,12 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sandbox(args: argparse.Namespace) -> int:
+    from sandbox_client.cli import serve
+
+    return serve(args.args, prog=f"rl sandbox {args.action}")
+
+
 def _add_break_lock(p: argparse.ArgumentParser) -> None:
     p.add_argument("--break-lock", action="store_true",
                    help="do not take the run directory's lock (filesystems without working file locks only)")
@@ -180,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="patch field, e.g. --set mixture.reverse=3 --set teachers.reverse=t07 (repeatable)")
     p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the job's answer")
     p.set_defaults(func=cmd_reconfigure)
+    p = sub.add_parser("sandbox", help="run the sandbox server of this node (sandbox_client/)", add_help=False)
+    p.add_argument("action", choices=["serve"], help="serve: run a sandbox server until SIGTERM/SIGINT")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="--socket PATH [--max-sandboxes N] [--backend bwrap|process]")
+    p.set_defaults(func=cmd_sandbox)
     add_traj_parser(sub)
     add_eval_parser(sub)
     add_db_parser(sub)

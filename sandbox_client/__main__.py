@@ -1,0 +1,3 @@
+from sandbox_client.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,415 @@
+"""The sandbox server of one node: an asyncio process on a Unix socket that owns sandboxes and runs commands in
+them through one isolation backend (backends.py).
+
+- Admission: at most `max_sandboxes` at once; a `create` beyond that is refused at once with a retryable
+  error (kind `admission`), never queued. Each sandbox holds a slot, and the slot fixes its host uid
+  (`uid_base + slot`: no two live sandboxes share a uid, so RLIMIT_NPROC and a kill by uid are per sandbox).
+- A sandbox is a private work directory (`STATE/work/<id>`, owned by its uid) and, with the strong backend, a
+  cgroup; each exec is a fresh bwrap over them, so nothing an exec starts outlives it, while files persist
+  between execs. `write_file`/`read_file` run `cat` inside the sandbox, so a symlink the sandbox planted
+  resolves in the sandbox's view of the filesystem, never the server's.
+- An exec ends at its own end, or is killed (the whole process tree) when it passes its wall-clock timeout,
+  its CPU seconds (polled from the cgroup, RLIMIT_CPU behind it) or its output cap; OOM kills and refused
+  forks are read from the cgroup's counters. The result says which (`ExecResult.reason`).
+- Every request and its result go to `STATE/commands.jsonl` (outputs cut to their first 4 KiB there; the
+  caller gets them whole, up to the cap, in the result to store with the sample).
+- Crash safety: a record per live sandbox (`STATE/live/<id>.json`: work directory, cgroups, uid) is written
+  before anything is created. A server starting on the state directory first reaps what a server killed
+  with -9 left: kills the recorded cgroups' processes and the recorded uids' processes, removes the groups
+  and work directories. One server per state directory (an flock on `STATE/server.lock`).
+- A connection's sandboxes are closed when it ends, so a client that dies leaks nothing either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sandbox_client.backends import BACKENDS, INSIDE_UID, Backend, BackendUnavailable
+from sandbox_client.cgroups import CgroupError, CgroupTree, kill_group_dirs, remove_dirs
+from sandbox_client.processes import Children, become_subreaper, kill_group
+from sandbox_client.protocol import ProtocolError, encode, read_frame
+from sandbox_client.records import AdmissionRefused, ExecResult, Limits, SandboxError
+from sandbox_client.runner import SandboxState, run_exec
+
+LOG_HEAD = 4096
+"""Bytes of each output stream the command log keeps."""
+ORPHAN_SWEEP_S = 1.0
+
+
+class ServerError(RuntimeError):
+    """A server that cannot start as asked; the message is one line."""
+
+
+def _digest(state_dir: Path) -> int:
+    return int.from_bytes(hashlib.blake2b(str(state_dir.resolve()).encode(), digest_size=4).digest(), "big")
+
+
+def default_uid_base(state_dir: Path) -> int:
+    """A uid range of 65536 derived from the state directory, so two servers on one node (two state
+    directories) rarely share uids; above 2,000,000, where Debian's accounts and subordinate ranges are not."""
+    return 2_000_000 + (_digest(state_dir) % 4096) * 65536
+
+
+class SandboxServer:
+    def __init__(self, state_dir: str | Path, socket_path: str | Path, *, backend: str = "bwrap",
+                 max_sandboxes: int = 32, uid_base: int | None = None, say: Callable[[str], None] | None = None):
+        if backend not in BACKENDS:
+            raise ServerError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
+        if not 1 <= max_sandboxes <= 65536:
+            raise ServerError(f"max_sandboxes must be in 1..65536, not {max_sandboxes}")
+        self.state = Path(state_dir).resolve()
+        self.socket_path = Path(socket_path)
+        self.max_sandboxes = max_sandboxes
+        self.say = say or (lambda m: print(f"sandbox server: {m}", file=sys.stderr, flush=True))
+        self.root = os.geteuid() == 0
+        self.uid_base = (uid_base if uid_base is not None else default_uid_base(self.state)) if self.root else None
+        self.backend: Backend = BACKENDS[backend](self.state / "etc")
+        self.sandboxes: dict[str, SandboxState] = {}
+        self.free_slots = list(range(max_sandboxes - 1, -1, -1))
+        self.cgroups: CgroupTree | None = None
+        self._lock_fd: int | None = None
+        self._log = None
+        self._server: asyncio.AbstractServer | None = None
+        self.children = Children()
+        self._sweeper: asyncio.Task | None = None
+
+    # ---- start, reap, stop -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if len(os.fsencode(self.socket_path)) > 107:
+            raise ServerError(f"the socket path {self.socket_path} is longer than the 107 bytes a Unix socket allows")
+        self._make_state_dirs()
+        self._lock_state()
+        # held while serving; private: it holds every sandbox's commands and outputs
+        self._log = open(os.open(self.state / "commands.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a",
+                         buffering=1)
+        self._check_uids()
+        become_subreaper()  # before the first bwrap (the backend's probe) runs
+        await self._reap()
+        try:
+            self.backend.check(self._uid(0))
+        except BackendUnavailable as e:
+            raise ServerError(str(e)) from None
+        if self.backend.strong:
+            try:
+                self.cgroups = CgroupTree(f"asyncrl-sandboxes-{_digest(self.state):08x}")
+            except (CgroupError, OSError) as e:
+                self.say(f"no cgroups ({e}): memory, processes and CPU time are bounded by rlimits only")
+        if not self.backend.strong:
+            self.say("backend 'process' is WEAK: rlimits and an unprivileged uid only; sandboxed code sees the "
+                     "host's files and network")
+        self._sweeper = asyncio.create_task(self.children.sweep(ORPHAN_SWEEP_S))
+        await self._listen()
+        self.say(f"listening on {self.socket_path} (backend {self.backend.name}, at most {self.max_sandboxes} "
+                 f"sandboxes, state {self.state}, pid {os.getpid()})")
+        self._record({"op": "start", "backend": self.backend.name, "max_sandboxes": self.max_sandboxes,
+                      "pid": os.getpid()})
+
+    def _make_state_dirs(self) -> None:
+        self.state.mkdir(parents=True, exist_ok=True)
+        for d in ("live", "work", "etc"):
+            (self.state / d).mkdir(mode=0o700, exist_ok=True)
+        if self.root:  # sandbox uids must traverse to their work directories (bwrap binds them as that uid)
+            for d in (self.state, self.state / "work", self.state / "etc"):
+                d.chmod(0o711)
+            for parent in self.state.parents:
+                if not parent.stat().st_mode & stat.S_IXOTH:
+                    raise ServerError(f"sandbox uids cannot reach {self.state}: {parent} is not o+x "
+                                      "(pick a state directory under /tmp or /var/lib)")
+        (self.state / "etc" / "passwd").write_text(f"sandbox:x:{INSIDE_UID}:{INSIDE_UID}:sandbox:/work:/bin/sh\n")
+        (self.state / "etc" / "group").write_text(f"sandbox:x:{INSIDE_UID}:\n")
+
+    def _lock_state(self) -> None:
+        fd = os.open(self.state / "server.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another server"
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise ServerError(f"{self.state} is in use by {holder}: one server per state directory") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
+        self._lock_fd = fd
+
+    def _uid(self, slot: int) -> int | None:
+        return None if self.uid_base is None else self.uid_base + slot
+
+    def _check_uids(self) -> None:
+        if self.uid_base is None:
+            self.say("not root: sandboxes run as this server's uid (inside bwrap: uid 65534)")
+            return
+        if self.uid_base < 1000 or self.uid_base + self.max_sandboxes > 2**32 - 2:
+            raise ServerError(f"uid_base {self.uid_base} must leave {self.max_sandboxes} uids between 1000 and 2^32-2")
+        for slot in range(self.max_sandboxes):
+            uid = self.uid_base + slot
+            with contextlib.suppress(KeyError):
+                raise ServerError(f"uid {uid} (uid_base + slot {slot}) belongs to the account "
+                                  f"{pwd.getpwuid(uid).pw_name!r}: pick another --uid-base")
+
+    async def _reap(self) -> None:
+        """Kill and remove what a previous server on this state directory left behind."""
+        for path in sorted((self.state / "live").glob("*.json")):
+            rec = json.loads(path.read_text())
+            cgroup_dirs = [Path(d) for d in rec["cgroups"] if Path(d).is_relative_to("/sys/fs/cgroup")]
+            await kill_group_dirs(cgroup_dirs)
+            remove_dirs(cgroup_dirs)
+            if rec["uid"] is not None:
+                await self.children.kill_uid(rec["uid"])
+            self._remove_work(Path(rec["work"]))
+            path.unlink()
+            self.say(f"reaped sandbox {rec['id']} left by a previous server")
+            self._record({"op": "reap", "sandbox": rec["id"]})
+        for stray in (self.state / "work").iterdir():  # created before a crash but after its record went
+            self._remove_work(stray)
+
+    def _remove_work(self, work: Path) -> None:
+        if work.parent == self.state / "work":  # never anything outside our own work area
+            shutil.rmtree(work, ignore_errors=True)
+
+    async def _listen(self) -> None:
+        if self.socket_path.exists() or self.socket_path.is_symlink():
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(str(self.socket_path))
+                except OSError:
+                    self.socket_path.unlink()  # stale: its server is gone
+                else:
+                    raise ServerError(f"another server already listens on {self.socket_path}")
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        self._server = await asyncio.start_unix_server(self._connection, path=str(self.socket_path),
+                                                       limit=1 << 20)
+        self.socket_path.chmod(0o600)
+
+    async def serve_forever(self) -> None:
+        """Serve until SIGTERM or SIGINT, then close every sandbox."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path.unlink()
+        for sb in list(self.sandboxes.values()):
+            await self._close(sb)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self.children.reap_orphans()
+        if self.cgroups is not None:
+            remove_dirs(self.cgroups.parents)
+        self._record({"op": "stop"})
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # ---- connections -------------------------------------------------------------------------------------
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        owned: set[str] = set()
+        tasks: set[asyncio.Task] = set()
+        write_lock = asyncio.Lock()
+
+        async def answer(message: dict[str, Any]) -> None:
+            async with write_lock:
+                writer.write(encode(message))
+                await writer.drain()
+
+        try:
+            while (msg := await read_frame(reader)) is not None:
+                task = asyncio.create_task(self._request(msg, owned, answer))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+        except (ProtocolError, ConnectionError) as e:
+            self._record({"op": "disconnect", "error": str(e)})
+        finally:
+            for sid in list(owned):
+                if sid in self.sandboxes:
+                    await self._close(self.sandboxes[sid])
+            if tasks:
+                await asyncio.wait(tasks)
+            writer.close()
+
+    async def _request(self, msg: dict[str, Any], owned: set[str], answer) -> None:
+        rid, op = msg.get("id"), msg.get("op")
+        try:
+            handler = self._ops().get(op)
+            if handler is None:
+                raise ValueError(f"unknown op {op!r}")
+            result = await handler(msg, owned)
+            reply = {"id": rid, "ok": True, "result": result}
+        except SandboxError as e:
+            reply = {"id": rid, "ok": False, "error": {"kind": "admission" if isinstance(e, AdmissionRefused) else "sandbox",
+                                                       "message": str(e), "retryable": e.retryable}}
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            reply = {"id": rid, "ok": False, "error": {"kind": "bad_request", "message": f"{where}: {first['msg']}",
+                                                       "retryable": False}}
+        except (ValueError, TypeError, KeyError) as e:
+            reply = {"id": rid, "ok": False, "error": {"kind": "bad_request", "message": f"{type(e).__name__}: {e}",
+                                                       "retryable": False}}
+        if not reply["ok"]:
+            self._record({"op": op, "sandbox": msg.get("sandbox_id"), "error": reply["error"]})
+        with contextlib.suppress(ConnectionError):
+            await answer(reply)
+
+    def _ops(self) -> dict[str, Callable]:
+        return {"create": self._op_create, "exec": self._op_exec, "write_file": self._op_write_file,
+                "read_file": self._op_read_file, "close": self._op_close, "info": self._op_info}
+
+    def _get(self, msg: dict[str, Any]) -> SandboxState:
+        sb = self.sandboxes.get(msg["sandbox_id"])
+        if sb is None or sb.closed:
+            raise SandboxError(f"no open sandbox {msg['sandbox_id']!r} on this server")
+        return sb
+
+    # ---- operations --------------------------------------------------------------------------------------
+
+    async def _op_info(self, msg, owned) -> dict[str, Any]:
+        return {"backend": self.backend.name, "strong": self.backend.strong, "max_sandboxes": self.max_sandboxes,
+                "active": len(self.sandboxes), "pid": os.getpid(), "cgroups": self.cgroups is not None}
+
+    async def _op_create(self, msg, owned) -> dict[str, Any]:
+        limits = Limits.model_validate(msg.get("limits") or {})
+        if not self.free_slots:
+            raise AdmissionRefused(f"this node already runs its maximum of {self.max_sandboxes} sandboxes; retry later")
+        slot = self.free_slots.pop()
+        sid = f"sb-{secrets.token_hex(6)}"
+        uid = self._uid(slot)
+        work = self.state / "work" / sid
+        cgroup_dirs = [p / sid for p in self.cgroups.parents] if self.cgroups is not None else []
+        record = self.state / "live" / f"{sid}.json"
+        record.write_text(json.dumps({"id": sid, "uid": uid, "work": str(work), "cgroups": [str(d) for d in cgroup_dirs]}))
+        sb = SandboxState(sid, slot, uid, work, limits, None)
+        self.sandboxes[sid] = sb
+        try:
+            work.mkdir(mode=0o700)
+            if uid is not None:
+                os.chown(work, uid, uid)
+            if self.cgroups is not None:
+                sb.cgroup = self.cgroups.make(sid)
+                sb.cgroup.set_limits(limits.memory_mib << 20, limits.max_processes)
+        except OSError as e:
+            await self._close(sb)
+            raise SandboxError(f"cannot set up a sandbox ({e})") from None
+        owned.add(sid)
+        self._record({"op": "create", "sandbox": sid, "uid": uid, "limits": limits.model_dump()})
+        return {"sandbox_id": sid, "backend": self.backend.name, "strong": self.backend.strong, "host_uid": uid,
+                "work_dir": str(work), "workdir_inside": self.backend.workdir_inside(work), "limits": limits.model_dump()}
+
+    async def _op_close(self, msg, owned) -> dict[str, Any]:
+        sb = self._get(msg)
+        owned.discard(sb.id)
+        await self._close(sb)
+        return {}
+
+    async def _op_exec(self, msg, owned) -> dict[str, Any]:
+        sb = self._get(msg)
+        argv = msg["argv"]
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
+            raise ValueError("argv must be a non-empty list of strings without NUL")
+        stdin = msg.get("stdin") or b""
+        if not isinstance(stdin, bytes):
+            raise TypeError("stdin must be bytes")
+        timeout = msg.get("timeout_s")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout <= 24 * 3600):
+            raise ValueError(f"timeout_s must be in (0, 86400], not {timeout!r}")
+        result = await run_exec(sb, self.backend, self.children, argv, stdin, float(timeout or sb.limits.timeout_s))
+        self._record_exec("exec", result)
+        return result.to_wire()
+
+    async def _op_write_file(self, msg, owned) -> dict[str, Any]:
+        sb, path, data = self._get(msg), _path(msg), msg["data"]
+        if not isinstance(data, bytes):
+            raise TypeError("data must be bytes")
+        result = await run_exec(sb, self.backend, self.children, ["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path],
+                                  data, sb.limits.timeout_s)
+        self._record_exec("write_file", result)
+        if not result.ok:
+            raise SandboxError(f"write_file {path}: {_why(result)}")
+        return {"bytes": len(data)}
+
+    async def _op_read_file(self, msg, owned) -> dict[str, Any]:
+        sb, path = self._get(msg), _path(msg)
+        result = await run_exec(sb, self.backend, self.children, ["cat", "--", path], b"", sb.limits.timeout_s)
+        self._record_exec("read_file", result)
+        if result.stdout_truncated:
+            raise SandboxError(f"read_file {path}: larger than the sandbox's output cap of {sb.limits.output_bytes} bytes")
+        if not result.ok:
+            raise SandboxError(f"read_file {path}: {_why(result)}")
+        return {"data": result.stdout}
+
+    # ---- running one command -----------------------------------------------------------------------------
+
+    async def _close(self, sb: SandboxState) -> None:
+        if sb.closed:
+            return
+        sb.closed = True
+        for proc in list(sb.procs):
+            kill_group(proc.pid)
+        if sb.cgroup is not None:
+            await sb.cgroup.kill_all()
+            sb.cgroup.remove()
+        elif sb.uid is not None:
+            await self.children.kill_uid(sb.uid)
+        self._remove_work(sb.work)
+        (self.state / "live" / f"{sb.id}.json").unlink(missing_ok=True)
+        del self.sandboxes[sb.id]
+        self.free_slots.append(sb.slot)
+        self._record({"op": "close", "sandbox": sb.id})
+
+    # ---- the command log ---------------------------------------------------------------------------------
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        if self._log is not None:
+            self._log.write(json.dumps({"ts": round(time.time(), 6), **entry}) + "\n")
+
+    def _record_exec(self, op: str, r: ExecResult) -> None:
+        self._record({"op": op, "sandbox": r.sandbox_id, "command": list(r.command), "reason": r.reason,
+                      "exit_code": r.exit_code, "signal": r.signal, "duration_s": r.duration_s, "cpu_s": r.cpu_s,
+                      "stdout_bytes": len(r.stdout), "stderr_bytes": len(r.stderr), "stdout_truncated": r.stdout_truncated,
+                      "stderr_truncated": r.stderr_truncated, "stdout": r.stdout[:LOG_HEAD].decode(errors="replace"),
+                      "stderr": r.stderr[:LOG_HEAD].decode(errors="replace")})
+
+
+def _path(msg: dict[str, Any]) -> str:
+    path = msg["path"]
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise ValueError("path must be a non-empty string without NUL")
+    return path
+
+
+def _why(r: ExecResult) -> str:
+    last = r.stderr_text.strip().splitlines()
+    return last[-1] if last else f"{r.reason}, exit {r.exit_code}"
+
+
