@@ -20,6 +20,7 @@ from rewards.effort import EffortConfig
 from rl.dispatch import DispatchConfig
 from teachers.config import TeacherPoolConfig
 from rollout.config import EngineConfig
+from sandbox_client.records import Limits
 
 
 class RunConfig(StrictConfig):
@@ -221,6 +222,25 @@ class RuntimeConfig(StrictConfig):
     `rl resume` continues from the newest checkpoint (rl/runtime.py)."""
 
 
+class SandboxConfig(StrictConfig):
+    """Code execution for verifiers (`VerifyContext.code`, rl/code_runner.py) on a sandbox server of this node
+    (`rl sandbox serve`, sandbox_client/)."""
+
+    socket: Path | None = None
+    """Unix socket of a running sandbox server; None: verifiers get no code runner."""
+    limits: Limits = Field(default_factory=Limits)
+    """Per-run limits: memory_mib, cpu_s, max_processes, timeout_s, output_bytes, file_mib."""
+
+    @field_validator("socket")
+    @classmethod
+    def _listening(cls, p: Path | None) -> Path | None:
+        import stat
+
+        if p is not None and not (p.exists() and stat.S_ISSOCK(p.stat().st_mode)):
+            raise ValueError(f"{str(p)!r} is not a socket: start the node's server first (rl sandbox serve --socket {p})")
+        return p
+
+
 class EvalConfig(StrictConfig):
     """Held-out evaluation: greedy decoding on each dataset's held-out split."""
 
@@ -281,6 +301,8 @@ class Recipe(StrictConfig):
     """Effort conditioning (seed §5.1.4): prompt prefix, per-level subgroups, length penalty."""
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     """Where workers run (Ray or in-process) and how many."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Code execution for verifiers: the node's sandbox server and per-run limits."""
     stages: list[Stage] = Field(min_length=1)
     """Training stages, run in order (e.g. sft then grpo)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)

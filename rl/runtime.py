@@ -30,7 +30,12 @@ class RewardWorker:
 
     def __init__(self, recipe: Recipe):
         self.tasks = {d.name: d.build() for d in recipe.datasets}
-        self.ctx = VerifyContext()
+        code = None
+        if recipe.sandbox.socket is not None:  # verifiers that run code get the node's sandbox server
+            from rl.code_runner import SandboxCodeRunner
+
+            code = SandboxCodeRunner(recipe.sandbox.socket, recipe.sandbox.limits)
+        self.ctx = VerifyContext(code=code)
 
     def verify(self, trajectories: Sequence[Trajectory]) -> list[Verdict]:
         return [verify_one(self.tasks[t.problem.dataset], t, self.ctx) for t in trajectories]
