@@ -79,7 +79,8 @@ def _run_stages(job: Job, say: Callable[[str], None]) -> dict:
     recipe, run_dir, guard = job.recipe, job.run_dir, job.checkpointer.guard
     info = job.policy.info()
     say(f"run dir {run_dir}: {info[0]['num_parameters'] / 1e6:.2f}M-parameter {'MoE' if recipe.model.is_moe else 'dense'} "
-        f"policy on {len(info)} {'Ray' if recipe.runtime.ray else 'in-process'} worker(s), {len(recipe.stages)} stages")
+        f"policy on {len(info)} {'Ray' if recipe.runtime.ray else 'in-process'} worker(s), {len(recipe.stages)} stages"
+        + (f" (nodes {', '.join(dict.fromkeys(i['node_ip'] for i in info))})" if recipe.runtime.ray else ""))
     state, summary = job.state, job.state.summary
     if recipe.eval.before_training and state.first_stage == 0 and state.global_step == 0 and "init_acc" not in summary:
         metrics = job.evaluate()

@@ -61,6 +61,23 @@ def build_policy(recipe: Recipe) -> Decoder:
     return model
 
 
+def _node_ip() -> str | None:
+    """This worker's node address as Ray knows it (None outside Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else None
+
+
+def interface_of(ip: str) -> str | None:
+    """The network interface that holds address `ip` on this host (psutil, which Ray brings), or None."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == ip for a in addrs):
+            return name
+    return None
+
+
 def rollout_copy(model: Decoder, dtype: torch.dtype) -> Decoder:
     """A copy of `model` with its parameters in `dtype` (buffers, e.g. the MoE selection bias, keep theirs)
     for the engine, without gradients; `refresh_rollout_copy` updates it in place."""
@@ -102,19 +119,22 @@ class PolicyWorker:
         knows it, so that ranks on other nodes reach it; a port free on that address now."""
         import socket
 
-        import ray
-
-        ip = ray.util.get_node_ip_address()
+        ip = _node_ip()
         with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
             s.bind((ip, 0))
             port = s.getsockname()[1]
         return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
 
     def join_process_group(self, init_method: str) -> None:
-        """Join the data-parallel group (NCCL reduces CUDA tensors, gloo CPU ones); every collective is
-        bounded by runtime.worker_timeout_s, so a rank whose peer hangs fails instead of waiting forever."""
+        """Join the data-parallel group (NCCL reduces CUDA tensors, gloo CPU ones) over the interface that
+        holds this node's Ray address (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise); every
+        collective is bounded by runtime.worker_timeout_s, so a rank whose peer hangs fails, never waits forever."""
         from datetime import timedelta
 
+        iface = interface_of(_node_ip())
+        if iface is not None:  # gloo and NCCL's bootstrap would take the hostname's address: often 127.0.0.1
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
         backend = "nccl" if self.recipe.run.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.recipe.runtime.worker_timeout_s))
@@ -259,4 +279,5 @@ class PolicyWorker:
                 "prefill_tokens": self.engine.stats.prefill_tokens, "resumed_tokens": self.engine.stats.resumed_tokens,
                 "reprefill_tokens": self.engine.stats.reprefill_tokens,
                 "free_blocks": self.engine.cache.num_free_blocks,
-                "weights_checksum": float(sum(p.detach().double().sum() for p in self.model.parameters()))}
+                "weights_checksum": float(sum(p.detach().double().sum() for p in self.model.parameters())),
+                "node_ip": _node_ip()}
