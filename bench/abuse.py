@@ -36,14 +36,12 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.payloads import pickle_payload  # noqa: E402
+
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 TINY = yaml.safe_load((ROOT / "configs" / "tiny_grpo.yaml").read_text())
 """A 20K-parameter GRPO run of seconds (configs/tiny_grpo.yaml)."""
-
-
-def pickle_payload(canary: Path) -> bytes:
-    """A protocol-0 pickle that creates `canary` when unpickled (written by hand: no pickle module here)."""
-    return f"c__builtin__\nopen\n(S'{canary}'\nS'w'\ntR.".encode()
 
 
 def digest(path: Path) -> str:

@@ -21,15 +21,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.payloads import pickle_payload
+
 pytestmark = pytest.mark.integration
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def pickle_payload(canary: Path) -> bytes:
-    """A protocol-0 pickle that creates `canary` when unpickled (written by hand: no pickle module here)."""
-    return f"c__builtin__\nopen\n(S'{canary}'\nS'w'\ntR.".encode()
 
 
 def jinja_payload(canary: Path) -> str:
@@ -128,8 +125,7 @@ def _recipe(tmp_path: Path, tokenizer: dict, model: dict) -> Path:
 def test_no_file_a_model_load_reads_runs_code(tmp_path):
     pytest.importorskip("transformers")
     base = _hf_model_dir(tmp_path / "base")
-    model = {"init": None}
-    ok = _cli(["train", str(_recipe(tmp_path, {"type": "hf"}, {**model, "init": str(base)})),
+    ok = _cli(["train", str(_recipe(tmp_path, {"type": "hf"}, {"init": str(base)})),
                "--run-dir", str(tmp_path / "ok")])
     assert ok.returncode == 0, ok.stderr[-2000:]  # the clean directory trains: the cases below reach the loader
     files = sorted(p.name for p in base.iterdir() if p.is_file())
