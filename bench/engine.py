@@ -82,6 +82,36 @@ def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device
     return 1000 * (time.perf_counter() - t0) / steps, eng
 
 
+def group_rollout(model: Decoder, groups: int, group_size: int, prompt: int, new: int, device: str, *,
+                  share: bool) -> tuple[float, Engine]:
+    """GRPO-shaped rollout: `groups` prompts x `group_size` samples, all admitted at once, short responses
+    (where prefill weighs most). Returns (wall seconds of the whole generate, the engine)."""
+    B = groups * group_size
+    cfg = EngineConfig(max_batch_size=B, block_size=16, max_seq_len=prompt + new + 16, max_new_tokens=new,
+                       share_prompt_kv=share)
+    eng = Engine(model, cfg, eos_id=0, device=device)
+    g = torch.Generator().manual_seed(7)
+    prompts = [tuple(torch.randint(1, model.config.vocab_size, (prompt,), generator=g).tolist()) for _ in range(groups)]
+    reqs = [GenerationRequest(f"p{i}-{j}", prompts[i], new, seed=i * group_size + j, ignore_eos=True)
+            for i in range(groups) for j in range(group_size)]
+    eng.generate(reqs[:group_size])  # warm-up: graphs of the buckets, allocator
+    eng.stats = type(eng.stats)()
+    _sync(device)
+    t0 = time.perf_counter()
+    eng.generate(reqs)
+    _sync(device)
+    return time.perf_counter() - t0, eng
+
+
+def long_context_ms_per_step(shape: str, device: str, batch: int, context: int, new: int, kv: str) -> float:
+    """Decode ms/step at a long context (the prompt fills it: prefill runs in chunks of requests)."""
+    model = build(shape, device, kv, max_pos=context + new + 64)
+    ms = engine_ms_per_step(model, batch, context, new, device)[0]
+    del model
+    torch.cuda.empty_cache()
+    return ms
+
+
 def hf_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: str) -> float:
     from transformers import AutoModelForCausalLM
 
@@ -104,9 +134,9 @@ def hf_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: st
     return 1000 * (run(new) - run(1)) / (new - 1)
 
 
-def build(shape: str, device: str, kv: str = "bf16") -> Decoder:
+def build(shape: str, device: str, kv: str = "bf16", max_pos: int = 4096) -> Decoder:
     torch.manual_seed(0)
-    cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=4096, kv_cache={"dtype": kv})
+    cfg = ModelConfig(**SHAPES[shape], max_position_embeddings=max_pos, kv_cache={"dtype": kv})
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     return Decoder(cfg).to(device=device, dtype=dtype).eval()
 
@@ -116,6 +146,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default="smollm2,qwen3")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--long", action="store_true", help="CUDA: also 2K context at batch 64 and 16K at batch 16, bf16 and fp4")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     torch.set_num_threads(2 if device == "cpu" else torch.get_num_threads())
@@ -158,6 +189,28 @@ def main() -> None:
             result[f"{prefix}fp4_over_bf16_b64"] = ms4 / result[f"{prefix}ms_per_step_b64"]
             del fp4
             torch.cuda.empty_cache()
+    # GRPO groups: the prompt prefilled once per group (shared KV blocks) vs once per sample, side by side
+    gshape = shapes[0]
+    groups, gsize, gprompt, gnew = (4, 4, 40, 8) if device == "cpu" else (32, 8, 256, 32)
+    model = build(gshape, device)
+    for share in (False, True):
+        wall, eng = group_rollout(model, groups, gsize, gprompt, gnew, device, share=share)
+        tag = "shared" if share else "unshared"
+        st = eng.stats
+        print(f"{gshape} groups {groups}x{gsize}, prompt {gprompt}, {gnew} new: {tag:9s} wall {wall:.3f} s, "
+              f"prefill tokens/group {st.prefill_tokens / groups:.0f}, shared prompt tokens {st.shared_prompt_tokens}",
+              flush=True)
+        result[f"group_prefill_tokens_per_group_{tag}"] = st.prefill_tokens / groups
+        result[f"group_wall_s_{tag}"] = wall
+    result["group_speedup_shared"] = result["group_wall_s_unshared"] / result["group_wall_s_shared"]
+    del model
+    if device == "cuda" and args.long:
+        for b, ctx in ((64, 2048), (16, 16384)):
+            for kv in ("bf16", "fp4"):
+                ms = long_context_ms_per_step(shapes[-1], device, b, ctx, 64, kv)
+                print(f"{shapes[-1]:<9}{kv:<6}{b:>6} context {ctx}: {ms:.2f} ms/step", flush=True)
+                result[f"{kv}_ms_per_step_b{b}_{ctx // 1024}k"] = ms
+            result[f"fp4_over_bf16_b{b}_{ctx // 1024}k"] = result[f"fp4_ms_per_step_b{b}_{ctx // 1024}k"] / result[f"bf16_ms_per_step_b{b}_{ctx // 1024}k"]
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
 
 

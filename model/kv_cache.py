@@ -213,6 +213,9 @@ class PagedKVCache:
         self.k_scale = None if scale is None else torch.zeros(lead + scale, dtype=torch.uint8, device=device)
         self.v_scale = None if scale is None else torch.zeros(lead + scale, dtype=torch.uint8, device=device)
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._refs = [0] * num_blocks
+        """Holders of each block: a block shared by several sequences (a GRPO group's prompt, rollout/
+        engine.py) returns to the pool when its last holder frees it."""
 
     # -- block bookkeeping -------------------------------------------------------------------------
     @property
@@ -225,10 +228,37 @@ class PagedKVCache:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise CacheFullError(f"need {n} KV blocks, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)]
+        for b in out:
+            self._refs[b] = 1
+        return out
+
+    def share(self, blocks: list[int]) -> list[int]:
+        """One more holder of each of `blocks` (allocated ones); returns them."""
+        for b in blocks:
+            if self._refs[b] <= 0:
+                raise ValueError(f"block {b} is not allocated; only held blocks can be shared")
+            self._refs[b] += 1
+        return list(blocks)
+
+    def refs(self, block: int) -> int:
+        return self._refs[block]
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """One holder lets go of each block; a block nobody holds any more goes back to the pool."""
+        for b in reversed(blocks):
+            if self._refs[b] <= 0:
+                raise ValueError(f"block {b} freed more often than it was allocated or shared")
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                self._free.append(b)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy every layer's slots of block `src` into block `dst`, in the storage format (copy on write
+        of a shared prompt's last, partly filled block)."""
+        bs = self.block_size
+        for t in self._tensors().values():
+            t[:, dst * bs : (dst + 1) * bs] = t[:, src * bs : (src + 1) * bs]
 
     def slots(self, blocks: list[int], start: int, end: int) -> list[int]:
         bs = self.block_size

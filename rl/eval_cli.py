@@ -1,4 +1,4 @@
-"""`rl eval RUN_DIR [--effort 10,25,50,75,90,100] [--checkpoint DIR]`: held-out accuracy and mean
+"""`rl eval RUN_DIR [--effort 10,25,50,75,90,100] [--checkpoint DIR] [--set KEY=VALUE]`: held-out accuracy and mean
 response length of a run's latest checkpoint, per reasoning-effort level (levels never trained on
 included), in-process, through the same evaluation loop and sampler seeds as the run's own evaluation
 (rl/evaluation.py), so both agree at any temperature."""
@@ -19,6 +19,9 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's latest)")
     p.add_argument("--max-problems", type=_positive_int, default=None,
                    help="held-out problems per dataset (default: the recipe's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the run's recipe for this evaluation, e.g. "
+                        "datasets.0.heldout.path=train.jsonl (score the training problems)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -67,9 +70,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _fail(str(e))
     if ckpt is None or not (ckpt / "model.safetensors").is_file():
         return _fail(f"no checkpoint with model.safetensors under {run_dir / 'checkpoints'}")
-    from rl.recipe_io import load_recipe
+    from rl.recipe_io import RecipeError, load_recipe
 
-    recipe = load_recipe(run_dir / "recipe.yaml")
+    try:
+        recipe = load_recipe(run_dir / "recipe.yaml", args.set)
+    except RecipeError as e:
+        return _fail(str(e))
     import torch  # heavy imports only past input checks
 
     from model.checkpoint import load_checkpoint

@@ -37,6 +37,9 @@ class EngineConfig(StrictConfig):
     cuda_graphs: bool = True
     """On CUDA, replay each decode step from a CUDA graph captured per batch-size bucket (rollout/graphs.py);
     dense paged models only (MoE and CSA2 models decode eagerly). False: always eager."""
+    share_prompt_kv: bool = True
+    """Samples with the same prompt (a GRPO group) prefill it once: later ones hold its KV blocks
+    (reference-counted, the last partly filled block copied) and start decoding at its last token."""
     paged_decode_kernel: bool = True
     """In graphed decode, attend through the paged Triton kernel, which reads the cache in its storage
     format (bf16, fp8, fp4) with no gathered copy; False: gather a fixed-length context, then SDPA."""

@@ -17,6 +17,21 @@ RolloutState; resume() rebuilds the cache, again with no prefill.
 
 On CUDA, a dense model's decode step is replayed from a CUDA graph of its batch-size bucket
 (rollout/graphs.py; `EngineConfig.cuda_graphs`); prefill computes logits at each last prompt position only.
+
+A sequence's tokens are a prefix whose KV is cached (`_Seq.cached`) and the pending rest, fed at the next
+step: the whole prompt (prefill), the last sampled token (decode), or, after a tool call, the last sampled
+token and the appended tool output ("extend": a prefill of only the new tokens over the cached context).
+
+Shared prompt KV (`EngineConfig.share_prompt_kv`; issue #15): the samples of a GRPO group have the same
+prompt. The first one admitted prefills it; the prompt's blocks go into a registry (reference-counted,
+`PagedKVCache.share`), and every later sample with the same prompt, while one of them lives, holds the
+full blocks, copies the last partly filled one (copy on write: it writes its own tokens there) and
+starts as a decode row at the prompt's last token: P - 1 prompt tokens it never prefills. Interrupt
+exports each sample's whole KV (shared blocks read like any other), so resume needs nothing shared.
+
+Tool calls (multi-turn, issue #16): a request with `tool_calls` pauses when `tool_stop` says its response
+closes a call; it keeps its blocks, leaves the batch, and waits for `append` (the tool output, fed by an
+extend at the next step) or `finish_paused`. Interrupt exports paused samples too (`paused=True`).
 """
 
 from __future__ import annotations
@@ -35,7 +50,21 @@ from model.sparse_attention import bytes_per_token as csa2_bytes_per_token
 from rollout.config import EngineConfig
 from rollout.graphs import DecodeGraphs
 from rollout.sampling import sample_tokens
-from rollout.types import Generation, GenerationRequest, RolloutState
+from rollout.types import Generation, GenerationRequest, RolloutState, ToolCallPause
+
+
+@dataclass(eq=False)
+class _SharedPrompt:
+    """A prompt whose KV a live sequence computed (see the module docstring)."""
+
+    key: tuple[int, ...]
+    blocks: list[int]
+    """The registry's own hold on the blocks of prompt positions [0, P - 1)."""
+    users: int = 1
+    routing: torch.Tensor | None = None
+    """MoE: [P - 1, L, k] expert ids of those positions, once the owner's prefill has run."""
+    waiting: list = field(default_factory=list)
+    """Siblings admitted in the owner's prefill step, still without `routing`."""
 
 
 @dataclass(eq=False)
@@ -50,13 +79,27 @@ class _Seq:
     routing: list[torch.Tensor] = field(default_factory=list)
     """Per forward: [num_fed_tokens, L, k] expert ids."""
     generate_s: float = 0.0
-    needs_prefill: bool = True
+    cached: int = 0
+    """Leading tokens whose KV is in the cache; tokens[cached:] are fed at the next step."""
     csa2: CSA2Cache | None = None
     """CSA2 models: this sequence's cache (B = 1)."""
+    appended: list[tuple[int, int]] = field(default_factory=list)
+    """Response offsets [start, end) of appended (not sampled) tokens: tool output."""
+    prompt: _SharedPrompt | None = None
+    """The shared-prompt registry entry this sequence holds (owner or sibling)."""
 
     @property
-    def num_cached(self) -> int:  # every token but the last sampled one has its KV in the cache
-        return len(self.tokens) - 1
+    def num_cached(self) -> int:
+        return self.cached
+
+    @property
+    def pending(self) -> int:
+        return len(self.tokens) - self.cached
+
+    @property
+    def turn_start(self) -> int:
+        """Response offset where the current model turn began (after the last appended span)."""
+        return self.appended[-1][1] if self.appended else 0
 
     @property
     def num_response(self) -> int:
@@ -81,6 +124,12 @@ class EngineStats:
     """Decode steps replayed from a CUDA graph (rollout/graphs.py)."""
     kv_gather_bytes: int = 0
     """Bytes of K/V copied out of the paged cache (dequantised) into temporary context tensors by decode."""
+    shared_prompt_tokens: int = 0
+    """Prompt tokens whose KV a sample took from a sibling's prefill (shared blocks) instead of computing."""
+    shared_prompt_seqs: int = 0
+    """Samples that started from a sibling's prompt KV."""
+    appended_tokens: int = 0
+    """Tool-output tokens appended to paused samples (and prefilled over their cached context)."""
 
 
 class Engine:
@@ -104,8 +153,17 @@ class Engine:
                                        paged_kernel=cfg.paged_decode_kernel)
         self.policy_version = 0
         self.stats = EngineStats()
+        self.tool_stop = None
+        """Multi-turn: an object with `trigger_ids` (a set of token ids) and `matches(turn_tokens) -> bool`
+        (rollout/tool_calls.py's StopMatcher); a `tool_calls` request pauses when it matches."""
         self._waiting: list[RolloutState] = []
         self._active: list[_Seq] = []
+        self._ready: list[_Seq] = []  # appended to after a pause: rejoin the batch at the next step
+        self._paused: dict[str, _Seq] = {}
+        self._new_pauses: list[ToolCallPause] = []
+        self._done: list[Generation] = []  # finished outside step() (an append that filled the budget)
+        self._prompts: dict[tuple[int, ...], _SharedPrompt] = {}
+        self._copies: list[tuple[int, int]] = []  # (src, dst) blocks to copy after this step's prefill
 
     # -- public API ------------------------------------------------------------------------------
     def add(self, requests: list[GenerationRequest]) -> None:
@@ -141,12 +199,17 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
+    @property
+    def num_paused(self) -> int:
+        return len(self._paused)
+
     def has_work(self) -> bool:
-        return bool(self._active or self._waiting)
+        return bool(self._active or self._waiting or self._ready or self._paused or self._done)
 
     def oldest_versions(self) -> list[int]:
         """Version of the oldest generated token of every unfinished sequence that has one."""
-        return [s.versions[0] for s in self._active if s.versions] + [
+        held = [*self._active, *self._ready, *self._paused.values()]
+        return [s.versions[0] for s in held if s.versions] + [
             s.policy_versions[0] for s in self._waiting if s.policy_versions
         ]
 
@@ -154,57 +217,107 @@ class Engine:
     def step(self) -> list[Generation]:
         """Advance every active sequence by one token; admit waiting ones. Returns finished ones."""
         t0 = time.perf_counter()
-        old = list(self._active)
-        new = self._admit()
-        fresh = [s for s in new if s.needs_prefill]
-        resumed = [s for s in new if not s.needs_prefill]
+        finished, self._done = self._done, []
+        self._admit()
+        fresh = [s for s in self._active if s.cached == 0]
+        decoding = [s for s in self._active if s.cached > 0 and s.pending == 1]
+        extending = [s for s in self._active if s.cached > 0 and s.pending > 1]
         logits_parts, seqs = [], []
         if fresh:
             logits_parts.append(self._forward_csa2(fresh, prefill=True) if self.sparse else self._prefill(fresh))
             seqs += fresh
-        decoding = old + resumed
+        for src, dst in self._copies:  # shared prompts' last partly filled blocks, now that their owners ran
+            self.cache.copy_block(src, dst)
+        self._copies = []
+        if extending:
+            logits_parts.append(self._forward_csa2(extending, prefill=True) if self.sparse else self._forward_cached(extending))
+            seqs += extending
         if decoding:
             logits_parts.append(self._forward_csa2(decoding, prefill=False) if self.sparse else self._decode(decoding))
             seqs += decoding
         if not seqs:
-            return []
+            return finished
+        for s in seqs:
+            s.cached = len(s.tokens)
         self._sample_and_append(seqs, torch.cat(logits_parts))
         dt = time.perf_counter() - t0
-        finished = []
         for s in seqs:
             s.generate_s += dt
             if (s.tokens[-1] in self.eos_ids and not s.request.ignore_eos) or s.num_response >= self._max_new(s.request):
                 finished.append(self._finish(s))
+            elif s.request.tool_calls and self._closes_tool_call(s):
+                self._active.remove(s)
+                self._paused[s.request.sample_id] = s
+                self._new_pauses.append(ToolCallPause(s.request.sample_id, tuple(s.tokens[len(s.request.prompt_tokens):]),
+                                                      s.turn_start))
         return finished
 
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
-        """Run the given requests to completion (convenience for evaluation and tests)."""
+        """Run the given requests to completion (convenience for evaluation and tests; no tool calls)."""
         self.add(requests)
         out = []
         while self.has_work():
+            if self._paused and not (self._active or self._waiting or self._ready or self._done):
+                raise RuntimeError("generate() cannot serve tool calls: samples are paused; drive step()/append()")
             out += self.step()
         order = {r.sample_id: i for i, r in enumerate(requests)}
         return sorted(out, key=lambda g: order.get(g.sample_id, len(order)))
 
+    # -- tool calls (multi-turn) -----------------------------------------------------------------------
+    def pop_paused(self) -> list[ToolCallPause]:
+        """Samples that paused at a tool call since the last call (each is reported once)."""
+        out, self._new_pauses = self._new_pauses, []
+        return out
+
+    def append(self, sample_id: str, tokens: Sequence[int]) -> int:
+        """Append tool-output tokens to a paused sample; it rejoins the batch at the next step, which feeds
+        its last sampled token and these tokens over its cached context (no re-prefill). Tokens past the
+        sample's budget (max_new_tokens) are cut; a sample whose budget is then spent finishes with
+        'length' (returned by the next step()). Returns how many tokens were taken."""
+        s = self._paused.pop(sample_id)
+        room = self._max_new(s.request) - s.num_response
+        take = list(tokens)[:max(room, 0)]
+        start = s.num_response
+        s.tokens += take
+        s.logprobs += [0.0] * len(take)
+        s.versions += [self.policy_version] * len(take)
+        if take:
+            s.appended.append((start, start + len(take)))
+        self.stats.appended_tokens += len(take)
+        if s.num_response >= self._max_new(s.request):
+            self._done.append(self._release(s, "length"))
+        else:
+            self._ready.append(s)
+        return len(take)
+
+    def finish_paused(self, sample_id: str, reason: str) -> Generation:
+        """End a paused sample here (e.g. its turn limit is reached, or its sandbox failed)."""
+        return self._release(self._paused.pop(sample_id), reason)
+
     @torch.no_grad()
     def interrupt(self) -> list[RolloutState]:
-        """Stop at the current token boundary: every active sequence's state moves to host memory and
-        its blocks are freed; waiting requests are returned too (with no KV)."""
+        """Stop at the current token boundary: every held sequence's state (active, paused, appended to)
+        moves to host memory and its blocks are freed; waiting requests are returned too (with no KV)."""
         states = []
-        for s in self._active:
+        paused = set(self._paused)
+        for s in [*self._active, *self._ready, *self._paused.values()]:
             routing = torch.cat(s.routing).to(torch.int16).cpu().numpy() if s.routing else None
+            extra = dict(paused=s.request.sample_id in paused, appended_spans=list(s.appended),
+                         num_cached=None if s.cached == len(s.tokens) - 1 else s.cached)
             if self.sparse:
                 csa2 = {n: t.to("cpu", copy=True) for n, t in s.csa2.to_tensors().items()}
                 states.append(RolloutState(s.request, list(s.tokens), list(s.logprobs), list(s.versions), None, None,
-                                           routing, s.generate_s, kv_format=self.cache.format.name, csa2=csa2))
+                                           routing, s.generate_s, kv_format=self.cache.format.name, csa2=csa2, **extra))
             else:
-                kv = self.cache.export(self.cache.slots(s.blocks, 0, s.num_cached))
+                kv = self.cache.export(self.cache.slots(s.blocks, 0, s.cached))
                 states.append(RolloutState(
                     s.request, list(s.tokens), list(s.logprobs), list(s.versions), kv["k"], kv["v"], routing,
-                    s.generate_s, kv_format=self.cache.format.name, k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale")))
-            self.cache.free(s.blocks)
+                    s.generate_s, kv_format=self.cache.format.name, k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale"),
+                    **extra))
+            self._free(s)
         states += self._waiting
-        self._active, self._waiting = [], []
+        self._active, self._waiting, self._ready, self._paused = [], [], [], {}
+        self._new_pauses = []
         return states
 
     def resume(self, states: list[RolloutState]) -> None:
@@ -215,26 +328,52 @@ class Engine:
             theirs = f"{st.kv_format} {'CSA2' if st.csa2 is not None else 'paged'}"
             if st.has_kv and theirs != mine:
                 raise ValueError(f"{st.request.sample_id}: state holds a {theirs} KV cache; this engine stores {mine}")
+            rows = st.k.shape[1] if st.k is not None else st.cached
+            if st.has_kv and not (0 < st.cached <= len(st.tokens) - 1 and rows == st.cached):
+                raise ValueError(f"{st.request.sample_id}: state caches {st.cached} of {len(st.tokens)} tokens "
+                                 f"and holds KV of {rows}")
         self._waiting.extend(states)
 
     # -- internals -------------------------------------------------------------------------------
     def _max_new(self, r: GenerationRequest) -> int:
         return min(r.max_new_tokens, self.cfg.max_seq_len - len(r.prompt_tokens))
 
-    def _admit(self) -> list[_Seq]:
-        admitted = []
-        while self._waiting and len(self._active) < self.cfg.max_batch_size:
+    def _closes_tool_call(self, s: _Seq) -> bool:
+        stop = self.tool_stop
+        if stop is None or s.tokens[-1] not in stop.trigger_ids:
+            return False
+        P = len(s.request.prompt_tokens)
+        return bool(stop.matches(s.tokens[P + s.turn_start:]))
+
+    def _shareable(self, st: RolloutState) -> bool:
+        """A fresh request whose prompt fills at least one block before its last token."""
+        return (self.cfg.share_prompt_kv and not self.sparse and not st.has_kv
+                and len(st.request.prompt_tokens) - 1 >= self.cache.block_size)
+
+    def _admit(self) -> None:
+        while self._ready and len(self._active) < self.cfg.max_batch_size:
+            self._active.append(self._ready.pop(0))
+        while self._waiting and (self._waiting[0].paused or len(self._active) < self.cfg.max_batch_size):
             st = self._waiting[0]
             need = self.cache.blocks_for(len(st.request.prompt_tokens) + self._max_new(st.request))
-            if need > self.cache.num_free_blocks:
-                if not self._active:
+            entry = self._prompts.get(st.request.prompt_tokens) if self._shareable(st) else None
+            full = (len(st.request.prompt_tokens) - 1) // self.cache.block_size if entry is not None else 0
+            if need - full > self.cache.num_free_blocks:
+                if not (self._active or self._paused):
                     raise CacheFullError(f"{st.request.sample_id} needs {need} KV blocks; the pool has {self.cache.num_free_blocks} free")
                 break
             self._waiting.pop(0)
-            seq = _Seq(st.request, list(st.tokens), self.cache.allocate(need), list(st.logprobs), list(st.policy_versions),
-                       generate_s=st.generate_s, needs_prefill=not st.has_kv)
+            blocks = self.cache.share(entry.blocks[:full]) + self.cache.allocate(need - full) if entry else self.cache.allocate(need)
+            seq = _Seq(st.request, list(st.tokens), blocks, list(st.logprobs), list(st.policy_versions),
+                       generate_s=st.generate_s, cached=st.cached, appended=list(st.appended_spans))
+            if entry is not None:
+                self._join_prompt(seq, entry, full)
+            elif self._shareable(st):  # the first of its prompt: its prefill at this step fills the registry's blocks
+                P = len(st.request.prompt_tokens)
+                key = st.request.prompt_tokens
+                seq.prompt = self._prompts[key] = _SharedPrompt(key, self.cache.share(blocks[:self.cache.blocks_for(P - 1)]))
             if st.has_kv:  # resumed: restore KV of every cached token; no prefill
-                n = len(st.tokens) - 1
+                n = st.cached
                 if self.sparse:
                     seq.csa2 = CSA2Cache.from_tensors(st.csa2, n, self.device)
                 else:
@@ -244,9 +383,25 @@ class Engine:
                 self.stats.resumed_tokens += n
             if self.sparse and seq.csa2 is None:
                 seq.csa2 = CSA2Cache()
-            self._active.append(seq)
-            admitted.append(seq)
-        return admitted
+            if st.paused:
+                self._paused[st.request.sample_id] = seq
+            else:
+                self._active.append(seq)
+
+    def _join_prompt(self, seq: _Seq, entry: _SharedPrompt, full: int) -> None:
+        """A sibling starts from `entry`'s prompt KV: it holds the `full` blocks, copies the last partly
+        filled one into its own block, and is fed the prompt's last token as a decode row."""
+        P = len(seq.request.prompt_tokens)
+        if full < len(entry.blocks):  # positions [full·bs, P - 1) live in a block the sibling will write into;
+            self._copies.append((entry.blocks[full], seq.blocks[full]))  # copied once the owner's prefill ran
+        entry.users += 1
+        seq.prompt, seq.cached = entry, P - 1
+        if entry.routing is not None:
+            seq.routing.append(entry.routing)
+        elif self.model.config.is_moe:
+            entry.waiting.append(seq)
+        self.stats.shared_prompt_tokens += P - 1
+        self.stats.shared_prompt_seqs += 1
 
     def _prefill(self, seqs: list[_Seq]) -> torch.Tensor:
         """Run the prompts of newly admitted sequences; returns logits at each last prompt token [B, V]."""
@@ -268,38 +423,56 @@ class Engine:
         if out.routing is not None:
             for i, s in enumerate(seqs):
                 s.routing.append(out.routing[i, : lens[i]].cpu())
+                if s.prompt is not None and s.prompt.routing is None:  # the owner: siblings take its prompt's experts
+                    s.prompt.routing = s.routing[-1][: lens[i] - 1]
+                    for sib in s.prompt.waiting:
+                        sib.routing.insert(0, s.prompt.routing)
+                    s.prompt.waiting = []
         logits = self.model.logits(out.hidden[torch.arange(len(seqs), device=self.device), last])  # last positions only
         self.stats.prefill_logit_rows += logits.shape[0]
         return logits
 
     def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
         """Feed each sequence's last sampled token; returns next-token logits [B, V]."""
-        B, bs = len(seqs), self.cache.block_size
         if self.graphs is not None:
-            logits = self.graphs.run([s.tokens[-1] for s in seqs], [s.num_cached for s in seqs], [s.blocks for s in seqs])
+            logits = self.graphs.run([s.tokens[-1] for s in seqs], [s.cached for s in seqs], [s.blocks for s in seqs])
             if logits is not None:
                 self.stats.decode_steps += 1
                 self.stats.graph_steps += 1
                 if not self.graphs.paged_kernel:
-                    self.stats.kv_gather_bytes += self._gather_bytes(self.graphs.bucket(B), self.graphs.max_blocks * bs)
+                    self.stats.kv_gather_bytes += self._gather_bytes(self.graphs.bucket(len(seqs)),
+                                                                     self.graphs.max_blocks * self.cache.block_size)
                 return logits
-        pos = torch.tensor([s.num_cached for s in seqs], dtype=torch.long)
-        ids = torch.tensor([s.tokens[-1] for s in seqs], dtype=torch.long)
-        nb = max(self.cache.blocks_for(p + 1) for p in pos.tolist())
+        logits = self._forward_cached(seqs)
+        self.stats.decode_steps += 1
+        return logits
+
+    def _forward_cached(self, seqs: list[_Seq]) -> torch.Tensor:
+        """Feed each sequence's pending tokens (one at decode; the last sampled token and the appended ones
+        after a tool call) at positions cached.., attending over its cached context and causally over
+        themselves; returns logits at each last fed token [B, V]. Eager: gathers the context."""
+        B, bs = len(seqs), self.cache.block_size
+        T = max(s.pending for s in seqs)
+        pos = torch.tensor([[s.cached + min(t, s.pending - 1) for t in range(T)] for s in seqs], dtype=torch.long)
+        valid = torch.tensor([[t < s.pending for t in range(T)] for s in seqs])
+        ids = torch.tensor([s.tokens[s.cached:] + [0] * (T - s.pending) for s in seqs], dtype=torch.long)
+        nb = max(self.cache.blocks_for(s.cached + s.pending) for s in seqs)
         tables = torch.tensor([s.blocks[:nb] + [0] * (nb - min(nb, len(s.blocks))) for s in seqs], dtype=torch.long)
         ctx_slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(B, nb * bs)
-        slot = ctx_slots.gather(1, pos[:, None])
-        mask = (torch.arange(nb * bs)[None, :] <= pos[:, None])[:, None, None, :]
+        slot = torch.where(valid, ctx_slots.gather(1, pos), torch.full_like(pos, -1))  # padding -> the scratch slot
+        mask = (torch.arange(nb * bs)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
         dev = self.device
         batch = PagedBatch(self.cache, False, slot.to(dev), ctx_slots.to(dev), mask.to(dev))
-        logits, routing = self.model(ids[:, None].to(dev), pos[:, None].to(dev), batch=batch)
-        self.stats.decode_steps += 1
+        out = self.model.forward_hidden(ids.to(dev), pos.to(dev), batch=batch)
         self.stats.kv_gather_bytes += self._gather_bytes(B, nb * bs)
-        if routing is not None:
-            r = routing[:, 0].cpu()
+        if T > 1:
+            self.stats.prefill_tokens += sum(s.pending for s in seqs)
+        if out.routing is not None:
+            r = out.routing.cpu()
             for i, s in enumerate(seqs):
-                s.routing.append(r[i : i + 1])
-        return logits[:, 0]
+                s.routing.append(r[i, : s.pending])
+        last = torch.tensor([s.pending - 1 for s in seqs], device=dev)
+        return self.model.logits(out.hidden[torch.arange(B, device=dev), last])
 
     def _gather_bytes(self, rows: int, context: int) -> int:
         """K and V of `context` slots for `rows` rows in every layer, in the compute dtype (what decode's
@@ -308,10 +481,11 @@ class Engine:
         return 2 * m.num_layers * rows * context * m.num_kv_heads * m.head_dim * self.cache.dtype.itemsize
 
     def _forward_csa2(self, seqs: list[_Seq], prefill: bool) -> torch.Tensor:
-        """CSA2: feed each sequence's prompt (prefill) or last sampled token (decode) through its own
-        CSA2Cache; returns next-token logits [B, V]. Sequences with equal cache and feed lengths run as
-        one lockstep batch (their caches stacked, then split back); the rest in separate forwards."""
-        feeds = [s.tokens if prefill else s.tokens[-1:] for s in seqs]
+        """CSA2: feed each sequence's pending tokens (prompt at prefill, the last sampled token at decode, the
+        tool output after a tool call) through its own CSA2Cache; returns next-token logits [B, V]. Sequences
+        with equal cache and feed lengths run as one lockstep batch (their caches stacked, then split
+        back); the rest in separate forwards."""
+        feeds = [s.tokens[s.cached:] for s in seqs]
         groups: dict[tuple[int, int], list[int]] = {}
         for i, (s, f) in enumerate(zip(seqs, feeds)):
             groups.setdefault((s.csa2.length, len(f)), []).append(i)
@@ -334,28 +508,57 @@ class Engine:
             lens = [len(f) for f in feeds]
             self.stats.prefill_calls += 1
             self.stats.prefill_tokens += sum(lens)
-            self.stats.reprefill_tokens += sum(s.num_response for s in seqs)
+            self.stats.reprefill_tokens += sum(s.num_response for s in seqs if s.cached == 0)
             self.stats.prefill_seqs += len(seqs)
         else:
             self.stats.decode_steps += 1
         return torch.stack(out)
 
     def _sample_and_append(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
+        """Sample one token per row on the device: one host-to-device copy of the rows' settings in, one
+        device-to-host copy of tokens and logprobs out (the step's only sync)."""
         dev = logits.device
-        temp = torch.tensor([s.request.temperature for s in seqs], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([s.request.top_p for s in seqs], dtype=torch.float32, device=dev)
-        seeds = torch.tensor([s.request.seed for s in seqs], dtype=torch.long, device=dev)
-        counters = torch.tensor([s.num_response for s in seqs], dtype=torch.long, device=dev)
-        tokens, logprobs = sample_tokens(logits, temp, top_p, seeds, counters)
-        for s, t, lp in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        cuda = dev.type == "cuda"
+        ints = torch.tensor([[s.request.seed for s in seqs], [s.num_response for s in seqs]], dtype=torch.long)
+        floats = torch.tensor([[s.request.temperature for s in seqs], [s.request.top_p for s in seqs]], dtype=torch.float32)
+        if cuda:  # pinned: the copies are truly asynchronous
+            ints, floats = ints.pin_memory(), floats.pin_memory()
+        ints, floats = ints.to(dev, non_blocking=True), floats.to(dev, non_blocking=True)
+        nucleus = any(s.request.top_p < 1 for s in seqs)
+        tokens, logprobs = sample_tokens(logits, floats[0], floats[1], ints[0], ints[1], nucleus=nucleus)
+        out = torch.stack([tokens.double(), logprobs.double()])  # token ids < 2^53: exact in float64
+        if cuda:  # the step's one read: into pinned memory, then wait on an event (not a device-wide sync)
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            done.synchronize()
+            out = host
+        for s, t, lp in zip(seqs, out[0].long().tolist(), out[1].tolist()):
             s.tokens.append(t)
             s.logprobs.append(lp)
             s.versions.append(self.policy_version)
         self.stats.generated_tokens += len(seqs)
 
+    def _free(self, s: _Seq) -> None:
+        """Let go of a sequence's blocks, and of its shared prompt's when it was the prompt's last user."""
+        self.cache.free(s.blocks)
+        e = s.prompt
+        if e is not None:
+            e.users -= 1
+            if s in e.waiting:
+                e.waiting.remove(s)
+            if e.users == 0:
+                self.cache.free(e.blocks)
+                del self._prompts[e.key]
+            s.prompt = None
+
     def _finish(self, s: _Seq) -> Generation:
         self._active.remove(s)
-        self.cache.free(s.blocks)
+        return self._release(s, "eos" if s.tokens[-1] in self.eos_ids and not s.request.ignore_eos else "length")
+
+    def _release(self, s: _Seq, reason: str) -> Generation:
+        self._free(s)
         routing = torch.cat(s.routing).to(torch.int16).numpy() if s.routing else None
         P = len(s.request.prompt_tokens)
         return Generation(
@@ -364,7 +567,8 @@ class Engine:
             response_tokens=tuple(s.tokens[P:]),
             logprobs=tuple(s.logprobs),
             policy_versions=tuple(s.versions),
-            finish_reason="eos" if s.tokens[-1] in self.eos_ids and not s.request.ignore_eos else "length",
+            finish_reason=reason,
             routing_trace=routing,
             generate_s=s.generate_s,
+            appended_spans=tuple(s.appended),
         )

@@ -38,24 +38,34 @@ def sample_tokens(
     top_p: torch.Tensor,
     seeds: torch.Tensor,
     counters: torch.Tensor,
+    nucleus: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32; temperature, top_p float [B]; seeds, counters int64 [B].
 
     Returns (tokens [B] int64, logprobs [B] float32). The logprob is log softmax(logits / T) at the
     chosen token (T = 1 for greedy rows): the behaviour policy before top-p truncation, which is what
     the trainer recomputes. Greedy rows (T == 0) take the argmax.
+
+    A row with top_p = 1 draws by inverse CDF over the vocabulary in id order: no sort. A row with
+    top_p < 1 sorts its probabilities and draws within the nucleus. Each row's token depends only on its
+    own logits, settings and (seed, counter), never on its batch mates. `nucleus=False` (the caller
+    knows on the host that every row has top_p = 1: no sync) skips the sort for the whole batch.
     """
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
-    probs_sorted, order = torch.sort(logp.exp(), dim=-1, descending=True)
-    cum = probs_sorted.cumsum(-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
-    keep = (cum - probs_sorted) < top_p[:, None]
-    probs_sorted = probs_sorted * keep
-    cum = probs_sorted.double().cumsum(-1)
-    u = counter_uniform(seeds, counters) * cum[:, -1]
-    pick = torch.searchsorted(cum, u[:, None]).clamp_max(logits.shape[-1] - 1)
-    sampled = order.gather(-1, pick).squeeze(-1)
+    probs = logp.exp()
+    u = counter_uniform(seeds, counters)
+    V = logits.shape[-1]
+    cum = probs.double().cumsum(-1)
+    sampled = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp_max(V - 1).squeeze(-1)
+    if nucleus:
+        probs_sorted, order = torch.sort(probs, dim=-1, descending=True)
+        cum_sorted = probs_sorted.cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        keep = (cum_sorted - probs_sorted) < top_p[:, None]
+        cum_sorted = (probs_sorted * keep).double().cumsum(-1)
+        pick = torch.searchsorted(cum_sorted, (u * cum_sorted[:, -1])[:, None]).clamp_max(V - 1)
+        sampled = torch.where(top_p < 1, order.gather(-1, pick).squeeze(-1), sampled)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -20,6 +20,9 @@ class GenerationRequest:
     top_p: float = 1.0
     ignore_eos: bool = False
     """Keep generating past EOS until max_new_tokens (forced-length benchmarks)."""
+    tool_calls: bool = False
+    """Multi-turn: the engine pauses this sample when its response closes a tool call (`Engine.tool_stop`);
+    the worker appends the tool's output (`Engine.append`) and generation continues from the cached KV."""
 
 
 @dataclass(frozen=True)
@@ -34,20 +37,35 @@ class Generation:
     policy_versions: tuple[int, ...]
     """Policy version that produced each response token."""
     finish_reason: str
-    """'eos' or 'length'."""
+    """'eos', 'length', or what `Engine.finish_paused` was told (e.g. 'max_turns')."""
     routing_trace: np.ndarray | None
     """MoE: int16 [len(prompt) + len(response) - 1, num_layers, top_k] expert ids of every fed token."""
     generate_s: float = 0.0
+    appended_spans: tuple[tuple[int, int], ...] = ()
+    """Response offsets [start, end) of tokens the engine did not sample (tool output appended with
+    `Engine.append`): trained with loss mask 0; their logprobs are 0.0 placeholders."""
     """Wall-clock seconds from admission to finish (time interrupted excluded)."""
+
+
+@dataclass(frozen=True)
+class ToolCallPause:
+    """A sample that stopped because its response closes a tool call (`Engine.pop_paused`)."""
+
+    sample_id: str
+    response_tokens: tuple[int, ...]
+    """The response so far, the call included."""
+    turn_start: int
+    """Response offset where the model's current turn began (after the last tool output)."""
 
 
 @dataclass
 class RolloutState:
     """Everything the engine needs to continue a sample exactly where it stopped (seed §5.2.3).
 
-    `tokens` holds prompt + response so far; the KV of all tokens but the last is in `k`/`v`
-    (the last sampled token is fed at the next step). The sampler's RNG state is the request seed plus
-    the response index, so nothing else is kept. A request that was never admitted has `k is None`.
+    `tokens` holds prompt + response so far; the KV of the first `num_cached` tokens is in `k`/`v`: all
+    but the last (the last sampled token is fed at the next step), or fewer when tokens were appended
+    to a paused sample (tool output, fed at the next step by a prefill of only them). The sampler's RNG
+    state is the request seed plus the response index, so nothing else is kept. A request that was never admitted has `k is None`.
     """
 
     request: GenerationRequest
@@ -70,6 +88,18 @@ class RolloutState:
     csa2: dict[str, torch.Tensor] | None = None
     """CSA2 models: the sequence's `CSA2Cache` as named tensors (`model.sparse_attention.cache_tensors`),
     in place of k/v; a CSA2 model keeps no paged KV."""
+    paused: bool = False
+    """Stopped at a tool call, waiting for `Engine.append` (multi-turn); resumes paused."""
+    appended_spans: list[tuple[int, int]] = field(default_factory=list)
+    """As `Generation.appended_spans`."""
+    num_cached: int | None = None
+    """Tokens whose KV `k`/`v` (or csa2) hold; None: len(tokens) - 1 when there is KV, else 0."""
+
+    @property
+    def cached(self) -> int:
+        if not self.has_kv:
+            return 0
+        return len(self.tokens) - 1 if self.num_cached is None else self.num_cached
 
     @property
     def has_kv(self) -> bool:
@@ -111,6 +141,9 @@ class RolloutState:
             "generate_s": self.generate_s,
             "kv_format": self.kv_format,
             "csa2": self.csa2 is not None,
+            "paused": self.paused,
+            "appended_spans": [list(x) for x in self.appended_spans],
+            "num_cached": self.num_cached,
             "tensors": {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors.items()},
             "routing": None if self.routing is None else list(self.routing.shape),
         }
@@ -169,6 +202,9 @@ class RolloutState:
                 k_scale=tensors.get("k_scale"),
                 v_scale=tensors.get("v_scale"),
                 csa2=csa2 if header["csa2"] else None,
+                paused=bool(header.get("paused", False)),
+                appended_spans=[tuple(_ints(x)) for x in header.get("appended_spans", [])],
+                num_cached=None if header.get("num_cached") is None else _ints([header["num_cached"]])[0],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"rollout state: malformed header ({type(e).__name__}: {e})") from None

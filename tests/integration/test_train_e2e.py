@@ -106,6 +106,12 @@ def test_rl_eval_per_effort_and_bad_input(tiny_run):
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--effort" in bad.stderr
     missing = _rl("eval", str(run_dir / "nope"), cwd=run_dir.parent)
     assert missing.returncode == 2 and "not a run directory" in missing.stderr
+    # --set overrides the run's recipe for this evaluation only (e.g. score the training problems)
+    over = _rl("eval", str(run_dir), "--set", "eval.max_problems=3", cwd=run_dir.parent)
+    assert over.returncode == 0, over.stderr[-1000:]
+    assert [line.split()[-1] for line in over.stdout.splitlines() if line.split()[:1] == ["-"]] == ["3"]
+    bad = _rl("eval", str(run_dir), "--set", "eval.nope=1", cwd=run_dir.parent)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "eval.nope" in bad.stderr
 
 
 def test_rl_eval_agrees_with_the_runs_own_evaluation_when_sampling(tiny_run):

@@ -112,3 +112,60 @@ def test_paged_kernel_decode_equals_gather_decode():
             got, _ = model(ids, pos, batch=PagedBatch(eng.cache, False, slot, block_table=tables, context_lens=lens))
         assert (got[:3] - want[:3]).abs().max() < 1e-4, kv
         assert torch.isfinite(got[3]).all()
+
+
+@cuda
+def test_graph_decode_steps_make_no_host_sync_but_the_token_read():
+    """Decode steps (graphs, sampling, bookkeeping) under torch.cuda.set_sync_debug_mode('error'): the one read
+    of sampled tokens waits on an event into pinned memory, which the debug mode does not count as a sync."""
+    from model.decoder import Decoder
+    from tests.conftest import debug_config
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False)).cuda().eval()
+    eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64), eos_id=EOS, device="cuda")
+    eng.add([GenerationRequest(f"s{i}", (1, 5 + i, 6, 7), 30, seed=i, ignore_eos=True) for i in range(6)])
+    eng.step()  # admission and prefill (host-built tensors) happen here
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            eng.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert eng.stats.graph_steps >= 10 and all(len(s.tokens) == 4 + 11 for s in eng._active)
+
+
+@cuda
+def test_shared_prompts_and_tool_turns_under_graphs_equal_the_eager_engine():
+    """Samples sharing a prompt decode through the graphs from the shared blocks; a tool turn's extend runs
+    eagerly between graph steps; tokens equal the eager, unshared engine's (fp32)."""
+    from model.decoder import Decoder
+    from tests.conftest import debug_config
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False)).cuda().eval()
+
+    class StopAfter:
+        trigger_ids = frozenset(range(model.config.vocab_size))
+
+        def matches(self, turn):
+            return len(turn) >= 5
+
+    out = {}
+    for fast in (False, True):
+        eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, cuda_graphs=fast,
+                                         share_prompt_kv=fast), eos_id=EOS, device="cuda")
+        eng.tool_stop = StopAfter()
+        prompt = tuple(range(1, 12))
+        eng.add([GenerationRequest(f"g{j}", prompt, 24, seed=j, temperature=1.0, tool_calls=j % 2 == 0) for j in range(6)])
+        got = []
+        while eng.has_work():
+            got += eng.step()
+            for p in eng.pop_paused():
+                eng.append(p.sample_id, [20, 21, 22])
+        out[fast] = {g.sample_id: g for g in got}
+        if fast:
+            assert eng.stats.shared_prompt_seqs == 5 and eng.stats.graph_steps > 0 and eng.stats.appended_tokens > 0
+    for sid, g in out[False].items():
+        assert out[True][sid].response_tokens == g.response_tokens, sid
+        assert max(abs(x - y) for x, y in zip(out[True][sid].logprobs, g.logprobs)) < 1e-4

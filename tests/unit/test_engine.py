@@ -178,3 +178,22 @@ def test_replaying_recorded_routing_reproduces_recorded_logprobs(moe_model):
     for i, g in enumerate(gens):
         real[i, : len(g.prompt_tokens) + len(g.response_tokens) - 1] = True
     assert torch.equal(routing[real], b.routing[real])
+
+
+def test_a_rows_token_does_not_depend_on_its_batch_mates_top_p():
+    """Rows with top_p = 1 draw without a sort; a batch that also holds a top_p < 1 row (which sorts) gives
+    them the same tokens as a batch of top_p = 1 rows alone, and the nucleus row stays in its nucleus."""
+    torch.manual_seed(1)
+    logits = torch.randn(33, 50) * 3
+    n = logits.shape[0]
+    seeds, ctr = torch.arange(n) * 7919, torch.arange(n)
+    alone, _ = sample_tokens(logits, torch.ones(n), torch.ones(n), seeds, ctr, nucleus=False)
+    top_p = torch.ones(n)
+    top_p[5] = 0.3
+    mixed, _ = sample_tokens(logits, torch.ones(n), top_p, seeds, ctr, nucleus=True)
+    keep = torch.arange(n) != 5
+    assert torch.equal(mixed[keep], alone[keep])
+    probs = logits[5].softmax(-1)
+    order = probs.argsort(descending=True)
+    nucleus = order[: int((probs[order].cumsum(0) < 0.3).sum()) + 1]
+    assert mixed[5] in nucleus
