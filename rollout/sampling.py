@@ -32,6 +32,27 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
     return ((h >> 8).double() + 0.5) / float(1 << 24)
 
 
+_BLOCK = 1024
+"""Vocabulary ids per block of the two-level inverse CDF."""
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (unnormalised is fine), u [B] in (0, 1) -> the id t with C(t-1) <= u·C(V) < C(t), C the
+    cumulative sum in id order. Two levels so that no float64 scan runs over the whole vocabulary (a
+    151,936-id scan of a 64-row batch cost 0.29 ms on an H200): float64 sums of 1,024-id blocks, a scan
+    over the blocks to find the block, then a scan inside that one block only."""
+    B, V = probs.shape
+    nb = -(-V // _BLOCK)
+    blocks = torch.nn.functional.pad(probs, (0, nb * _BLOCK - V)).view(B, nb, _BLOCK)
+    cum_blocks = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [B, nb]
+    target = u * cum_blocks[:, -1]
+    j = torch.searchsorted(cum_blocks, target[:, None]).clamp_max(nb - 1)  # [B, 1] the block holding the draw
+    before = torch.where(j > 0, cum_blocks.gather(1, (j - 1).clamp_min(0)), torch.zeros_like(target[:, None]))
+    inner = blocks.gather(1, j[:, :, None].expand(B, 1, _BLOCK))[:, 0].double().cumsum(-1) + before  # [B, BLOCK]
+    k = torch.searchsorted(inner, target[:, None]).clamp_max(_BLOCK - 1)
+    return (j * _BLOCK + k).squeeze(-1).clamp_max(V - 1)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -46,7 +67,7 @@ def sample_tokens(
     chosen token (T = 1 for greedy rows): the behaviour policy before top-p truncation, which is what
     the trainer recomputes. Greedy rows (T == 0) take the argmax.
 
-    A row with top_p = 1 draws by inverse CDF over the vocabulary in id order: no sort. A row with
+    A row with top_p = 1 draws by inverse CDF over the vocabulary in id order (`inverse_cdf`): no sort. A row with
     top_p < 1 sorts its probabilities and draws within the nucleus. Each row's token depends only on its
     own logits, settings and (seed, counter), never on its batch mates. `nucleus=False` (the caller
     knows on the host that every row has top_p = 1: no sync) skips the sort for the whole batch.
@@ -57,8 +78,7 @@ def sample_tokens(
     probs = logp.exp()
     u = counter_uniform(seeds, counters)
     V = logits.shape[-1]
-    cum = probs.double().cumsum(-1)
-    sampled = torch.searchsorted(cum, (u * cum[:, -1])[:, None]).clamp_max(V - 1).squeeze(-1)
+    sampled = inverse_cdf(probs, u)
     if nucleus:
         probs_sorted, order = torch.sort(probs, dim=-1, descending=True)
         cum_sorted = probs_sorted.cumsum(-1)
