@@ -46,19 +46,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-VARIANTS = {  # name -> (cuda_graphs, paged decode kernel, fused RMSNorm/RoPE)
-    "graphs": (True, True, True),            # this engine
-    "graphs_gather": (True, False, False),   # graphs over the unfused forward (the first step, c2e4c99)
-    "eager": (False, False, False),          # the engine before issue #15
+VARIANTS = {  # name -> (cuda_graphs, paged decode kernel, fused RMSNorm/RoPE, the fused rollout path of model/fused.py)
+    "graphs": (True, True, True, True),                # this engine
+    "graphs_layer_unfused": (True, True, True, False),  # the third step (e18e6a2): separate q/k/v, gate/up, adds
+    "graphs_gather": (True, False, False, False),      # graphs over the unfused forward (the first step, c2e4c99)
+    "eager": (False, False, False, False),             # the engine before issue #15
 }
 
 
 def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: str, *,
                        variant: str = "graphs") -> tuple[float, Engine]:
+    from model import fused as rollout_path
     from model.kernels import norm_rope
 
-    graphs, paged, fused = VARIANTS[variant]
-    norm_rope.ENABLED = fused
+    graphs, paged, fused_norm, fused_layers = VARIANTS[variant]
+    norm_rope.ENABLED, rollout_path.ENABLED = fused_norm, fused_layers
     cfg = EngineConfig(max_batch_size=batch, block_size=16, max_seq_len=prompt + new + 16, max_new_tokens=new,
                        cuda_graphs=graphs, paged_decode_kernel=paged)
     eng = Engine(model, cfg, eos_id=0, device=device)
@@ -78,7 +80,7 @@ def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device
         eng.step()
     _sync(device)
     steps = eng.stats.decode_steps - before
-    norm_rope.ENABLED = True
+    norm_rope.ENABLED = rollout_path.ENABLED = True
     return 1000 * (time.perf_counter() - t0) / steps, eng
 
 
@@ -101,6 +103,33 @@ def group_rollout(model: Decoder, groups: int, group_size: int, prompt: int, new
     eng.generate(reqs)
     _sync(device)
     return time.perf_counter() - t0, eng
+
+
+def logprob_mismatch(shape: str, device: str, fused: bool, batch: int = 32, prompt: int = 64, new: int = 64) -> float:
+    """Mean |engine logprob - trainer logprob| over sampled tokens under run.dtype bfloat16: the engine decodes a
+    bf16 copy (graphs; `fused`: the fused rollout path of model/fused.py), the trainer recomputes with the float32
+    master weights under bf16 autocast, as rl/trainer.py does."""
+    from model import fused as rollout_path
+    from rl.losses import token_logprobs
+    from rl.trainer import pack
+    from rl.worker import rollout_copy
+
+    torch.manual_seed(0)
+    master = Decoder(ModelConfig(**SHAPES[shape], max_position_embeddings=4096)).to(device)
+    twin = rollout_copy(master, torch.bfloat16 if device == "cuda" else torch.float32)
+    rollout_path.ENABLED = fused
+    eng = Engine(twin, EngineConfig(max_batch_size=batch, block_size=16, max_seq_len=prompt + new + 16, max_new_tokens=new),
+                 eos_id=0, device=device)
+    g = torch.Generator().manual_seed(1)
+    gens = eng.generate([GenerationRequest(f"m{i}", tuple(torch.randint(1, master.config.vocab_size, (prompt,), generator=g).tolist()),
+                                           new, seed=i, ignore_eos=True) for i in range(batch)])
+    rollout_path.ENABLED = True
+    b = pack([x.prompt_tokens for x in gens], [x.response_tokens for x in gens], [x.logprobs for x in gens], device=device)
+    with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=device == "cuda"):
+        out = master.forward_hidden(b.input_ids)
+        lp = token_logprobs(master.logits(out.hidden), b.targets)
+    m = b.mask.bool()
+    return float((lp[m] - b.behavior_logprobs[m]).abs().mean())
 
 
 def long_context_ms_per_step(shape: str, device: str, batch: int, context: int, new: int, kv: str) -> float:
@@ -164,6 +193,10 @@ def main() -> None:
             ms, eng = engine_ms_per_step(model, b, prompt, new, device)
             side = device == "cuda" and b == 64  # the three variants side by side
             unfused = engine_ms_per_step(model, b, prompt, new, device, variant="graphs_gather")[0] if side else float("nan")
+            if device == "cuda" and b in (1, 64):  # this step's fusion alone, side by side
+                result[f"{prefix}layer_unfused_ms_per_step_b{b}"] = engine_ms_per_step(
+                    model, b, prompt, new, device, variant="graphs_layer_unfused")[0]
+                print(f"{shape:<9}{'bf16':<6}{b:>6} layer-unfused graphs: {result[f'{prefix}layer_unfused_ms_per_step_b{b}']:.2f}")
             eager = engine_ms_per_step(model, b, prompt, new, device, variant="eager")[0] if side else float("nan")
             hf = hf_ms_per_step(model, b, prompt, new, device) if b == 16 and not args.no_hf else float("nan")
             print(f"{shape:<9}{'bf16':<6}{b:>6}{ms:>16.2f}{unfused:>16.2f}{eager:>15.2f}{hf:>12.2f}{1000 * b / ms:>10.0f}",
@@ -189,6 +222,12 @@ def main() -> None:
             result[f"{prefix}fp4_over_bf16_b64"] = ms4 / result[f"{prefix}ms_per_step_b64"]
             del fp4
             torch.cuda.empty_cache()
+    # engine-vs-trainer logprob mismatch under bf16 mixed precision, with and without the fused rollout path
+    for fused in (False, True):
+        key = f"logprob_mismatch_{'fused' if fused else 'unfused'}"
+        result[key] = logprob_mismatch(shapes[0], device, fused)
+        print(f"{shapes[0]} engine-vs-trainer |delta logprob| mean ({'fused' if fused else 'unfused'} rollout path): "
+              f"{result[key]:.5f}", flush=True)
     # GRPO groups: the prompt prefilled once per group (shared KV blocks) vs once per sample, side by side
     gshape = shapes[0]
     groups, gsize, gprompt, gnew = (4, 4, 40, 8) if device == "cpu" else (32, 8, 256, 32)

@@ -13,7 +13,9 @@ end greedily on the same held-out problems (eval.before_training), with math-ver
 reports the share of responses with an answer and the share cut at the length limit. A phase reads the
 runs already under --out, so the last line covers every run there:
 RESULT init_acc=.. grpo_acc=.. sft_acc=.. opd_acc=.. opd_gap_closed=.. answered_init=.. answered_grpo=..
-truncated_init=.. truncated_grpo=.. grpo_rollout_tok_s=.. grpo_train_tok_s=.. ...
+truncated_init=.. truncated_grpo=.. grpo_rollout_tok_s=.. grpo_train_tok_s=.. grpo_train_split_acc=..
+sft_train_split_acc=.. (greedy on 256 training problems, `rl eval --set`) grpo_last_rollout_acc=..
+grpo_dropped_stale_groups=.. grpo_rollout_s=.. grpo_train_s=.. ...
 """
 
 from __future__ import annotations
@@ -67,6 +69,33 @@ def _wait(procs: dict[str, subprocess.Popen], out: Path) -> None:
         time.sleep(2)
 
 
+TRAIN_SPLIT = "datasets.0.heldout.path=configs/data/word_problems_train.jsonl"
+
+
+def train_split_eval(out: Path, arms: list[str], gpus: int, quick: bool) -> None:
+    """Greedy accuracy of each arm's final checkpoint on the first problems of its *training* file (`rl eval
+    --set`), written to ARM/train_eval.txt: next to the held-out score it tells a generalisation gap (train high,
+    held-out low) from a training reward that over-states the policy (both low)."""
+    procs = []
+    for i, arm in enumerate(arms):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
+        cmd = [*CLI, "eval", str(out / arm), "--set", TRAIN_SPLIT, "--max-problems", "2" if quick else "256"]
+        if quick:
+            cmd += ["--set", "run.device=cpu"]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(out / arm / "train_eval.txt", "w"),
+                                      stderr=subprocess.STDOUT))
+    for p in procs:
+        p.wait()
+
+
+def _train_eval_acc(run_dir: Path) -> float:
+    path = run_dir / "train_eval.txt"
+    rows = [line.split() for line in path.read_text().splitlines()] if path.is_file() else []
+    return next((float(r[2]) for r in rows if r[:2] == ["-", "wp"]), float("nan"))
+
+
 def summarize(run_dir: Path) -> dict[str, float] | None:
     """Start and end evaluation, steps, minutes and mean throughputs of a finished run (metrics.jsonl)."""
     path = run_dir / "metrics.jsonl"
@@ -87,7 +116,20 @@ def summarize(run_dir: Path) -> dict[str, float] | None:
             "num_problems": sum(v for k, v in last.items() if k.endswith("/num_problems")),
             "steps": last["step"], "minutes": (rows[-1]["time"] - rows[0]["time"]) / 60 if "time" in rows[0] else float("nan"),
             "rollout_tok_s": mean("rollout/tokens_per_s"), "train_tok_s": mean("train/tokens_per_s"),
-            "response_len": last.get("eval/wp/response_len", float("nan"))}
+            "response_len": last.get("eval/wp/response_len", float("nan")),
+            "train_split_acc": _train_eval_acc(run_dir),
+            "last_rollout_acc": _tail_mean(rows, "rollout/accuracy"),
+            "dropped_stale_groups": last_value(rows, "dispatch/dropped_stale_groups"),
+            "rollout_s": last_value(rows, "time/rollout_s"), "train_s": last_value(rows, "time/train_s")}
+
+
+def last_value(rows: list[dict], key: str) -> float:
+    return next((r[key] for r in reversed(rows) if key in r), float("nan"))
+
+
+def _tail_mean(rows: list[dict], key: str, n: int = 10) -> float:
+    vals = [r[key] for r in rows if key in r][-n:]
+    return sum(vals) / len(vals) if vals else float("nan")
 
 
 def report(out: Path) -> str:
@@ -104,6 +146,13 @@ def report(out: Path) -> str:
         result.update(init_acc=base["init_acc"], answered_init=base["answered_init"], truncated_init=base["truncated_init"],
                       num_problems=int(base["num_problems"]))
     for arm, s in runs.items():
+        print(f"{arm}: greedy accuracy on 256 training problems {s['train_split_acc']:.3f} (held-out {s['acc']:.3f}); "
+              f"rollout accuracy over the last 10 steps {s['last_rollout_acc']:.3f}; groups dropped as stale "
+              f"{s['dropped_stale_groups']}; rollout {s['rollout_s']:.0f} s, train {s['train_s']:.0f} s")
+        result.update({f"{arm}_train_split_acc": s["train_split_acc"]})
+        if arm != "sft":
+            result.update({f"{arm}_last_rollout_acc": s["last_rollout_acc"], f"{arm}_dropped_stale_groups": s["dropped_stale_groups"],
+                           f"{arm}_rollout_s": s["rollout_s"], f"{arm}_train_s": s["train_s"]})
         result.update({f"{arm}_acc": s["acc"], f"answered_{arm}": s["answered"], f"truncated_{arm}": s["truncated"],
                        f"{arm}_steps": s["steps"], f"{arm}_rollout_tok_s": s["rollout_tok_s"], f"{arm}_train_tok_s": s["train_tok_s"]})
     if "grpo" in runs and "opd" in runs:
@@ -137,6 +186,7 @@ def main() -> None:
         procs = {arm: _launch(arm, out, minutes, args.quick, (i % gpus) if gpus else None, extra[arm])
                  for i, arm in enumerate(("grpo", "sft"))}
         _wait(procs, out)
+        train_split_eval(out, ["grpo", "sft"], gpus, args.quick)
     if args.phase in ("opd", "all"):
         minutes = args.minutes or (0.5 if args.quick else 6.0)
         _wait({"opd": _launch("opd", out, minutes, args.quick, 0 if gpus else None, extra["opd"])}, out)

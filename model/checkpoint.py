@@ -99,10 +99,11 @@ def verify_files(path: Path, manifest: dict) -> str | None:
 
 
 # -- model checkpoints ------------------------------------------------------------------------------------
-def write_weights(model: Decoder, directory: str | Path) -> None:
-    """`model.safetensors` and `config.json` into an existing directory (no rename)."""
+def write_weights(model: Decoder, directory: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """`model.safetensors` and `config.json` into an existing directory (no rename). `state`: the full
+    state_dict when the model's own holds shards (FSDP2, rl/parallel.py)."""
     directory = Path(directory)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous().cpu() for k, v in (model.state_dict() if state is None else state).items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(directory / "model.safetensors"))
@@ -111,17 +112,22 @@ def write_weights(model: Decoder, directory: str | Path) -> None:
     (directory / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
 
 
+def read_weights(config: ModelConfig, directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A checkpoint's full state_dict, after checking it was saved with `config`'s weights."""
+    path = Path(directory)
+    if not same_weights(load_config(path), config):
+        raise ValueError(f"checkpoint {path} was saved with a different model config")
+    return load_file(str(path / "model.safetensors"), device=str(device))
+
+
 def load_weights_into(model: Decoder, directory: str | Path) -> None:
     """Copy a checkpoint's weights into `model` in place (same config), keeping its device."""
-    path = Path(directory)
-    if not same_weights(load_config(path), model.config):
-        raise ValueError(f"checkpoint {path} was saved with a different model config")
-    device = next(model.parameters()).device
-    state = load_file(str(path / "model.safetensors"), device=str(device))
+    state = read_weights(model.config, directory, device=next(model.parameters()).device)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(f"checkpoint {Path(directory)} does not match its config: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
 
 
 def save_checkpoint(model: Decoder, path: str | Path, extra: dict | None = None) -> Path:

@@ -12,6 +12,9 @@ indexer K and top-k from layer to layer, and the engine passes a per-sequence `C
 paged batch. MoE layers return the expert ids they chose for every token
 and accept recorded ids back (routing replay): with replay, the gate weights still come from the
 current router's scores gathered at the replayed ids, so the router keeps its gradient.
+
+The engine's no-grad forward may take a fused rollout path instead (`enable_rollout_fusion`, model/fused.py:
+concatenated q/k/v and gate/up weights, fused kernels), with the same arithmetic; training never does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from model import fused
+from model.eager_ops import rms_norm_eager, rope_eager  # noqa: F401  (the kernels' references, used here)
 from model.config import ModelConfig, MoEFFNConfig, RopeScalingConfig
 from model.kv_cache import PagedBatch, fake_quant, kv_format
 from model.sparse_attention import CSA2Attention, CSA2Cache, SharedState
@@ -43,12 +48,15 @@ class RMSNorm(nn.Module):
                 return norm_rope.rms_norm(x, self.weight, self.eps)
         return rms_norm_eager(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(residual + x), residual + x): the rollout path's residual add and norm, one kernel on CUDA
+        (model/fused.py); the plain forward's two operations elsewhere."""
+        if fused.use_kernels(x):
+            from model.kernels import decode_fused
 
-def rms_norm_eager(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32 as transformers computes it (the reference of model/kernels/norm_rope.py)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * w.float()).to(x.dtype)
+            return decode_fused.add_rms_norm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return self(h), h
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig | None = None,
@@ -93,13 +101,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rope_eager(x, cos, sin)
 
 
-def rope_eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE in float32 (the reference of model/kernels/norm_rope.py)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
-
-
 class Attention(nn.Module):
     """GQA attention with optional qk-norm. K/V are written to the paged cache after RoPE.
 
@@ -120,6 +121,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.qat_format = kv_format(cfg.kv_cache.dtype) if cfg.kv_cache.qat else None
+        self.rollout_weights: fused.FusedWeights | None = None
+        """q/k/v concatenated for the rollout path (`Decoder.enable_rollout_fusion`); None: off."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -129,24 +132,51 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self._attend(q, k, v, batch)
+
+    def forward_rollout(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch | None
+                        ) -> torch.Tensor:
+        """The rollout path (model/fused.py): q/k/v from one GEMM over the fused weights, then qk-norm, RoPE
+        and, with a bf16-format cache, the K/V write in one kernel; attention as in `forward` after that."""
+        fw = self.rollout_weights
+        qkv = F.linear(x, fw.weight, fw.bias)  # [B, T, (H + 2·KVH)·D]
+        norm_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        if not fused.use_kernels(qkv):
+            q, k, v = fused.qkv_norm_rope_eager(qkv, cos, sin, self.num_heads, self.num_kv_heads, *norm_w, eps)
+            return self._attend(q, k, v, batch)
+        from model.kernels import decode_fused
+
+        pools = None if batch is None else batch.cache.unquantised_layer(self.layer_idx)
+        cache = None if pools is None else (pools[0], pools[1], batch.slot_mapping, pools[2])
+        q, k, v = decode_fused.qkv_norm_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, *norm_w, eps, cache)
+        return self._attend(q, k, v, batch, written=cache is not None)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch | None,
+                written: bool = False) -> torch.Tensor:
+        """q [B, T, H, D], k, v [B, T, KVH, D] (after RoPE) -> o_proj(attention) [B, T, hidden], writing K/V to
+        the paged cache unless `written` (the rollout path's kernel has put them there, bf16 format)."""
+        B, T = q.shape[:2]
         gqa = self.num_heads != self.num_kv_heads
         if batch is None or batch.is_prefill:
             # Training and prefill: causal attention over the (right-padded) tokens themselves.
-            if batch is not None:
+            if batch is not None and not written:
                 k, v = batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
-            elif self.qat_format is not None:
+            elif batch is None and self.qat_format is not None:
                 k, v = fake_quant(k, self.qat_format), fake_quant(v, self.qat_format)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
             )
         elif batch.block_table is not None:
             # Decode through the paged kernel: the cache is read in its storage format, nothing gathered.
-            batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
+            if not written:
+                batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
             out = batch.cache.attend(self.layer_idx, q[:, 0], batch.block_table, batch.context_lens)  # [B, H, D]
             return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
         else:
             # Decode: write this step's K/V, then attend over the sequence's cached context.
-            batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
+            if not written:
+                batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
             k_ctx, v_ctx = batch.cache.gather(self.layer_idx, batch.context_slots)  # [B, S, KVH, D]
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
@@ -161,9 +191,20 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
+        self.rollout_weights: fused.FusedWeights | None = None
+        """gate/up concatenated for the rollout path (`Decoder.enable_rollout_fusion`); None: off."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward_rollout(self, x: torch.Tensor) -> torch.Tensor:
+        """The rollout path (model/fused.py): gate and up as one GEMM, silu(gate)·up as one kernel."""
+        gate_up = F.linear(x, self.rollout_weights.weight)
+        if fused.use_kernels(gate_up):
+            from model.kernels import decode_fused
+
+            return self.down_proj(decode_fused.silu_mul(gate_up))
+        return self.down_proj(fused.silu_mul_eager(gate_up))
 
 
 class Router(nn.Module):
@@ -256,6 +297,22 @@ class DecoderLayer(nn.Module):
         y, ids = self.mlp(x.reshape(B * T, d), None if replay_ids is None else replay_ids.reshape(B * T, -1))
         return h + y.view(B, T, d), ids.view(B, T, -1)
 
+    def forward_rollout(self, h, y, cos, sin, batch, replay_ids):
+        """`forward` on the rollout path (model/fused.py) with the residual stream handed over as h + y, y (the
+        previous layer's FFN output, None before the first layer) not yet added, so that each residual add is
+        one kernel with the RMSNorm after it. -> (h, y, expert ids or None), this layer's FFN output y unadded:
+        the same additions in the same order as `forward`."""
+        if y is None:
+            x = self.input_layernorm(h)
+        else:
+            x, h = self.input_layernorm.add_forward(y, h)
+        x, h = self.post_attention_layernorm.add_forward(self.self_attn.forward_rollout(x, cos, sin, batch), h)
+        if not self.is_moe:
+            return h, self.mlp.forward_rollout(x), None
+        B, T, d = x.shape
+        y, ids = self.mlp(x.reshape(B * T, d), None if replay_ids is None else replay_ids.reshape(B * T, -1))
+        return h, y.view(B, T, d), ids.view(B, T, -1)
+
 
 class DecoderBody(nn.Module):
     """The `model.` prefix of HF checkpoints: embeddings, layers, final norm."""
@@ -281,6 +338,8 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self._rollout: fused.RolloutFusion | None = None
+        """The rollout path's fused weights (`enable_rollout_fusion`); None: off."""
         self.model = DecoderBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -335,6 +394,9 @@ class Decoder(nn.Module):
             if positions is None:
                 positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
             cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+        if self._rollout is not None and fused.ENABLED and not sparse and not torch.is_grad_enabled():
+            self._rollout.refresh()  # a check of version counters; copies only after an in-place weight update
+            return self._forward_rollout(self.model.embed_tokens(input_ids), cos, sin, batch, routing_replay)
         h = self.model.embed_tokens(input_ids)
         routing = []
         recompute = checkpoint_layers and batch is None and not sparse and torch.is_grad_enabled()
@@ -348,6 +410,54 @@ class Decoder(nn.Module):
                 routing.append(ids)
         return DecoderOutput(self.model.norm(h), torch.stack(routing, dim=2) if routing else None,
                              shared.indexer_loss() if compute_indexer_loss else None)
+
+    def _forward_rollout(self, h, cos, sin, batch, routing_replay) -> DecoderOutput:
+        """The no-grad rollout path (model/fused.py): each layer hands its FFN output to the next one unadded
+        (`DecoderLayer.forward_rollout`), so every residual add is one kernel with the RMSNorm that follows."""
+        y, routing = None, []
+        for i, layer in enumerate(self.model.layers):
+            replay_i = None if routing_replay is None else routing_replay[:, :, i]
+            h, y, ids = layer.forward_rollout(h, y, cos, sin, batch, replay_i)
+            if ids is not None:
+                routing.append(ids)
+        hidden, _ = self.model.norm.add_forward(y, h)
+        return DecoderOutput(hidden, torch.stack(routing, dim=2) if routing else None)
+
+    # -- rollout fusion (model/fused.py) -----------------------------------------------------------------
+    def enable_rollout_fusion(self, share_storage: bool = False) -> bool:
+        """Turn on the rollout path (model/fused.py): q/k/v and gate/up weights concatenated, used by every
+        no-grad forward from now on (training, with autograd, never uses them). share_storage: the Linears'
+        weights become views of the concatenated buffers (for a copy nobody trains: no second copy of the
+        weights, in-place updates need no refresh); else they stay as they are and the buffers are copies,
+        refreshed in place when the weights change. Returns whether the path is on (never for CSA2 models;
+        calling again keeps the first mode)."""
+        if self.config.is_sparse:
+            return False
+        if self._rollout is not None:
+            return True
+        if torch.distributed.is_available():
+            from torch.distributed.tensor import DTensor
+
+            if any(isinstance(p, DTensor) for p in self.parameters()):
+                raise ValueError("rollout fusion needs full weights: enable it on the engine's copy, not on FSDP2 shards")
+        groups = []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            attn.rollout_weights = fused.FusedWeights([attn.q_proj, attn.k_proj, attn.v_proj], share_storage)
+            groups.append(attn.rollout_weights)
+            if not layer.is_moe:
+                mlp = layer.mlp
+                mlp.rollout_weights = fused.FusedWeights([mlp.gate_proj, mlp.up_proj], share_storage)
+                groups.append(mlp.rollout_weights)
+        self._rollout = fused.RolloutFusion(groups, share_storage)
+        return True
+
+    def refresh_rollout_weights(self) -> bool:
+        """Bring the rollout path's fused weights level with the parameters (after an in-place update: the
+        optimizer, a refreshed rollout copy, a checkpoint load), in place, so captured CUDA graphs stay valid.
+        A cheap check when nothing changed or fusion is off; returns whether anything was copied. Every
+        rollout forward and graph replay calls it first; rl/worker.py calls it right after a weight update."""
+        return self._rollout is not None and self._rollout.refresh()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden [B, T, hidden] -> logits [B, T, vocab] float32."""

@@ -288,7 +288,7 @@ class PagedKVCache:
         """slot_mapping [B, T] (−1 = padding, sent to the scratch slot); k, v [B, T, KVH, D].
         Returns K, V as the cache will give them back (dequantised; k, v themselves for bf16)."""
         flat = slot_mapping.reshape(-1)
-        flat = torch.where(flat < 0, torch.full_like(flat, self._scratch), flat)
+        flat = flat.masked_fill(flat < 0, self._scratch)  # two kernels (a where over a full_like took three)
         out = []
         for x, data, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             if not self.format.quantised:
@@ -300,6 +300,14 @@ class PagedKVCache:
             scale[layer].index_copy_(0, flat, s.reshape(-1, *s.shape[2:]))
             out.append(self.format.decode(q, s, x.dtype))
         return out[0], out[1]
+
+    def unquantised_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """The bf16 format: this layer's K and V pools [slots + 1, KVH, D] and the scratch slot, for a kernel
+        that writes K/V rows in place with `write`'s semantics (model/kernels/decode_fused.py writes them in
+        the same kernel as RoPE); None for quantised formats, whose rows are encoded by `write`."""
+        if self.format.quantised:
+            return None
+        return self.k[layer], self.v[layer], self._scratch
 
     def gather(self, layer: int, context_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """context_slots [B, S] -> K, V [B, S, KVH, D] in the compute dtype (dequantised)."""

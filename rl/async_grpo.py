@@ -9,8 +9,8 @@ The algorithm, per train step:
             within the off-policy bounds (exact definitions in rl/dispatch.py).
   INTERRUPT every engine stops at the current token boundary; in-flight `RolloutState`s (KV cache,
             routing trace, logprobs, versions) move to host memory.
-  TRAIN     one optimizer step, data-parallel over the workers (a group is never split); the weights
-            change in place; policy_version += 1.
+  TRAIN     one optimizer step, data-parallel over the workers (a group is never split; groups are dealt
+            to workers by length so they finish together); the weights change in place; policy_version += 1.
   RESUME    the states go back into the KV pools and generation continues from the exact token with
             no prefill. New tokens carry the new version, so each sample's segments
             [(start, end, version)] and its concatenated routing trace record where it changed hands.
@@ -37,6 +37,7 @@ from rl.dispatch import Dispatcher, FinishedMeta, Ticket
 from rl.faults import fault_point
 from rl.losses import group_advantages
 from rl.metrics import RolloutClock, rollout_breakdown
+from rl.parallel import deal_by_length
 from rl.streams import Cursor
 from rl.job import Job, StageResult
 from rl.trainer import TrainBatch, timed_train_step
@@ -131,8 +132,9 @@ class AsyncGRPO:
                 toks = tokens_of[b]
                 forced = job.tasks[t.dataset].response_budget(problem, j)
                 per_worker[w].append(GenerationRequest(
-                    sid, toks, forced or job.recipe.engine.max_new_tokens, seed=job.renderer.sample_seed(sid),
-                    temperature=sampling.temperature, top_p=sampling.top_p, ignore_eos=forced is not None))
+                    sid, toks, forced or job.recipe.max_response_tokens, seed=job.renderer.sample_seed(sid),
+                    temperature=sampling.temperature, top_p=sampling.top_p, ignore_eos=forced is not None,
+                    tool_calls=job.recipe.tools is not None))
         self.policy.add_requests(dict(per_worker))
 
     def collect_rewards(self, block: bool) -> None:
@@ -253,8 +255,10 @@ class AsyncGRPO:
         samples = [s for g in groups for s in g]
         adv = dict(zip((s.sample_id for s in samples), group_advantages(
             [s.reward for s in samples], [s.group_id for s in samples], std_normalize=stage.std_normalize)))
-        num_tokens = float(sum(s.num_response_tokens for s in samples))
-        shards = [[s for g in groups[w :: self.n_workers] for s in g] for w in range(self.n_workers)]
+        num_tokens = float(sum(s.num_trained_tokens for s in samples))  # tool-output tokens are not trained
+        # whole groups to ranks, balanced by tokens so the ranks finish the step together (rl/parallel.py)
+        parts = deal_by_length([sum(len(s.prompt_tokens) + len(s.response_tokens) for s in g) for g in groups], self.n_workers)
+        shards = [[s for i in part for s in groups[i]] for part in parts]
         teacher: dict[str, str] = {}
         if isinstance(stage, OPDStage):  # each sample's teacher; a removed teacher's samples go to the new one
             teacher = {s.sample_id: s.teacher if s.teacher in self.live.active_teachers else self.live.teacher_for(s.dataset)

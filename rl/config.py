@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
@@ -20,6 +20,7 @@ from rewards.effort import EffortConfig
 from rl.dispatch import DispatchConfig
 from teachers.config import TeacherPoolConfig
 from rollout.config import EngineConfig
+from rollout.tool_calls import PYTHON_TOOL, RUN_ARGUMENT, ToolSpec, check_parameters_schema, tool_result_tokens
 from sandbox_client.records import Limits
 
 
@@ -211,6 +212,11 @@ class RuntimeConfig(StrictConfig):
     """CPUs of a locally started Ray (default: all)."""
     num_workers: int = Field(1, gt=0)
     """PolicyWorkers, one per device; more than one trains data-parallel (gloo on CPU, NCCL on GPU)."""
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
+    """How num_workers > 1 train (rl/parallel.py). ddp: every worker holds the whole trainer; gradients are
+    summed in buckets during the backward (DistributedDataParallel). fsdp2: parameters, gradients and AdamW
+    state sharded over the workers (fully_shard per decoder layer), for a policy whose trainer does not fit
+    one device; the engines still hold full weights. One worker trains unsharded either way."""
     cpus_per_worker: float = Field(1.0, ge=0)
     """Ray CPU resource of each PolicyWorker."""
     num_reward_workers: int = Field(1, gt=0)
@@ -239,6 +245,88 @@ class SandboxConfig(StrictConfig):
         if p is not None and not (p.exists() and stat.S_ISSOCK(p.stat().st_mode)):
             raise ValueError(f"{str(p)!r} is not a socket: start the node's server first (rl sandbox serve --socket {p})")
         return p
+
+
+class ToolDefinition(StrictConfig):
+    """One tool the policy may call (rollout/tool_calls.py); it runs in the sample's sandbox."""
+
+    name: str
+    """The name the model calls it by (letters, digits, '_', '-', '.'; starting with a letter or '_')."""
+    description: str = ""
+    """What the prompt tells the model the tool does."""
+    parameters: dict[str, Any] = Field(default_factory=lambda: dict(PYTHON_TOOL.parameters))
+    """JSON schema (type: object) of the arguments; a call is checked against it (required keys, JSON types,
+    enums, additionalProperties: false) before it runs. Default: one required string `code`."""
+    run: Literal["python", "shell"] = "python"
+    """python: run the call's `code` argument with python3; shell: its `command` argument with /bin/sh. The
+    schema must declare that argument as a required string."""
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", v):
+            raise ValueError(f"{v!r} is not a tool name: letters, digits, '_', '-', '.', starting with a letter or '_'")
+        return v
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        check_parameters_schema(v)
+        return v
+
+    @model_validator(mode="after")
+    def _runs_an_argument(self) -> "ToolDefinition":
+        key = RUN_ARGUMENT[self.run]
+        prop = self.parameters.get("properties", {}).get(key)
+        if prop is None or prop.get("type") != "string" or key not in self.parameters.get("required", []):
+            raise ValueError(f"a `run: {self.run}` tool runs its {key!r} argument: parameters must declare {key!r} "
+                             f"as a required string property")
+        return self
+
+    def spec(self) -> ToolSpec:
+        return ToolSpec(self.name, self.description, self.parameters, self.run)
+
+
+class ToolsConfig(StrictConfig):
+    """Multi-turn tool calls (issue #16): the policy may stop at a call in `format`, the call runs in the
+    sample's sandbox (`sandbox.socket`), its output is appended (loss mask 0) and generation continues."""
+
+    format: Literal["hermes", "code"] = "hermes"
+    """hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen/Hermes); code: a fenced
+    ```python block runs with the python tool (rollout/tool_calls.py documents both)."""
+    definitions: list[ToolDefinition] = Field(default_factory=list)
+    """The tools, declared in the system prompt. The code format calls its one python tool (default: a
+    built-in `python`); hermes needs at least one."""
+    instructions: str | None = None
+    """The text that declares the tools in every prompt's system prompt, replacing the format's own wording
+    (rollout/tool_calls.tool_instructions); e.g. a one-line instruction for a small model. None: the format's."""
+    max_turns: int = Field(4, gt=0)
+    """Tool calls per sample at most; a sample that calls past it ends there."""
+    max_tool_output_tokens: int = Field(256, gt=0)
+    """Tokens of one tool output the model sees; longer output is cut, the cut marked and recorded."""
+    max_total_tokens: int | None = Field(None, gt=0)
+    """Response tokens per sample at most, tool output included; None: engine.max_new_tokens."""
+    timeout_s: float = Field(10.0, gt=0)
+    """Wall-clock seconds of one call; at most sandbox.limits.timeout_s, which the server enforces."""
+
+    @model_validator(mode="after")
+    def _usable_definitions(self) -> "ToolsConfig":
+        names = [d.name for d in self.definitions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tool names must be unique, got {names}")
+        if self.format == "hermes" and not self.definitions:
+            raise ValueError("the hermes format needs at least one tool in definitions")
+        if self.format == "code" and (len(self.definitions) > 1 or any(d.run != "python" for d in self.definitions)):
+            raise ValueError("the code format calls one python tool: definitions may hold at most one, with run: python")
+        return self
+
+    def specs(self) -> tuple[ToolSpec, ...]:
+        """The tools as rollout/tool_calls.py takes them (code format without definitions: the built-in python)."""
+        return tuple(d.spec() for d in self.definitions) or (PYTHON_TOOL,)
+
+    def declared(self) -> tuple[str, tuple[ToolSpec, ...], str | None]:
+        """(format, specs, instructions): what the prompts declare (rl/rendering.Renderer.tools)."""
+        return self.format, self.specs(), self.instructions
 
 
 class EvalConfig(StrictConfig):
@@ -303,6 +391,8 @@ class Recipe(StrictConfig):
     """Where workers run (Ray or in-process) and how many."""
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     """Code execution for verifiers: the node's sandbox server and per-run limits."""
+    tools: ToolsConfig | None = None
+    """Multi-turn tool calls in rollouts (format, tools, limits); needs `sandbox.socket`. None: single-turn."""
     stages: list[Stage] = Field(min_length=1)
     """Training stages, run in order (e.g. sft then grpo)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -313,6 +403,13 @@ class Recipe(StrictConfig):
     """Metrics logging."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Resumable checkpoints: how often, how many kept."""
+
+    @property
+    def max_response_tokens(self) -> int:
+        """A sample's response budget: tools.max_total_tokens (tool output included) or engine.max_new_tokens."""
+        if self.tools is not None and self.tools.max_total_tokens is not None:
+            return self.tools.max_total_tokens
+        return self.engine.max_new_tokens
 
     @field_validator("tokenizer", mode="before")
     @classmethod
@@ -433,4 +530,22 @@ class Recipe(StrictConfig):
                     raise ValueError(
                         f"stages.{i}.dispatch.max_inflight={stage.dispatch.max_inflight} exceeds what the engines decode at once "
                         f"(engine.max_batch_size={self.engine.max_batch_size} x runtime.num_workers={self.runtime.num_workers})")
+        return self
+
+    @model_validator(mode="after")
+    def validate_tools(self) -> "Recipe":
+        if self.tools is None:
+            return self
+        if self.sandbox.socket is None:
+            raise ValueError("tools: tool calls run in the node's sandbox server, and sandbox.socket names none "
+                             "(start one with `rl sandbox serve --socket PATH` and set sandbox.socket)")
+        if self.tools.timeout_s > self.sandbox.limits.timeout_s:
+            raise ValueError(f"tools.timeout_s={self.tools.timeout_s} exceeds sandbox.limits.timeout_s="
+                             f"{self.sandbox.limits.timeout_s}, which the server enforces")
+        total = self.tools.max_total_tokens
+        if total is not None and total >= self.engine.max_seq_len:
+            raise ValueError(f"tools.max_total_tokens={total} leaves no room for a prompt in engine.max_seq_len="
+                             f"{self.engine.max_seq_len}")
+        # a chat template that cannot render a tool message fails here, not at the first call minutes in
+        tool_result_tokens(self.tokenizer.build(), "0", max_tokens=self.tools.max_tool_output_tokens)
         return self

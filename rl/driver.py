@@ -27,14 +27,15 @@ from pathlib import Path
 from rl.async_grpo import run_async_grpo
 from rl.config import Recipe, SFTStage
 from rl.job import Job, StageResult, open_job
+from rl.parallel import deal_by_length
 from rl.preempt import Preempted, PreemptionGuard
 from rl.sft import DemonstrationStream
 from rl.trainer import timed_train_step
 
 
 def run_sft(job: Job, stage: SFTStage, stage_idx: int) -> StageResult:
-    """SFT: each step draws `batch_size` demonstrations, splits them over the workers (rows i, i + n, ...;
-    every loss ÷ the whole batch's tokens) and takes one optimizer step."""
+    """SFT: each step draws `batch_size` demonstrations, deals them to the workers by length (equal tokens per
+    worker; every loss ÷ the whole batch's tokens) and takes one optimizer step."""
     policy = job.policy
     policy.begin_stage(stage)
     demos = DemonstrationStream(job.tasks, job.renderer, stage, seed_offset=1000 + stage_idx,
@@ -54,8 +55,8 @@ def run_sft(job: Job, stage: SFTStage, stage_idx: int) -> StageResult:
         if job.checkpointer.wanted(job.state.global_step):
             job.checkpointer.save(job, stage_idx, record(step))
         batch = demos.next_batch(stage.batch_size)
-        n = len(policy)
-        metrics = timed_train_step(policy, [batch.select(range(w, len(batch), n)) for w in range(n)], stage)
+        parts = deal_by_length([len(p) + len(r) for p, r in zip(batch.prompts_B, batch.responses_B)], len(policy))
+        metrics = timed_train_step(policy, [batch.select(part) for part in parts], stage)
         job.advance_version()
         job.record_train_step(stage, step, metrics)
     return StageResult(job.stage_end_checkpoint(stage_idx, record(step + 1)))  # a longer budget continues from here

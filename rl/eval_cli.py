@@ -92,12 +92,17 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 task.scan()
     except DatasetError as e:
         return _fail(str(e))
-    renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit)
-    generate = engine_generate(load_checkpoint(ckpt).eval(), recipe.engine, tok.eos_id, tok.eos_ids)
+    from rl.tool_turns import ToolTurns
+
+    renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
+                        tools=recipe.tools.declared() if recipe.tools else None)
+    device = recipe.run.device if recipe.run.device != "cuda" or torch.cuda.is_available() else "cpu"
+    generate = engine_generate(load_checkpoint(ckpt, device).eval(), recipe.engine, tok.eos_id, tok.eos_ids,
+                               tools=ToolTurns.from_recipe(recipe, tok))
     print(f"checkpoint {ckpt}")
     print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
     for b in efforts:
-        m = evaluate(generate, renderer, tasks, max_new_tokens=recipe.engine.max_new_tokens,
+        m = evaluate(generate, renderer, tasks, max_new_tokens=recipe.max_response_tokens,
                      temperature=recipe.eval.temperature, max_problems=args.max_problems or recipe.eval.max_problems, effort=b)
         for name in tasks:
             e = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith(f"eval/{name}/")}

@@ -50,8 +50,8 @@ def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], 
             metrics[f"eval/{name}/num_problems"] = 0
             continue
         problems = [p for p, _ in kept]
-        reqs = [GenerationRequest(f"eval-{p.problem_id}", t, max_new_tokens,
-                                  seed=renderer.sample_seed(p.problem_id), temperature=temperature) for p, t in kept]
+        reqs = [GenerationRequest(f"eval-{p.problem_id}", t, max_new_tokens, seed=renderer.sample_seed(p.problem_id),
+                                  temperature=temperature, tool_calls=renderer.tools is not None) for p, t in kept]
         gens = generate(reqs)
         trajectories = [renderer.trajectory(p, g) for p, g in zip(problems, gens)]
         verdicts = [task.verify(t, verify_ctx) for t in trajectories]
@@ -71,13 +71,18 @@ def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], 
     return metrics
 
 
-def engine_generate(model: Decoder, cfg: EngineConfig, eos_id: int, eos_ids: Sequence[int] = ()) -> Generate:
-    """`generate` on one in-process engine over `model` (evaluation outside a running job); it stops on any eos id."""
+def engine_generate(model: Decoder, cfg: EngineConfig, eos_id: int, eos_ids: Sequence[int] = (), tools=None) -> Generate:
+    """`generate` on one in-process engine over `model` (evaluation outside a running job); it stops on any eos id.
+    `tools` (rl/tool_turns.ToolTurns): serve the requests' tool calls."""
+    from rl.tool_turns import generate_with_tools
+
     engine = Engine(model, cfg, eos_id=eos_id, eos_ids=eos_ids, device=next(model.parameters()).device)
+    if tools is not None:
+        tools.attach(engine)
 
     @torch.no_grad()
     def generate(requests: Sequence[GenerationRequest]) -> list[Generation]:
         model.eval()
-        return engine.generate(list(requests))
+        return generate_with_tools(engine, tools, requests)
 
     return generate

@@ -143,7 +143,7 @@ class Job:
         if effort is None and self.recipe.effort is not None:
             effort = self.recipe.effort.levels[-1]
         cfg = self.recipe.eval
-        return evaluation.evaluate(self.policy.generate, self.renderer, self.tasks, max_new_tokens=self.recipe.engine.max_new_tokens,
+        return evaluation.evaluate(self.policy.generate, self.renderer, self.tasks, max_new_tokens=self.recipe.max_response_tokens,
                                    temperature=cfg.temperature, max_problems=cfg.max_problems, effort=effort)
 
     def advance_version(self) -> int:
@@ -218,7 +218,8 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
             state = RunState(resume_from.global_step, dict(resume_from.summary), resume_from.stage_idx, resume_from.stage_minutes)
             progress.first_token_pending = True
         yield Job(recipe, run_dir, runtime.policy, runtime.rewards, store, logger,
-                  Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit),
+                  Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
+                           tools=recipe.tools.declared() if recipe.tools else None),
                   Checkpointer(manager, recipe.checkpoint.every_steps, resume_from), progress, state, say)
     finally:
         if runtime is not None:

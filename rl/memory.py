@@ -2,9 +2,12 @@
 cannot fit is refused before any worker starts, with the figure.
 
 Per worker (one device); the trainer's tensors are float32 (`build_policy`), also under run.dtype bfloat16:
-    weights P·4, gradients P·4, AdamW moments 2·P·4, the frozen reference P·4 when a stage has kl_ref_coef > 0
-    (P: parameters, counted on a meta-device Decoder: exact for every architecture, nothing allocated);
-    with run.dtype bfloat16 the engine's own copy of the weights, P·2 (rl/worker.py);
+    weights P·4, gradients P·4, AdamW moments 2·P·4, each ÷ N under runtime.parallel fsdp2 with N workers
+    (sharded; the one layer gathered at a time is not counted), the frozen reference P·4 when a stage has
+    kl_ref_coef > 0 (P: parameters, counted on a meta-device Decoder: exact for every architecture, nothing
+    allocated);
+    the engine's own copy of the weights with run.dtype bfloat16 (P·2) and under fsdp2 (P·4 or P·2: the
+    engine holds full weights, rl/worker.py);
     the engine's KV pool: num_blocks · block_size tokens · num_layers · the format's bytes per token per layer
     (the unquantised format in the engine's dtype)
     (model/kv_cache.py; CSA2 models keep per-sequence caches: counted at max_seq_len for each of
@@ -39,6 +42,8 @@ def estimate(recipe: Recipe) -> dict[str, float]:
     with torch.device("meta"):
         params = sum(p.numel() for p in Decoder(recipe.model).parameters())
     elem = 4  # the trainer's float32
+    rt = recipe.runtime
+    shards = rt.num_workers if rt.parallel == "fsdp2" and rt.num_workers > 1 else 1
     engine_dtype = getattr(torch, recipe.run.dtype)
     m, e = recipe.model, recipe.engine
     if m.is_sparse:
@@ -51,9 +56,10 @@ def estimate(recipe: Recipe) -> dict[str, float]:
     micro = max((s.micro_batch_size or s.batch_size) if isinstance(s, SFTStage) else s.micro_batch_size
                 for s in recipe.stages)
     logits = 3 * micro * e.max_seq_len * m.vocab_size * 4
-    parts = {"weights": params * elem, "gradients": params * elem, "adamw": 2 * params * elem,
+    trainer = params * elem / shards
+    parts = {"weights": trainer, "gradients": trainer, "adamw": 2 * trainer,
              "reference": params * elem if reference else 0.0,
-             "engine_weights": params * engine_dtype.itemsize if recipe.run.dtype != "float32" else 0.0,
+             "engine_weights": params * engine_dtype.itemsize if recipe.run.dtype != "float32" or shards > 1 else 0.0,
              "kv_pool": float(kv), "teachers": float(teachers),
              "logits": float(logits)}
     return {**parts, "total": sum(parts.values()), "parameters": float(params)}

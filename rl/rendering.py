@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from model.tokenizer import Tokenizer
 from rewards.effort import EffortConfig, with_effort
 from rewards.task import Problem, Task, Trajectory, Verdict
-from rl.types import Prompt, Sample
+from rewards.task import Turn as TaskTurn
+from rl.types import Prompt, Sample, Turn
+from rollout.tool_calls import render_tools_into_prompt
 from rollout.types import Generation
 
 
@@ -39,15 +41,24 @@ class Renderer:
     run_seed: int = 0
     max_prompt_tokens: int | None = None
     """Longest prompt the engine takes (`EngineConfig.prompt_limit`); None: no limit is checked here."""
+    tools: tuple | None = None
+    """Multi-turn tool calls (issue #16): (format, ToolSpecs[, instructions]) declared in every prompt's system
+    prompt (rollout/tool_calls.render_tools_into_prompt); None: no tools."""
 
     def prompt_text(self, problem: Problem, effort: int | None = None) -> str:
-        """The prompt exactly as tokenised: the effort prefix (seed §5.1.4), then the problem; chat
-        messages rendered by the tokenizer's chat template."""
+        """The prompt exactly as tokenised: the effort prefix (seed §5.1.4), then the problem (with the tool
+        declarations when the recipe has tools); chat messages rendered by the tokenizer's chat template."""
         prompt = with_effort(problem.prompt, effort)
         if isinstance(prompt, str):
-            return prompt
-        return self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in prompt],
-                                                  add_generation_prompt=True)
+            return prompt if self.tools is None else render_tools_into_prompt(prompt, *self._tool_args())
+        messages = [{"role": m.role, "content": m.content} for m in prompt]
+        if self.tools is not None:
+            messages = render_tools_into_prompt(messages, *self._tool_args())
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _tool_args(self) -> tuple:
+        fmt, specs, *rest = self.tools
+        return specs, fmt, (rest[0] if rest else None)
 
     def prompt_tokens(self, problem: Problem, effort: int | None = None) -> tuple[int, ...]:
         """The prompt's ids; with `add_bos` they start with one BOS (a chat template that writes BOS gets no second)."""
@@ -75,7 +86,31 @@ class Renderer:
         return sample_seed(self.run_seed, sample_id)
 
     def trajectory(self, problem: Problem, g: Generation) -> Trajectory:
-        return Trajectory.single(problem, self.tokenizer.decode(g.response_tokens), g.finish_reason)
+        """What the verifier sees: one assistant turn, or (tool calls) the assistant's turns and the tools'
+        outputs in order; a single-answer verifier reads the last assistant turn."""
+        if not g.tool_turns:
+            return Trajectory.single(problem, self.tokenizer.decode(g.response_tokens), g.finish_reason)
+        turns = [TaskTurn("tool" if t.kind == "tool" else "assistant", t.text) for t in self.turns(g) if t.end > t.start]
+        return Trajectory(problem, tuple(turns), g.finish_reason)
+
+    def turns(self, g: Generation) -> tuple[Turn, ...]:
+        """A multi-turn response as `Turn`s covering it in order: model turns (decoded) between the tool turns
+        the worker recorded (rl/tool_turns.py); () for a one-turn response."""
+        if not g.tool_turns:
+            return ()
+        out, pos, R = [], 0, len(g.response_tokens)
+        for t in g.tool_turns:
+            start, end = int(t["start"]), int(t["end"])
+            if start > pos:
+                out.append(Turn("model", pos, start, self.tokenizer.decode(g.response_tokens[pos:start])))
+            if end > start:
+                out.append(Turn("tool", start, end, str(t.get("output", "")), tool=t.get("tool"), call=t.get("call"),
+                                status=t.get("status"), exit_code=t.get("exit_code"), truncated=bool(t.get("truncated")),
+                                wall_s=t.get("wall_s")))
+            pos = max(pos, end)
+        if pos < R:
+            out.append(Turn("model", pos, R, self.tokenizer.decode(g.response_tokens[pos:])))
+        return tuple(out)
 
     def reasoning_tokens(self, dataset: str, response: str) -> int:
         """ℓ of the length penalty: tokens of the part of `response` its task counts as reasoning."""
@@ -98,4 +133,5 @@ class Renderer:
             finish_reason=g.finish_reason, status=status, routing_trace=g.routing_trace,
             timings={"finished_at": time.time(), "generate_s": g.generate_s},
             teacher=teacher, config_version=prompt.config_version, effort=effort, reason=verdict.reason,
+            turns=self.turns(g),
         )

@@ -260,12 +260,12 @@ class Runtime:
             return
         import ray
 
-        if not ray.is_initialized():
+        self._owns_ray = not ray.is_initialized()  # a Ray the caller started (a bench running several jobs) stays up
+        if self._owns_ray:
             if cfg.ray_address:
                 ray.init(address=cfg.ray_address, log_to_driver=True)
             else:
                 ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
-        self._owns_ray = True
         threads = max(1, recipe.run.num_threads // n)
         fault = {"ASYNCRL_FAULT": os.environ["ASYNCRL_FAULT"]} if os.environ.get("ASYNCRL_FAULT") else {}
         actor = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=1 if recipe.run.device == "cuda" else 0,

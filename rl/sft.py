@@ -4,7 +4,7 @@ Problems are drawn round-robin from each task's train stream; each prompt is ren
 see it (with the effort prefix on a share `effort_prefix_frac` of them, at a random training level,
 seed §5.1.4), the target is the task's demonstration plus EOS, shortened at effort level b for the
 effort cold start (`cold_start`). A batch is a `TrainBatch` normalised by its own response tokens; the
-driver splits it over the workers (rows i, i + n, ...) and the trainer's SFT objective does the rest.
+driver deals it to the workers by length (rl/parallel.py `deal_by_length`) and the trainer's SFT objective does the rest.
 The stream's position (problems drawn, the demonstration RNG) is checkpointed and restored exactly.
 """
 

@@ -22,6 +22,10 @@ Tables:
 - `samples`     one row per trajectory: ids, status, reward, texts, the token arrays, version range,
                 timings, effort, teacher, config version and `train_step` (the optimizer step that
                 consumed it; NULL until trained).
+- `turns`       one row per turn of a multi-turn sample (tool calls): kind (model | tool), [start, end)
+                in response-token indices, the turn's text (a tool turn's: its output as the model saw
+                it), and for tool turns the tool, the call, status, exit code, truncation and wall seconds.
+                Single-turn samples have none (revision 0004).
 - `segments`    one row per maximal run of equal policy versions over a sample's response tokens,
                 [start, end) in response-token indices; derived from `policy_versions_T` at insert,
                 so "which samples span versions 3..5" is a SQL query rather than a blob scan.
@@ -68,11 +72,11 @@ from rl.run_id import own_store_url, read_run_file, read_run_identity, run_ident
 from rl.store_db import (DB_FILE, StoreError, check_readable, parse_url, reader_engine, redacted, sqlite_file,
                          upgrade_store, writer_engine)
 from rl.store_schema import (ConfigVersionTable, PromptTable, RestartTable, RunTable, SampleTable, SegmentTable,
-                             TrainedTable, TrainStepTable)
-from rl.types import Prompt, Sample
+                             TrainedTable, TrainStepTable, TurnTable)
+from rl.types import Prompt, Sample, Turn
 
 __all__ = ["DB_FILE", "ConfigVersionTable", "PromptTable", "RestartTable", "RunTable", "SampleRow", "SampleTable",
-           "SegmentTable", "StoreError", "TrainStepTable", "TrainedTable", "TrajectoryStore", "Watermark",
+           "SegmentTable", "StoreError", "TrainStepTable", "TrainedTable", "TrajectoryStore", "TurnTable", "Watermark",
            "decode_array", "encode_array", "recorded_train_steps", "segments_from_versions"]
 
 TOKEN_DTYPE = "<i4"
@@ -275,13 +279,13 @@ class TrajectoryStore:
                           .values(outcome=outcome, outcome_seq=self._seq))
 
     def add_samples(self, samples: Sequence[Sample]) -> None:
-        """Record samples and their version segments in one transaction.
+        """Record samples, their version segments and their turns in one transaction.
 
         Timings other than 'dispatched_at', 'finished_at' and 'generate_s' are not stored.
         """
         if not samples:
             return
-        sample_rows, segment_rows = [], []
+        sample_rows, segment_rows, turn_rows = [], [], []
         for x in samples:
             n = len(x.response_tokens)
             if len(x.policy_versions_T) != n or len(x.behavior_logprobs_T) != n:
@@ -307,10 +311,18 @@ class TrajectoryStore:
                 dict(run_id=self.run_id, sample_id=x.sample_id, start=a, end=b, policy_version=v)
                 for a, b, v in segments_from_versions(x.policy_versions_T)
             ]
+            turn_rows += [
+                dict(run_id=self.run_id, sample_id=x.sample_id, turn=i, kind=t.kind, start=t.start, end=t.end, text=t.text,
+                     tool=t.tool, call=t.call, status=t.status, exit_code=t.exit_code, truncated=bool(t.truncated),
+                     wall_s=None if t.wall_s is None else float(t.wall_s))
+                for i, t in enumerate(x.turns)
+            ]
         with self._sessions.begin() as s:
             s.execute(insert(SampleTable), sample_rows)
             if segment_rows:
                 s.execute(insert(SegmentTable), segment_rows)
+            if turn_rows:
+                s.execute(insert(TurnTable), turn_rows)
         self._seq += len(sample_rows)
 
     def mark_trained(self, sample_ids: Sequence[str], step: int) -> None:
@@ -375,6 +387,7 @@ class TrajectoryStore:
             s.execute(delete(TrainedTable).where(TrainedTable.run_id == self.run_id, TrainedTable.step > wm.train_step))
             late_samples = select(S.sample_id).where(S.run_id == self.run_id, S.seq > wm.seq)
             s.execute(delete(G).where(G.run_id == self.run_id, G.sample_id.in_(late_samples)))
+            s.execute(delete(TurnTable).where(TurnTable.run_id == self.run_id, TurnTable.sample_id.in_(late_samples)))
             counts = dict(
                 samples_regenerated=s.execute(delete(S).where(S.run_id == self.run_id, S.seq > wm.seq)).rowcount,
                 prompts_redispatched=s.execute(delete(P).where(P.run_id == self.run_id, P.seq > wm.seq)).rowcount,
@@ -397,6 +410,9 @@ class TrajectoryStore:
         """The full record back, or None. Logprobs come back float32-rounded."""
         with self._sessions() as s:
             r = s.get(SampleTable, (self.run_id, sample_id))
+            turns = [] if r is None else s.scalars(select(TurnTable).where(TurnTable.run_id == self.run_id,
+                                                                           TurnTable.sample_id == sample_id)
+                                                   .order_by(TurnTable.turn)).all()
         if r is None:
             return None
         trace = None
@@ -414,6 +430,8 @@ class TrajectoryStore:
             reward=r.reward, correct=r.correct, finish_reason=r.finish_reason, status=r.status,
             timings=timings, routing_trace=trace, teacher=r.teacher, config_version=r.config_version,
             effort=r.effort, reason=r.reason or "",
+            turns=tuple(Turn(kind=t.kind, start=t.start, end=t.end, text=t.text, tool=t.tool, call=t.call, status=t.status,
+                             exit_code=t.exit_code, truncated=t.truncated, wall_s=t.wall_s) for t in turns),
         )
 
     def sample_train_step(self, sample_id: str) -> int | None:

@@ -10,7 +10,7 @@ one made from these classes are identical.
 
 from __future__ import annotations
 
-from sqlalchemy import Float, ForeignKeyConstraint, LargeBinary, PrimaryKeyConstraint, String, Text
+from sqlalchemy import Boolean, Float, ForeignKeyConstraint, LargeBinary, PrimaryKeyConstraint, String, Text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 _ID = String(255)
@@ -98,6 +98,34 @@ class SegmentTable(Base):
     start: Mapped[int]
     end: Mapped[int]
     policy_version: Mapped[int]
+
+
+class TurnTable(Base):
+    """One row per turn of a multi-turn sample (rl.types.Turn), revision 0004; single-turn samples have none."""
+
+    __tablename__ = "turns"
+    __table_args__ = (
+        PrimaryKeyConstraint("run_id", "sample_id", "turn", name="pk_turns"),
+        ForeignKeyConstraint(["run_id", "sample_id"], ["samples.run_id", "samples.sample_id"], name="fk_turns_samples"),
+    )
+    run_id: Mapped[str] = mapped_column(_ID)
+    sample_id: Mapped[str] = mapped_column(_ID)
+    turn: Mapped[int] = mapped_column(autoincrement=False)
+    """Index of the turn in the sample, from 0."""
+    kind: Mapped[str] = mapped_column(String(8))
+    """model | tool"""
+    start: Mapped[int]
+    end: Mapped[int]
+    """[start, end) in response-token indices."""
+    text: Mapped[str] = mapped_column(Text)
+    """model: the turn's text; tool: the output as the model saw it."""
+    tool: Mapped[str | None] = mapped_column(_ID)
+    call: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str | None] = mapped_column(String(32), index=True)
+    """Tool turns: ok | error | timeout | sandbox_failed | parse_error."""
+    exit_code: Mapped[int | None]
+    truncated: Mapped[bool] = mapped_column(Boolean)
+    wall_s: Mapped[float | None] = mapped_column(Float)
 
 
 class TrainStepTable(Base):

@@ -4,10 +4,11 @@ objective (SFT, GRPO, OPD: rl/objectives.py) plugs into.
 The trainer owns the optimizer and updates the policy's weights in place; the engine holds the same
 module (colocated), so after a step the next rollout token already uses the new weights. A step sorts
 the rank's rows by length (micro-batches of similar length waste little padding), packs each
-micro-batch, asks the objective for its loss, adds the CSA2 indexer KL, backpropagates, and finally
-all-reduces gradients across ranks, clips and steps. Every loss is normalised by the *global* number of
-response tokens of the step (`TrainBatch.num_tokens`), so summing gradients over micro-batches and ranks
-gives exactly the gradient of one big batch.
+micro-batch, asks the objective for its loss, adds the CSA2 indexer KL and backpropagates; gradients are
+summed across ranks by the data-parallel strategy (rl/parallel.py: DDP's bucketed all-reduce during the
+last micro-batch's backward, or FSDP2's reduce-scatter), then the trainer clips and steps. Every loss is
+normalised by the *global* number of response tokens of the step (`TrainBatch.num_tokens`), so summing
+gradients over micro-batches and ranks gives exactly the gradient of one big batch.
 
 CSA2 models (seed §2.3) add the indexer KL (seed §3.1.2) to each micro-batch's loss, weighted by
 `sparse_attention.aux_loss_weight` and by the micro-batch's share of the global response tokens, so the
@@ -28,10 +29,10 @@ from typing import Protocol
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from model.decoder import Decoder
 from rl.config import OptimConfig
+from rl.parallel import Single, idle_loss
 from rl.types import Sample
 
 
@@ -57,7 +58,9 @@ class PackedBatch:
 
 def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]],
          behavior_B: Sequence[Sequence[float]] | None = None, routing_B: Sequence | None = None,
-         versions_B: Sequence[Sequence[int]] | None = None, device: str | torch.device = "cpu") -> PackedBatch:
+         versions_B: Sequence[Sequence[int]] | None = None, device: str | torch.device = "cpu",
+         loss_masks_B: Sequence[Sequence[int] | None] | None = None) -> PackedBatch:
+    """`loss_masks_B`: per response token 1 (trained) or 0 (a tool's output, appended, not sampled); None: all 1."""
     seqs = [list(p) + list(r) for p, r in zip(prompts_B, responses_B)]
     B, T = len(seqs), max(len(s) for s in seqs) - 1
     input_ids = torch.zeros(B, T, dtype=torch.long)
@@ -71,7 +74,8 @@ def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]
         input_ids[i, :n] = torch.tensor(s[:-1])
         targets[i, :n] = torch.tensor(s[1:])
         P, R = len(p), len(r)
-        mask[i, P - 1 : P - 1 + R] = 1.0
+        mask[i, P - 1 : P - 1 + R] = 1.0 if loss_masks_B is None or loss_masks_B[i] is None else \
+            torch.tensor(loss_masks_B[i], dtype=torch.float32)
         if behavior_B is not None:
             behav[i, P - 1 : P - 1 + R] = torch.tensor(behavior_B[i], dtype=torch.float32)
         if versions is not None:
@@ -101,13 +105,16 @@ class TrainBatch:
     advantages_B: Sequence[float] | None = None
     teachers_B: Sequence[str] | None = None
     """OPD: the teacher that scores each row."""
+    loss_masks_B: Sequence[Sequence[int]] | None = None
+    """Multi-turn rows: 1 per sampled response token, 0 per tool-output token (`Sample.loss_mask_T`); None: all 1."""
 
     @classmethod
     def from_samples(cls, samples: Sequence[Sample], advantages_B: Sequence[float], num_tokens: float,
                      teachers_B: Sequence[str] | None = None) -> "TrainBatch":
+        masks = [s.loss_mask_T() for s in samples] if any(s.turns for s in samples) else None
         return cls([s.prompt_tokens for s in samples], [s.response_tokens for s in samples], num_tokens,
                    [s.behavior_logprobs_T for s in samples], [s.policy_versions_T for s in samples],
-                   [s.routing_trace for s in samples], list(advantages_B), teachers_B)
+                   [s.routing_trace for s in samples], list(advantages_B), teachers_B, masks)
 
     def __len__(self) -> int:
         return len(self.prompts_B)
@@ -129,7 +136,8 @@ class TrainBatch:
 
     def pack(self, device: str | torch.device, routing: bool = False) -> PackedBatch:
         return pack(self.prompts_B, self.responses_B, self.behavior_logprobs_B,
-                    routing_B=self.routing_B if routing else None, versions_B=self.versions_B, device=device)
+                    routing_B=self.routing_B if routing else None, versions_B=self.versions_B, device=device,
+                    loss_masks_B=self.loss_masks_B)
 
 
 @dataclass
@@ -229,10 +237,6 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
     return opt, sched
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def by_length(batch: TrainBatch) -> list[int]:
     """Row order for micro-batching: similar lengths together (padding to the longest wastes little)."""
     return sorted(range(len(batch)), key=lambda i: len(batch.prompts_B[i]) + len(batch.responses_B[i]))
@@ -240,10 +244,12 @@ def by_length(batch: TrainBatch) -> list[int]:
 
 class Trainer:
     def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu", total_steps: int | None = None,
-                 autocast: torch.dtype | None = None):
+                 autocast: torch.dtype | None = None, parallel: Single | None = None):
         """total_steps: the stage's optimizer steps (the cosine schedule decays over them). autocast: the
-        forward's compute dtype under mixed precision (master weights, gradients and AdamW stay the model's)."""
+        forward's compute dtype under mixed precision (master weights, gradients and AdamW stay the model's).
+        parallel: the data-parallel strategy over `model` (rl/parallel.py; default: one rank)."""
         self.model, self.optim_cfg, self.device, self.autocast = model, optim, device, autocast
+        self.parallel = parallel if parallel is not None else Single(model)
         self.opt, self.sched = build_optimizer(model, optim, total_steps)
 
     def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
@@ -254,26 +260,41 @@ class Trainer:
         return metrics
 
     def accumulate(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
-        """The micro-batch loop: add this rank's share of the step's gradient to `.grad`."""
+        """The micro-batch loop: add this rank's share of the step's gradient to `.grad` (summed over the ranks
+        once the last micro-batch's backward is done). Every rank runs as many micro-batches as the rank with
+        the most; the extra ones are zero-weight (`idle_loss`, rl/parallel.py says why)."""
         self.model.train()
         order = by_length(batch)
         size = objective.micro_batch_size or max(len(order), 1)
         micro = [batch.select(order[lo : lo + size]) for lo in range(0, len(order), size)]
+        count = self.parallel.micro_batches(len(micro))
         metrics = StepMetrics()
         aux_weight = self.model.config.sparse_attention.aux_loss_weight if self.model.config.is_sparse else 0.0
-        for k, rows in enumerate(micro):
-            b = rows.pack(self.device, routing=objective.routing_replay)
-            with torch.autocast(torch.device(self.device).type, dtype=self.autocast or torch.float32,
-                                enabled=self.autocast is not None):
-                terms = objective(self.model, b, rows, micro[k + 1] if k + 1 < len(micro) else None)
-            tokens = float(b.mask.sum())
-            loss = terms.loss
-            if terms.indexer_kl is not None:
-                # aux_loss_weight · (this micro-batch's share of the global response tokens) · indexer KL
-                loss = loss + aux_weight * tokens / max(batch.num_tokens, 1.0) * terms.indexer_kl
-                terms.means["train/indexer_kl"] = float(terms.indexer_kl.detach())
-            loss.backward()
-            metrics.add(terms, tokens)
+        autocast = torch.autocast(torch.device(self.device).type, dtype=self.autocast or torch.float32,
+                                  enabled=self.autocast is not None)
+
+        def loss_of(k: int):
+            def run(model: Decoder) -> tuple[torch.Tensor, tuple[LossTerms, float] | None]:
+                if k >= len(micro):
+                    with autocast:
+                        return idle_loss(model, self.device), None
+                rows = micro[k]
+                b = rows.pack(self.device, routing=objective.routing_replay)
+                with autocast:
+                    terms = objective(model, b, rows, micro[k + 1] if k + 1 < len(micro) else None)
+                tokens = float(b.mask.sum())
+                loss = terms.loss
+                if terms.indexer_kl is not None:
+                    # aux_loss_weight · (this micro-batch's share of the global response tokens) · indexer KL
+                    loss = loss + aux_weight * tokens / max(batch.num_tokens, 1.0) * terms.indexer_kl
+                    terms.means["train/indexer_kl"] = float(terms.indexer_kl.detach())
+                return loss, (terms, tokens)
+            return run
+
+        for k in range(count):
+            done = self.parallel.backward(loss_of(k), last=k == count - 1)
+            if done is not None:
+                metrics.add(*done)
         step = objective.step_metrics()
         for k, v in step.sums.items():
             metrics.sums[k] = metrics.sums.get(k, 0.0) + v
@@ -281,20 +302,9 @@ class Trainer:
         return metrics
 
     def apply(self) -> float:
-        """Sum gradients across ranks, clip, step the optimizer and the LR schedule; returns the grad norm."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if _distributed():  # one flat all-reduce instead of one per parameter
-            for p in params:  # a rank whose shard never reached some parameter still joins the sum
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for p in params:
-                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
-                offset += p.numel()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, self.optim_cfg.grad_clip)
+        """Clip the (rank-summed) gradient, step the optimizer and the LR schedule; returns the grad norm."""
+        gnorm = self.parallel.clip_grad_norm(self.optim_cfg.grad_clip)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        return float(gnorm)
+        return gnorm

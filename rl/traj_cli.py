@@ -5,6 +5,10 @@
 
 Both read the run's store (`store.url` of RUN_DIR/recipe.yaml, else `RUN_DIR/trajectories.db`) unless
 `--url` names another SQLAlchemy database, and show the run whose identity RUN_DIR/run.json holds.
+`show` renders a multi-turn sample (tool calls) turn by turn: each model turn's text, each tool turn's call,
+status, exit code, wall time and output (every output line marked with "│", a truncation named); tool tokens
+show "-" for their version in the token grid (loss mask 0). A sample without turns renders as one response.
+
 They only read: the store opens read-only, nothing is created or migrated; a store older than the
 code is refused with a line naming `rl db upgrade`. Errors are one line on stderr and exit code 2.
 """
@@ -13,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 from sqlalchemy.exc import SQLAlchemyError
 
 from model.tokenizer import CharTokenizer
 from rl.store import SampleRow, StoreError, TrajectoryStore
+from rl.types import Sample
 
 PREVIEW_WIDTH = 40
 TOKEN_GRID_WIDTH = 100
@@ -103,13 +109,47 @@ def cmd_show(args) -> int:
         print(f"generate_s     {t['generate_s']:.3f}")
     if sample.routing_trace is not None:
         print(f"routing_trace  int16 {list(sample.routing_trace.shape)} (tokens, layers, top_k)")
+    if sample.turns:
+        tools = [t for t in sample.turns if t.kind == "tool"]
+        statuses = ", ".join(f"{n} {st}" for st, n in sorted(Counter(t.status or "-" for t in tools).items()))
+        model = len(sample.turns) - len(tools)
+        print(f"turns          {len(sample.turns)}: {model} model, {len(tools)} tool ({statuses or '-'})")
     print("\n--- prompt ---")
     print(sample.prompt_text)
-    print("\n--- response ---")
-    print(sample.response_text)
+    if sample.turns:
+        print("\n--- response, turn by turn ---")
+        print(format_turns(sample))
+    else:
+        print("\n--- response ---")
+        print(sample.response_text)
     print("\n--- response tokens and policy versions ---")
-    print(format_token_grid(_token_pieces(sample.response_tokens, sample.response_text), versions))
+    mask = sample.loss_mask_T()  # tool tokens were appended, not sampled: no version of their own to show
+    print(format_token_grid(_token_pieces(sample.response_tokens, sample.response_text),
+                            tuple(v if m else "-" for v, m in zip(versions, mask))))
     return 0
+
+
+def format_turns(sample: Sample) -> str:
+    """Each turn under a header line; a tool turn's call and output lines are marked with "│"."""
+    out = []
+    for i, t in enumerate(sample.turns):
+        span = f"tokens [{t.start}, {t.end})"
+        if t.kind == "model":
+            out += [f"[{i}] model  {span}", t.text]
+            continue
+        facts = [t.tool or "(no tool)", span, f"status {t.status or '-'}"]
+        facts += [f"exit {t.exit_code}"] if t.exit_code is not None else []
+        facts += [f"{t.wall_s:.3f} s"] if t.wall_s is not None else []
+        facts += ["output TRUNCATED"] if t.truncated else []
+        out.append(f"[{i}] tool   " + "   ".join(facts))
+        out += _marked("    call", (t.call or "-").rstrip("\n")) + _marked("  output", t.text)
+    return "\n".join(out)
+
+
+def _marked(label: str, text: str) -> list[str]:
+    lines = text.split("\n")
+    return [f"{label if j == 0 else ' ' * len(label)} │ {line}" for j, line in enumerate(lines)]
+
 
 
 def format_table(rows: list[SampleRow]) -> str:
@@ -130,7 +170,7 @@ def format_table(rows: list[SampleRow]) -> str:
     return "\n".join(lines)
 
 
-def format_token_grid(pieces: list[str], versions: tuple[int, ...], width: int = TOKEN_GRID_WIDTH) -> str:
+def format_token_grid(pieces: list[str], versions: tuple[int | str, ...], width: int = TOKEN_GRID_WIDTH) -> str:
     """Each token over its policy version, columns aligned, wrapped at `width` characters:
 
         [0]  tok  T  h  e  ␣  a ...

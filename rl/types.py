@@ -1,6 +1,10 @@
 """Records that flow through the driver (immutable; the store maps them to tables separately).
 
 Shape suffixes on ragged lists: `_T` per response token.
+
+Multi-turn samples (tool calls, issue #16): `Sample.turns` splits the response tokens into model turns
+(sampled, trained) and tool turns (the tokens appended after a call: end of the model's turn, the tool's
+output, the next turn's header; loss mask 0, placeholder logprobs). No turns: one model turn, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +31,33 @@ class Prompt:
     """Policy version at dispatch."""
     config_version: int = 0
     """Live-config version at dispatch (rl/reconfigure.py)."""
+
+
+ToolStatus = Literal["ok", "error", "timeout", "sandbox_failed", "parse_error"]
+"""How a tool call ended: ok (exit 0), error (the code failed or hit a memory/process/output limit), timeout
+(wall clock or CPU time), sandbox_failed (the sandbox crashed or was never admitted), parse_error (the
+model's call was malformed, named an unknown tool or broke its schema; nothing ran)."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One span of a sample's response tokens, [start, end)."""
+
+    kind: Literal["model", "tool"]
+    start: int
+    end: int
+    text: str = ""
+    """model: the turn's text as decoded; tool: the output as the model saw it (truncated and marked)."""
+    tool: str | None = None
+    """Tool turns: the tool called (None when the call did not parse to a declared tool)."""
+    call: str | None = None
+    """Tool turns: the call, as JSON of name and arguments (hermes) or the code (code format)."""
+    status: ToolStatus | None = None
+    exit_code: int | None = None
+    truncated: bool = False
+    """Tool turns: the output passed the recipe's max_tool_output_tokens and was cut."""
+    wall_s: float | None = None
+    """Tool turns: seconds from the call's parse to its output (sandbox create, exec and admission waits)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +97,32 @@ class Sample:
     """Effort control (seed §5.1.4): the reasoning-effort level b the prompt carried; None without."""
     reason: str = ""
     """Why the verifier scored it so (rewards.task.Verdict.reason)."""
+    turns: tuple[Turn, ...] = ()
+    """Multi-turn samples: the model and tool turns, in order, tiling the response; () for one model turn."""
+
+    def __post_init__(self) -> None:
+        n, at = len(self.response_tokens), 0
+        for i, t in enumerate(self.turns):  # a worker bug here would train on tool output: refuse it at once
+            if t.start != at or t.end < t.start or t.end > n:
+                raise ValueError(f"sample {self.sample_id}: turn {i} [{t.start}, {t.end}) does not continue at {at} "
+                                 f"within {n} response tokens")
+            at = t.end
+        if self.turns and at != n:
+            raise ValueError(f"sample {self.sample_id}: turns end at {at}, the response has {n} tokens")
 
     @property
     def num_response_tokens(self) -> int:
         return len(self.response_tokens)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        """Response tokens the loss counts: all but tool-output ones."""
+        return sum(self.loss_mask_T()) if self.turns else len(self.response_tokens)
+
+    def loss_mask_T(self) -> tuple[int, ...]:
+        """1 for each response token the policy sampled (trained), 0 for tool-turn tokens (appended, not sampled)."""
+        mask = [1] * len(self.response_tokens)
+        for t in self.turns:
+            if t.kind == "tool":
+                mask[t.start : t.end] = [0] * (t.end - t.start)
+        return tuple(mask)

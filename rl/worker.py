@@ -5,7 +5,8 @@ sample stops at the token boundary; its `RolloutState` moves to host memory) →
 the stage's objective; the weights change in place) → `update_weights` (version + 1) → `resume` (the
 states go back into the KV pool; no prefill) → ROLLOUT. Checkpoints: `save` / `load` /
 `load_inflight`. The class is plain Python with this small public API; `rl.runtime.PolicyGroup` calls it
-on every worker, in-process or as Ray actors.
+on every worker, in-process or as Ray actors. Several workers train data-parallel through `rl.parallel`
+(DDP or FSDP2, `runtime.parallel`); under FSDP2 the trainer holds shards and the engine its own full copy.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import msgpack
 
-from model.checkpoint import load_weights_into, write_weights
+from model.checkpoint import load_weights_into
 from model.decoder import Decoder
 from model.pretrained import build_decoder
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.faults import fault_point
 from rl.objectives import build_objective
+from rl.parallel import Single, build_data_parallel
+from rl.tool_turns import ToolTurns, generate_with_tools
 from rl.trainer import StepMetrics, TrainBatch, Trainer
 from rollout.engine import Engine
 from teachers.config import TeacherSpec
@@ -92,9 +96,13 @@ def rollout_copy(model: Decoder, dtype: torch.dtype) -> Decoder:
 @torch.no_grad()
 def refresh_rollout_copy(twin: Decoder, model: Decoder) -> None:
     """The master weights cast into the copy's existing tensors: the addresses do not change, so the engine's
-    captured CUDA graphs stay valid (seed §5.2.1: the weight update happens in place on the device)."""
-    for dst, src in [*zip(twin.parameters(), model.parameters()), *zip(twin.buffers(), model.buffers())]:
-        dst.copy_(src)
+    captured CUDA graphs stay valid (seed §5.2.1: the weight update happens in place on the device). A
+    sharded (FSDP2) parameter is gathered on the device first, one at a time, on every rank together."""
+    dst = dict(twin.named_parameters())
+    for name, src in model.named_parameters():
+        dst[name].copy_(src.full_tensor() if isinstance(src, DTensor) else src)
+    for d, b in zip(twin.buffers(), model.buffers()):
+        d.copy_(b)
 
 
 class PolicyWorker:
@@ -103,11 +111,20 @@ class PolicyWorker:
         self.recipe, self.rank, self.world_size = recipe, rank, world_size
         torch.set_num_threads(num_threads or recipe.run.num_threads)
         self.model = build_policy(recipe)  # same seed on every rank: identical initial weights
-        # run.dtype bfloat16: the engine decodes with its own bf16 copy of the float32 master weights
-        self.rollout_model = self.model if recipe.run.dtype == "float32" else rollout_copy(self.model, torch.bfloat16)
+        # the engine decodes with its own copy of the float32 master weights under run.dtype bfloat16 (a bf16 copy)
+        # and under FSDP2 (the trainer's parameters become shards); else it shares the trainer's module
+        sharded = recipe.runtime.parallel == "fsdp2" and world_size > 1
+        bf16 = recipe.run.dtype == "bfloat16"
+        self.rollout_model = (rollout_copy(self.model, torch.bfloat16 if bf16 else torch.float32) if bf16 or sharded
+                              else self.model)
+        self.parallel: Single = Single(self.model)
+        """The trainer's data-parallel strategy (rl/parallel.py); set by `join_process_group`."""
         tok = recipe.tokenizer.build()
         self.engine = Engine(self.rollout_model, recipe.engine, eos_id=tok.eos_id, eos_ids=tok.eos_ids,
                              device=recipe.run.device)
+        self.tools = ToolTurns.from_recipe(recipe, tok)  # multi-turn tool calls (rl/tool_turns.py), or None
+        if self.tools is not None:
+            self.tools.attach(self.engine)
         self.trainer: Trainer | None = None
         self.pool: TeacherPool | None = None  # OPD stages: the teachers (teachers/pool.py)
         self.reference: Decoder | None = None  # the run's initial policy, frozen (stages with kl_ref_coef > 0)
@@ -138,6 +155,8 @@ class PolicyWorker:
         backend = "nccl" if self.recipe.run.device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.recipe.runtime.worker_timeout_s))
+        self.parallel = build_data_parallel(self.recipe.runtime.parallel, self.model,
+                                            bf16=self.recipe.run.dtype == "bfloat16")
 
     # -- ROLLOUT -------------------------------------------------------------------------------------
     def add_requests(self, requests: Sequence[GenerationRequest]) -> None:
@@ -150,13 +169,23 @@ class PolicyWorker:
         self.rollout_model.eval()
         finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
         for i in range(num_steps):
+            if self.tools is not None:  # start calls of new pauses, append finished calls' outputs
+                done = self.tools.service(self.engine)
+                finished += done
+                finish_step += [i] * len(done)
+                if self.engine.has_work() and not self.engine.runnable():
+                    self.tools.wait(0.05)  # every sample waits for its tool: nothing to decode
+                    continue
             if not self.engine.has_work():
                 break
             done = self.engine.step()
+            if self.tools is not None:
+                self.tools.close([g.sample_id for g in done])
             finished += done
             finish_step += [i] * len(done)
             steps += 1
-        return StepResult(finished, self.engine.num_active, self.engine.num_waiting, steps,
+        # samples paused at a tool call are in flight too (the controller must not see a stall)
+        return StepResult(finished, self.engine.num_active + self.engine.num_paused, self.engine.num_waiting, steps,
                           self.engine.stats.generated_tokens - before, finish_step, self.engine.oldest_versions())
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
@@ -165,7 +194,7 @@ class PolicyWorker:
         self.rollout_model.eval()
         parked = self.engine.interrupt()
         try:
-            return self.engine.generate(list(requests))
+            return generate_with_tools(self.engine, self.tools, requests)
         finally:
             self.engine.resume(parked)
 
@@ -187,19 +216,24 @@ class PolicyWorker:
         """Stop and drop every in-flight sample, parked or generating (end of a stage); returns how many."""
         n = len(self.engine.interrupt()) + len(self._held)
         self._held = []
+        if self.tools is not None:
+            self.tools.close_all()
         return n
 
     def update_weights(self, version: int) -> None:
         """The new weights are in place already (engine and trainer share the module; with run.dtype
-        bfloat16 the engine's copy is refreshed here): new tokens carry `version` from here on."""
+        bfloat16 or FSDP2 the engine's copy is refreshed here, from the gathered shards under FSDP2, on every
+        rank together): new tokens carry `version` from here on."""
         if self.rollout_model is not self.model:
             refresh_rollout_copy(self.rollout_model, self.model)
+        self.rollout_model.refresh_rollout_weights()  # the engine's fused q/k/v, gate/up (model/fused.py), in place
         self.engine.policy_version = version
 
     # -- TRAIN ---------------------------------------------------------------------------------------
     def begin_stage(self, stage: SFTStage | GRPOStage) -> None:
         self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device, total_steps=stage.max_steps,
-                               autocast=torch.bfloat16 if self.recipe.run.dtype == "bfloat16" else None)
+                               autocast=torch.bfloat16 if self.recipe.run.dtype == "bfloat16" else None,
+                               parallel=self.parallel)
         if self.pool is not None:
             self.pool.close()
             self.pool = None
@@ -230,9 +264,10 @@ class PolicyWorker:
         of in-flight state written by this rank."""
         from rl.checkpoint import inflight_file, save_tree
 
+        self.parallel.write_weights(directory)  # full tensors, gathered under FSDP2: every rank takes part
+        optimizer = self.parallel.full_optimizer_state(self.trainer.opt) if self.trainer else None
         if self.rank == 0:
-            write_weights(self.model, directory)
-            save_tree({"optimizer": self.trainer.opt.state_dict() if self.trainer else None,
+            save_tree({"optimizer": optimizer,
                        "scheduler": self.trainer.sched.state_dict() if self.trainer else None,
                        "torch_rng": torch.get_rng_state(),
                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, directory)
@@ -244,12 +279,13 @@ class PolicyWorker:
         """Weights, optimizer, LR schedule and RNG from a checkpoint (after `begin_stage`)."""
         from rl.checkpoint import load_tree
 
-        load_weights_into(self.model, directory)
+        self.parallel.load_weights(directory)  # FSDP2: each rank keeps its shard of the full checkpoint
         if self.rollout_model is not self.model:
             refresh_rollout_copy(self.rollout_model, self.model)
+        self.rollout_model.refresh_rollout_weights()
         state = load_tree(directory)
         if self.trainer is not None and state["optimizer"] is not None:
-            self.trainer.opt.load_state_dict(state["optimizer"])
+            self.parallel.load_optimizer_state(self.trainer.opt, state["optimizer"])
             self.trainer.sched.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         if state["cuda_rng"] is not None and torch.cuda.is_available():
@@ -268,16 +304,20 @@ class PolicyWorker:
         return [s.request.sample_id for s in self._held]
 
     # -- misc ----------------------------------------------------------------------------------------
+    def _full_weights(self) -> Decoder:
+        return self.rollout_model if isinstance(next(self.model.parameters()), DTensor) else self.model
+
     def ping(self) -> int:
         """Liveness (rl/runtime.py calls it on its own thread while another call may be running)."""
         return os.getpid()
 
     def info(self) -> dict:
-        """Size, engine counters and a checksum of the weights (data-parallel ranks must agree)."""
+        """Size, engine counters and a checksum of the weights (data-parallel ranks must agree): the trainer's,
+        or under FSDP2 (whose trainer holds shards) the engine's full copy."""
         return {"num_parameters": self.model.num_parameters(), "pid": os.getpid(), "rank": self.rank,
                 "kv_blocks": self.engine.cache.num_blocks, "prefill_calls": self.engine.stats.prefill_calls,
                 "prefill_tokens": self.engine.stats.prefill_tokens, "resumed_tokens": self.engine.stats.resumed_tokens,
                 "reprefill_tokens": self.engine.stats.reprefill_tokens,
                 "free_blocks": self.engine.cache.num_free_blocks,
-                "weights_checksum": float(sum(p.detach().double().sum() for p in self.model.parameters())),
+                "weights_checksum": float(sum(p.detach().double().sum() for p in self._full_weights().parameters())),
                 "node_ip": _node_ip()}

@@ -85,6 +85,8 @@ class _Seq:
     """CSA2 models: this sequence's cache (B = 1)."""
     appended: list[tuple[int, int]] = field(default_factory=list)
     """Response offsets [start, end) of appended (not sampled) tokens: tool output."""
+    tool_turns: list[dict] = field(default_factory=list)
+    """The worker's record of each append (`append(info=)`), with its start and end."""
     prompt: _SharedPrompt | None = None
     """The shared-prompt registry entry this sequence holds (owner or sibling)."""
 
@@ -248,8 +250,7 @@ class Engine:
             elif s.request.tool_calls and self._closes_tool_call(s):
                 self._active.remove(s)
                 self._paused[s.request.sample_id] = s
-                self._new_pauses.append(ToolCallPause(s.request.sample_id, tuple(s.tokens[len(s.request.prompt_tokens):]),
-                                                      s.turn_start))
+                self._new_pauses.append(self._pause_of(s))
         return finished
 
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
@@ -257,7 +258,7 @@ class Engine:
         self.add(requests)
         out = []
         while self.has_work():
-            if self._paused and not (self._active or self._waiting or self._ready or self._done):
+            if not self.runnable():
                 raise RuntimeError("generate() cannot serve tool calls: samples are paused; drive step()/append()")
             out += self.step()
         order = {r.sample_id: i for i, r in enumerate(requests)}
@@ -269,11 +270,24 @@ class Engine:
         out, self._new_pauses = self._new_pauses, []
         return out
 
-    def append(self, sample_id: str, tokens: Sequence[int]) -> int:
+    def paused(self) -> list[ToolCallPause]:
+        """Every sample paused now, waiting for `append` or `finish_paused` (also those resumed paused)."""
+        return [self._pause_of(s) for s in self._paused.values()]
+
+    def runnable(self) -> bool:
+        """A step() would advance something (not only paused samples waiting for their tools)."""
+        return bool(self._active or self._waiting or self._ready or self._done)
+
+    def _pause_of(self, s: _Seq) -> ToolCallPause:
+        return ToolCallPause(s.request.sample_id, tuple(s.tokens[len(s.request.prompt_tokens):]), s.turn_start,
+                             len(s.tool_turns))
+
+    def append(self, sample_id: str, tokens: Sequence[int], info: dict | None = None) -> int:
         """Append tool-output tokens to a paused sample; it rejoins the batch at the next step, which feeds
         its last sampled token and these tokens over its cached context (no re-prefill). Tokens past the
         sample's budget (max_new_tokens) are cut; a sample whose budget is then spent finishes with
-        'length' (returned by the next step()). Returns how many tokens were taken."""
+        'length' (returned by the next step()). `info` (plain values: tool, call, status...) is kept with the
+        span's offsets in `Generation.tool_turns`. Returns how many tokens were taken."""
         s = self._paused.pop(sample_id)
         room = self._max_new(s.request) - s.num_response
         take = list(tokens)[:max(room, 0)]
@@ -283,6 +297,7 @@ class Engine:
         s.versions += [self.policy_version] * len(take)
         if take:
             s.appended.append((start, start + len(take)))
+        s.tool_turns.append({**(info or {}), "start": start, "end": start + len(take)})
         self.stats.appended_tokens += len(take)
         if s.num_response >= self._max_new(s.request):
             self._done.append(self._release(s, "length"))
@@ -302,7 +317,7 @@ class Engine:
         paused = set(self._paused)
         for s in [*self._active, *self._ready, *self._paused.values()]:
             routing = torch.cat(s.routing).to(torch.int16).cpu().numpy() if s.routing else None
-            extra = dict(paused=s.request.sample_id in paused, appended_spans=list(s.appended),
+            extra = dict(paused=s.request.sample_id in paused, appended_spans=list(s.appended), tool_turns=list(s.tool_turns),
                          num_cached=None if s.cached == len(s.tokens) - 1 else s.cached)
             if self.sparse:
                 csa2 = {n: t.to("cpu", copy=True) for n, t in s.csa2.to_tensors().items()}
@@ -365,7 +380,8 @@ class Engine:
             self._waiting.pop(0)
             blocks = self.cache.share(entry.blocks[:full]) + self.cache.allocate(need - full) if entry else self.cache.allocate(need)
             seq = _Seq(st.request, list(st.tokens), blocks, list(st.logprobs), list(st.policy_versions),
-                       generate_s=st.generate_s, cached=st.cached, appended=list(st.appended_spans))
+                       generate_s=st.generate_s, cached=st.cached, appended=list(st.appended_spans),
+                       tool_turns=list(st.tool_turns))
             if entry is not None:
                 self._join_prompt(seq, entry, full)
             elif self._shareable(st):  # the first of its prompt: its prefill at this step fills the registry's blocks
@@ -571,4 +587,5 @@ class Engine:
             routing_trace=routing,
             generate_s=s.generate_s,
             appended_spans=tuple(s.appended),
+            tool_turns=tuple(s.tool_turns),
         )

@@ -17,7 +17,12 @@ there), they have no context, and their logits are ignored. A
 step is one host-to-device copy of the input buffer, one replay, and the sampling that follows.
 
 The graphs read the model's parameters and the cache's tensors where they are: the trainer updates the
-shared weights in place (rl/worker.py), so new weights need no recapture. Models the graph cannot hold
+shared weights in place (rl/worker.py), so new weights need no recapture. The captured forward is the model's
+rollout path (model/fused.py: q/k/v and gate/up as one GEMM each, fused norm/RoPE/cache-write, SwiGLU and
+residual-add+norm kernels), turned on here; its concatenated weights are views of the parameters (a frozen
+model, such as the worker's rollout copy) or copies refreshed in place, and every replay first checks them
+against the parameters' version counters (`Decoder.refresh_rollout_weights`), so an in-place update that
+nobody announced is still seen. Models the graph cannot hold
 (MoE: the expert loop reads counts on the host; CSA2: per-sequence caches) decode eagerly, as does any
 model whose capture fails (the error is kept in `DecodeGraphs.disabled_reason`).
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from model import fused
 from model.kv_cache import PagedBatch, PagedKVCache
 
 _COLS = 3
@@ -55,6 +61,8 @@ class DecodeGraphs:
         """Attention through the paged decode kernel (its head_dim must be a power of two >= 16); else
         a gather of a fixed max_blocks · block_size context and SDPA."""
         self.replays = 0
+        if fused.ENABLED:  # a model nobody trains shares storage with its fused weights (model/fused.py)
+            model.enable_rollout_fusion(share_storage=not any(p.requires_grad for p in model.parameters()))
 
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
@@ -96,6 +104,7 @@ class DecodeGraphs:
             return None
         B = len(ids)
         b = self.bucket(B)
+        self.model.refresh_rollout_weights()  # in place, outside the graph: the graph reads the buffers
         if b not in self._graphs:
             try:
                 self._graphs[b] = self._capture(b)

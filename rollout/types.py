@@ -44,6 +44,9 @@ class Generation:
     appended_spans: tuple[tuple[int, int], ...] = ()
     """Response offsets [start, end) of tokens the engine did not sample (tool output appended with
     `Engine.append`): trained with loss mask 0; their logprobs are 0.0 placeholders."""
+    tool_turns: tuple[dict, ...] = ()
+    """What the worker said about each append (`Engine.append(..., info=)`: tool, call, status, output...),
+    plus its "start" and "end" response offsets; plain values only (they travel in RolloutStates)."""
     """Wall-clock seconds from admission to finish (time interrupted excluded)."""
 
 
@@ -56,6 +59,8 @@ class ToolCallPause:
     """The response so far, the call included."""
     turn_start: int
     """Response offset where the model's current turn began (after the last tool output)."""
+    tool_turns: int = 0
+    """Tool outputs appended to this sample so far."""
 
 
 @dataclass
@@ -92,6 +97,8 @@ class RolloutState:
     """Stopped at a tool call, waiting for `Engine.append` (multi-turn); resumes paused."""
     appended_spans: list[tuple[int, int]] = field(default_factory=list)
     """As `Generation.appended_spans`."""
+    tool_turns: list[dict] = field(default_factory=list)
+    """As `Generation.tool_turns`."""
     num_cached: int | None = None
     """Tokens whose KV `k`/`v` (or csa2) hold; None: len(tokens) - 1 when there is KV, else 0."""
 
@@ -143,6 +150,7 @@ class RolloutState:
             "csa2": self.csa2 is not None,
             "paused": self.paused,
             "appended_spans": [list(x) for x in self.appended_spans],
+            "tool_turns": list(self.tool_turns),
             "num_cached": self.num_cached,
             "tensors": {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors.items()},
             "routing": None if self.routing is None else list(self.routing.shape),
@@ -204,6 +212,7 @@ class RolloutState:
                 csa2=csa2 if header["csa2"] else None,
                 paused=bool(header.get("paused", False)),
                 appended_spans=[tuple(_ints(x)) for x in header.get("appended_spans", [])],
+                tool_turns=_dicts(header.get("tool_turns", [])),
                 num_cached=None if header.get("num_cached") is None else _ints([header["num_cached"]])[0],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -228,6 +237,12 @@ def unpack_plain(data: bytes):
         return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=no_ext, use_list=True)
     except (ValueError, msgpack.UnpackException, TypeError) as e:
         raise ValueError(f"not valid msgpack ({type(e).__name__}: {e})") from None
+
+
+def _dicts(xs) -> list[dict]:
+    if not isinstance(xs, list) or not all(isinstance(x, dict) for x in xs):
+        raise ValueError(f"expected a list of maps, got {type(xs).__name__}")
+    return xs
 
 
 def _ints(xs) -> list[int]:

@@ -46,9 +46,26 @@ def _with_stub_teachers(path: Path, tmp_path: Path) -> Path:
     return out
 
 
+def _with_listening_socket(path: Path, tmp_path: Path) -> Path:
+    """A recipe naming a sandbox server's socket (configs/tool_arith.yaml) is validated against a socket file
+    the test binds (validation checks that a socket is there; nothing connects)."""
+    data = yaml.safe_load(path.read_text())
+    if not (data.get("sandbox") or {}).get("socket"):
+        return path
+    import socket
+
+    sock = tmp_path / "sandbox.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock))  # the socket file outlives the object
+    data["sandbox"]["socket"] = str(sock)
+    out = tmp_path / f"sock-{path.name}"
+    out.write_text(yaml.safe_dump(data))
+    return out
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_config_loads(path, tmp_path):
-    recipe = load_recipe(_with_stub_teachers(path, tmp_path))
+    recipe = load_recipe(_with_stub_teachers(_with_listening_socket(path, tmp_path), tmp_path))
     assert recipe.stages and recipe.datasets
     # What a run saves as its resolved recipe loads back to the same thing.
     (tmp_path / "resolved.yaml").write_text(recipe_to_yaml(recipe))

@@ -47,3 +47,10 @@ def test_validate_refuses_a_recipe_that_cannot_fit_and_prints_the_estimate():
     assert lines[0].startswith("rl validate: the cpu worker needs at least 0.11 GiB per worker (") and "0.01 GiB of run.device_memory_gib" in lines[0]
     ok = subprocess.run([*CLI, "validate", "configs/quickstart.yaml"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("memory: 0.11 GiB per worker (weights")
+
+
+def test_fsdp2_shards_the_trainer_and_the_engine_keeps_full_weights():
+    one = estimate(load_recipe("configs/quickstart.yaml", []))
+    two = estimate(load_recipe("configs/quickstart.yaml", ["runtime.num_workers=2", "runtime.parallel=fsdp2"]))
+    assert [two[k] for k in ("weights", "gradients", "adamw")] == [one[k] / 2 for k in ("weights", "gradients", "adamw")]
+    assert two["engine_weights"] == 4 * two["parameters"] and one["engine_weights"] == 0

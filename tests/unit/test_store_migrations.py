@@ -18,7 +18,7 @@ from rl.store import StoreError, TrajectoryStore, decode_array
 from rl.store_db import alembic_config, head_revision, schema_state, sqlite_url, upgrade_store
 from tests.unit.test_store import make_sample
 
-HEAD = "0003"
+HEAD = "0004"
 """The newest schema revision (rl/migrations/versions)."""
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -64,7 +64,7 @@ def legacy_run(tmp_path: Path, which: str) -> Path:
     return run_dir
 
 
-def test_head_is_0003_and_the_baseline_is_d07e8ae_exactly(tmp_path):
+def test_head_is_0004_and_the_baseline_is_d07e8ae_exactly(tmp_path):
     from alembic import command
 
     assert head_revision() == HEAD
@@ -116,13 +116,14 @@ def test_rl_db_upgrade_keeps_every_row_and_the_new_code_reads_them(tmp_path, cap
     assert after == before
     run_id = run_dir.name
     assert rows(db, "segments") == sorted(({"run_id": run_id, **s} for s in old_segments), key=repr)
+    assert rows(db, "turns") == []  # revision 0004's table: old samples are single-turn
 
     store = TrajectoryStore.read_run(run_dir)  # no run.json: the old store's id, the directory name
     assert store.run_id == run_id
     for old in before["samples"]:
         x = store.get_sample(old["sample_id"])
         assert list(x.response_tokens) == decode_array(old["response_tokens"], "<i4").tolist()
-        assert x.reward == old["reward"] and store.sample_train_step(x.sample_id) == old["train_step"]
+        assert x.reward == old["reward"] and store.sample_train_step(x.sample_id) == old["train_step"] and x.turns == ()
         assert store.segments(x.sample_id) == [(s["start"], s["end"], s["policy_version"]) for s in
                                                sorted(old_segments, key=lambda s: s["start"]) if s["sample_id"] == x.sample_id]
     assert store.audit() == {"trained_twice": 0, "trained": 32, "link_mismatch": 0, "prompts": 12, "prompts_open": 0}

@@ -106,3 +106,18 @@ def test_kl_to_the_reference_is_zero_at_the_reference_and_pulls_back_towards_it(
     for _ in range(5):
         trainer.train_step(rows, GRPOObjective(stage, model=moved, temperature=1.0, current_version=0, reference=ref))
     assert before > 1e-3 and kl() < before
+
+
+def test_tool_output_tokens_are_masked_out_of_the_loss():
+    """A multi-turn sample's tool-output tokens (Sample.turns, loss mask 0) get mask 0 in the packed batch, and
+    the step's token count covers only the sampled tokens."""
+    from rl.types import Sample, Turn
+
+    turns = (Turn("model", 0, 2, "ab"), Turn("tool", 2, 5, "out", tool="python", status="ok"), Turn("model", 5, 6, "c"))
+    s = Sample("s", "p", "d", "p", (1, 2, 3), (4, 5, 6, 7, 8, 9), "", "", (0.0,) * 6, (0,) * 6, 1.0, True, "eos",
+               turns=turns)
+    plain = Sample("t", "p", "d", "p", (1, 2), (4, 5), "", "", (0.0,) * 2, (0,) * 2, 1.0, True, "eos")
+    assert s.loss_mask_T() == (1, 1, 0, 0, 0, 1) and s.num_trained_tokens == 3 and plain.num_trained_tokens == 2
+    b = TrainBatch.from_samples([s, plain], [1.0, 1.0], num_tokens=5.0).pack("cpu")
+    assert b.mask[0, 2:8].tolist() == [1, 1, 0, 0, 0, 1] and b.mask[0].sum() == 3
+    assert b.mask[1, 1:3].tolist() == [1, 1] and b.mask[1].sum() == 2

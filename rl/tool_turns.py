@@ -1,0 +1,196 @@
+"""Multi-turn tool calls in the policy worker (issue #16; DESIGN "Tool turns"; seed §5.1.3's split: the sandbox
+runs the tools, a scaffold-agnostic layer in the worker orchestrates turns).
+
+The engine pauses a `tool_calls` request when `StopMatcher` says its turn closes a call (rollout/tool_calls.py).
+`ToolTurns.service(engine)`, called by the worker between engine steps:
+  1. every paused sample without a running call gets one: the turn's text is parsed (`parse_tool_call`); a call
+     that does not parse is answered at once with the parser's line (status `parse_error`); a sample that has
+     had `tools.max_turns` tool outputs is finished instead (finish reason `max_turns`);
+  2. a call runs in the sample's own sandbox (created at its first call on the node's sandbox server,
+     `sandbox.socket`; its work directory persists across the sample's calls and is closed when the sample
+     ends) on this object's event-loop thread, so the engine keeps decoding the other samples meanwhile;
+  3. every finished call's output is formatted (`format_tool_output`), cut to `tools.max_tool_output_tokens`,
+     tokenised on its own (`tool_result_tokens`: token in, token out) and appended (`Engine.append`), with its
+     record (tool, call, status, exit code, truncation, wall seconds, the output as shown) in
+     `Generation.tool_turns`; the sample continues at the next step from its cached KV.
+An interrupt for a weight update may fall anywhere: the engine exports paused samples (`paused=True`), a running
+call keeps running, and its output is appended after the resume. After a restore from a checkpoint no call is
+running for a paused sample, so step 1 runs it again in a new sandbox (files of earlier calls are gone then).
+A sandbox that cannot be created or fails is the turn's status `sandbox_failed`, shown to the model as its output;
+it never stops the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rollout.tool_calls import (ToolCall, ToolCallError, ToolSpec, StopMatcher, format_tool_output, parse_tool_call,
+                                tool_result_tokens, tool_status)
+from rollout.types import Generation, ToolCallPause
+from sandbox_client import Limits, SandboxClient
+from sandbox_client.records import SandboxError
+
+
+class ToolTurns:
+    def __init__(self, tokenizer, *, fmt: str, specs: Sequence[ToolSpec], max_turns: int, max_output_tokens: int,
+                 timeout_s: float, socket_path: str | Path, limits: Limits, admission_wait_s: float = 300.0):
+        self.tok, self.fmt, self.specs = tokenizer, fmt, tuple(specs)
+        self.max_turns, self.max_output_tokens, self.timeout_s = max_turns, max_output_tokens, timeout_s
+        self.socket_path, self.limits, self.admission_wait_s = Path(socket_path), limits, admission_wait_s
+        self.matcher = StopMatcher(tokenizer, fmt)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="tool-turns", daemon=True).start()
+        self._client: SandboxClient | None = None  # connected at the first call (loop thread)
+        self._sandboxes: dict = {}  # sample_id -> Sandbox (loop thread only)
+        self._calls: dict[str, concurrent.futures.Future] = {}  # sample_id -> its running call
+        self._closing: list[concurrent.futures.Future] = []  # sandbox closes under way
+        self.stats = {"calls": 0, "parse_errors": 0, "sandbox_failed": 0, "max_turns": 0}
+
+    @classmethod
+    def from_recipe(cls, recipe, tokenizer) -> "ToolTurns | None":
+        t = recipe.tools
+        if t is None:
+            return None
+        return cls(tokenizer, fmt=t.format, specs=t.specs(), max_turns=t.max_turns,
+                   max_output_tokens=t.max_tool_output_tokens, timeout_s=t.timeout_s,
+                   socket_path=recipe.sandbox.socket, limits=recipe.sandbox.limits)
+
+    def attach(self, engine) -> None:
+        engine.tool_stop = self.matcher
+
+    # -- between engine steps --------------------------------------------------------------------------
+    def service(self, engine) -> list[Generation]:
+        """Start calls for new pauses, append finished calls' outputs; returns samples finished here (max_turns)."""
+        finished = []
+        for p in engine.paused():
+            sid = p.sample_id
+            if sid in self._calls:
+                continue
+            if p.tool_turns >= self.max_turns:
+                finished.append(engine.finish_paused(sid, "max_turns"))
+                self.stats["max_turns"] += 1
+                continue
+            self._calls[sid] = self._start(p)
+        paused = {p.sample_id for p in engine.paused()}  # a call done while its sample is held waits for the resume
+        for sid, fut in list(self._calls.items()):
+            if fut.done() and sid in paused:
+                del self._calls[sid]
+                output, info = fut.result()
+                res = tool_result_tokens(self.tok, output, max_tokens=self.max_output_tokens)
+                engine.append(sid, res.tokens, {**info, "output": res.output, "truncated": res.truncated})
+        self.close([g.sample_id for g in finished])
+        return finished
+
+    def close_all(self) -> None:
+        """Every sample was dropped: cancel all calls, close all sandboxes."""
+        self.close(list(self._calls))
+        self._closing.append(asyncio.run_coroutine_threadsafe(self._close_all(), self._loop))
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until a running call finishes (or `timeout_s`): the engine has nothing else to do."""
+        if self._calls:
+            concurrent.futures.wait(list(self._calls.values()), timeout=timeout_s,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def close(self, sample_ids: Sequence[str]) -> None:
+        """Samples that ended (finished or dropped): close their sandboxes, forget their calls."""
+        for sid in sample_ids:
+            fut = self._calls.pop(sid, None)
+            if fut is not None:
+                fut.cancel()
+        if sample_ids:
+            self._closing = [f for f in self._closing if not f.done()]
+            self._closing.append(asyncio.run_coroutine_threadsafe(self._close(list(sample_ids)), self._loop))
+
+    def shutdown(self) -> None:
+        """Close every sandbox and the connection; stop the loop thread."""
+        for fut in self._calls.values():
+            fut.cancel()
+        self._calls.clear()
+        concurrent.futures.wait(self._closing, timeout=30)
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+
+    # -- a call ------------------------------------------------------------------------------------------
+    def _start(self, p: ToolCallPause) -> concurrent.futures.Future:
+        text = self.tok.decode(list(p.response_tokens[p.turn_start:]))
+        try:
+            call = parse_tool_call(text, self.fmt, self.specs)
+        except ToolCallError as e:
+            self.stats["parse_errors"] += 1
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result((f"error: {e}", {"tool": None, "call": None, "status": "parse_error", "exit_code": None,
+                                             "wall_s": 0.0}))
+            return done
+        self.stats["calls"] += 1
+        return asyncio.run_coroutine_threadsafe(self._run(p.sample_id, call), self._loop)
+
+    async def _run(self, sample_id: str, call: ToolCall) -> tuple[str, dict]:
+        t0 = time.monotonic()
+        info = {"tool": call.name, "call": call.call_text}
+        try:
+            if self._client is None:
+                self._client = await SandboxClient.connect(self.socket_path)
+            sb = self._sandboxes.get(sample_id)
+            if sb is None:
+                sb = self._sandboxes[sample_id] = await self._client.create_waiting(self.limits, wait_s=self.admission_wait_s)
+            timeout = min(self.timeout_s, self.limits.timeout_s)
+            r = await (sb.exec(code=call.source, timeout=timeout) if call.run == "python"
+                       else sb.exec(call.source, timeout=timeout))
+        except (SandboxError, OSError, asyncio.TimeoutError) as e:
+            self.stats["sandbox_failed"] += 1
+            self._sandboxes.pop(sample_id, None)
+            return (f"[sandbox failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}]",
+                    {**info, "status": "sandbox_failed", "exit_code": None, "wall_s": time.monotonic() - t0})
+        out = format_tool_output(r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace"),
+                                 reason=r.reason, exit_code=r.exit_code)
+        return out, {**info, "status": tool_status(r.reason, r.exit_code), "exit_code": r.exit_code,
+                     "wall_s": time.monotonic() - t0}
+
+    async def _close(self, sample_ids: list[str]) -> None:
+        for sid in sample_ids:
+            sb = self._sandboxes.pop(sid, None)
+            if sb is not None:
+                try:
+                    await sb.close()
+                except (SandboxError, OSError):
+                    pass  # the server reaps what a dead connection leaves
+
+    async def _close_all(self) -> None:
+        await self._close(list(self._sandboxes))
+
+    async def _shutdown(self) -> None:
+        await self._close(list(self._sandboxes))
+        if self._client is not None:
+            await self._client.close()
+
+
+def generate_with_tools(engine, tools: ToolTurns | None, requests: Sequence) -> list[Generation]:
+    """Run requests to completion on `engine`, serving their tool calls (evaluation); in request order."""
+    if tools is None:
+        return engine.generate(list(requests))
+    engine.add(list(requests))
+    out = run_to_completion(engine, tools)
+    order = {r.sample_id: i for i, r in enumerate(requests)}
+    return sorted(out, key=lambda g: order.get(g.sample_id, len(order)))
+
+
+def run_to_completion(engine, tools: ToolTurns) -> list[Generation]:
+    """Step `engine` until nothing is left, serving tool calls between steps (waiting on them when every
+    sample waits for its tool); returns what finished, in finishing order."""
+    out: list[Generation] = []
+    while True:
+        out += tools.service(engine)
+        if not engine.has_work():
+            return out
+        if not engine.runnable():
+            tools.wait(0.05)
+            continue
+        done = engine.step()
+        tools.close([g.sample_id for g in done])
+        out += done

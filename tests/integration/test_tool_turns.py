@@ -1,0 +1,112 @@
+"""Multi-turn tool calls end to end in one process (issue #16, part 2): the real engine (tiny model, char tokenizer),
+the real stop matcher and parser, a real sandbox server (bubblewrap). The tiny random model does not write calls
+by itself, so each sample's first turn is put in its RolloutState as if the model had written it (its KV not yet
+cached), and the sample resumes paused at that call: from there every step is the production path. The call runs
+in the sample's sandbox while other samples decode, its output is appended as its own tokens and prefilled over
+the cached context, an interrupt while a call runs loses nothing, and the turn limit ends a sample."""
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.decoder import Decoder
+from model.tokenizer import CharTokenizer
+from rl.tool_turns import ToolTurns, run_to_completion
+from rollout.config import EngineConfig
+from rollout.engine import Engine
+from rollout.tool_calls import PYTHON_TOOL, tool_result_tokens
+from rollout.types import GenerationRequest, RolloutState
+from sandbox_client import Limits, LocalServer
+from tests.conftest import debug_config
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def server():
+    if shutil.which("bwrap") is None and os.environ.get("CI") != "true":
+        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap; .ci/run does)")
+    scratch = Path(tempfile.mkdtemp(prefix="asyncrl-tool-turns-"))
+    scratch.chmod(0o711)
+    srv = LocalServer(scratch / "s.sock", scratch / "state", max_sandboxes=4)
+    yield srv, scratch / "s.sock"
+    srv.stop()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _paused_at(engine: Engine, tok: CharTokenizer, sample_id: str, turn: str, tool_turns: list | None = None) -> RolloutState:
+    """A state paused at `turn` (the model's first turn, ending in a call), its prompt's KV cached."""
+    prompt = tuple(tok.encode("Q: what is 6*7?\nA: ", bos=True))
+    engine.add([GenerationRequest(sample_id, prompt, 300, seed=3, tool_calls=True)])
+    engine.step()  # prefill: the prompt's KV, one sampled token (replaced below)
+    (st,) = engine.interrupt()
+    call = tok.encode(turn)
+    st.tokens = list(prompt) + call
+    st.logprobs, st.policy_versions = [0.0] * len(call), [0] * len(call)
+    st.num_cached, st.paused, st.tool_turns = len(prompt), True, list(tool_turns or [])
+    return RolloutState.from_bytes(st.to_bytes())
+
+
+def _drive(engine: Engine, tools: ToolTurns):
+    return {g.sample_id: g for g in run_to_completion(engine, tools)}
+
+
+def test_tool_calls_run_in_the_sandbox_and_their_output_is_appended(server):
+    _, sock = server
+    torch.manual_seed(0)
+    tok = CharTokenizer()
+    engine = Engine(Decoder(debug_config(moe=False)).eval(), EngineConfig(max_batch_size=4, block_size=4, max_seq_len=400),
+                    eos_id=tok.eos_id)
+    tools = ToolTurns(tok, fmt="code", specs=[PYTHON_TOOL], max_turns=1, max_output_tokens=40, timeout_s=5,
+                      socket_path=sock, limits=Limits(timeout_s=5, cpu_s=2))
+    tools.attach(engine)
+    turns = {"ok": "```python\nimport time; time.sleep(0.3); print(6*7)\n```", "bad": "```python\nprint(6*\n```",
+             "spin": "```python\nwhile True: pass\n```"}
+    states = [_paused_at(engine, tok, sid, t) for sid, t in turns.items()]
+    states.append(_paused_at(engine, tok, "limit", turns["ok"], tool_turns=[{"status": "ok", "start": 0, "end": 0}]))
+    engine.resume(states)
+    engine.step()  # admits them paused: nothing to feed until their tools answer
+    assert engine.num_paused == 4 and not engine.runnable()
+    tools.service(engine)
+    # an interrupt while the calls run (a weight update): the calls go on, their outputs land after the resume
+    held = [RolloutState.from_bytes(s.to_bytes()) for s in engine.interrupt()]
+    assert {s.request.sample_id for s in held if s.paused} == {"ok", "bad", "spin"}  # "limit" was finished
+    engine.resume(held)
+    gens = _drive(engine, tools)
+    assert set(gens) == {"ok", "bad", "spin"}
+    for sid, g in gens.items():
+        (turn,) = g.tool_turns
+        s, e = g.appended_spans[0]
+        assert (turn["start"], turn["end"]) == (s, e) and s == len(tok.encode(turns[sid]))
+        want = tool_result_tokens(tok, turn["output"], max_tokens=40).tokens
+        assert g.response_tokens[s:e] == tuple(want)[: e - s]  # token in, token out: exactly the tool's own tokens
+        assert all(g.logprobs[t] == 0.0 for t in range(s, e)) and e < len(g.response_tokens)  # the model went on
+    assert gens["ok"].tool_turns[0]["status"] == "ok" and gens["ok"].tool_turns[0]["output"] == "42"
+    assert gens["ok"].tool_turns[0]["tool"] == "python" and gens["ok"].tool_turns[0]["wall_s"] >= 0.3
+    bad = gens["bad"].tool_turns[0]  # a traceback longer than 40 tokens: cut, and the cut marked and recorded
+    assert bad["status"] == "error" and bad["output"].startswith('  File "<string>"') and bad["truncated"]
+    assert bad["output"].endswith("[tool output truncated to 40 tokens]") and not gens["ok"].tool_turns[0]["truncated"]
+    assert gens["spin"].tool_turns[0]["status"] == "timeout"
+    assert tools.stats["max_turns"] == 1 and tools.stats["calls"] == 3
+    tools.shutdown()
+
+
+def test_a_call_that_does_not_parse_is_answered_with_the_parsers_line(server):
+    _, sock = server
+    torch.manual_seed(0)
+    tok = CharTokenizer()
+    engine = Engine(Decoder(debug_config(moe=False)).eval(), EngineConfig(max_batch_size=2, block_size=4, max_seq_len=400),
+                    eos_id=tok.eos_id)
+    tools = ToolTurns(tok, fmt="hermes", specs=[PYTHON_TOOL], max_turns=2, max_output_tokens=60,
+                      timeout_s=5, socket_path=sock, limits=Limits(timeout_s=5))
+    tools.attach(engine)
+    engine.resume([_paused_at(engine, tok, "h", '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')])
+    gens = _drive(engine, tools)
+    (turn, *_) = gens["h"].tool_turns
+    assert turn["status"] == "parse_error" and turn["output"].startswith("error: ") and "nope" in turn["output"]
+    assert tools.stats["parse_errors"] >= 1 and tools.stats["calls"] == 0
+    tools.shutdown()
