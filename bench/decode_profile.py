@@ -50,8 +50,8 @@ def measure(model, batch: int, prompt: int, device: str, steps: int) -> dict[str
     sync()
     step_ms = 1000 * (time.perf_counter() - t0) / steps
     replay_ms = float("nan")
-    if eng.graphs is not None and eng.graphs._graphs:
-        graph = eng.graphs._graphs[eng.graphs.bucket(batch)][0]
+    graph = eng.graphs.captured(batch) if eng.graphs is not None else None
+    if graph is not None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(steps):

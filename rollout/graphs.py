@@ -67,6 +67,11 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
+    def captured(self, batch: int) -> "torch.cuda.CUDAGraph | None":
+        """The graph replayed for `batch` rows, once captured (bench/decode_profile.py times its replay)."""
+        entry = self._graphs.get(self.bucket(batch))
+        return None if entry is None else entry[0]
+
     def _forward(self, buf: torch.Tensor) -> torch.Tensor:
         """The captured computation: input buffer [b, 3 + max_blocks] -> next-token logits [b, V]."""
         bs, S = self.cache.block_size, self.max_blocks * self.cache.block_size
