@@ -67,7 +67,8 @@ class ToolTurns:
     def service(self, engine) -> list[Generation]:
         """Start calls for new pauses, append finished calls' outputs; returns samples finished here (max_turns)."""
         finished = []
-        for p in engine.paused():
+        pauses = engine.paused()
+        for p in pauses:
             sid = p.sample_id
             if sid in self._calls:
                 continue
@@ -76,7 +77,8 @@ class ToolTurns:
                 self.stats["max_turns"] += 1
                 continue
             self._calls[sid] = self._start(p)
-        paused = {p.sample_id for p in engine.paused()}  # a call done while its sample is held waits for the resume
+        ended = {g.sample_id for g in finished}
+        paused = {p.sample_id for p in pauses} - ended  # a call done while its sample is held waits for the resume
         for sid, fut in list(self._calls.items()):
             if fut.done() and sid in paused:
                 del self._calls[sid]
