@@ -5,6 +5,7 @@ teacher is that GRPO run. Needs `rl models fetch smollm2-135m-instruct`
 (skips without it locally; fails under CI=true, where .ci/run fetches it)."""
 
 import json
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -52,6 +53,8 @@ def test_one_grpo_step_of_the_smollm2_recipe_on_cpu(tmp_path):
     ours, theirs = load_hf_tokenizer(model_path("smollm2-135m-instruct")), AutoTokenizer.from_pretrained(export)
     text = "Mia has 63 apples. She picks 10 more apples. How many apples does Mia have now?"
     assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+
+    shutil.rmtree(run_dir / "export")  # 0.5 GB: CI machines' disks vary (the OPD run reads the checkpoint)
 
     # OPD: the GRPO run teaches the original model; the teacher is the run's newest checkpoint
     opd_dir = tmp_path / "opd"
