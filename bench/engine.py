@@ -55,14 +55,14 @@ VARIANTS = {  # name -> (cuda_graphs, paged decode kernel, fused RMSNorm/RoPE, t
 
 
 def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: str, *,
-                       variant: str = "graphs") -> tuple[float, Engine]:
+                       variant: str = "graphs", overlap: bool | None = None) -> tuple[float, Engine]:
     from model import fused as rollout_path
     from model.kernels import norm_rope
 
     graphs, paged, fused_norm, fused_layers = VARIANTS[variant]
     norm_rope.ENABLED, rollout_path.ENABLED = fused_norm, fused_layers
     cfg = EngineConfig(max_batch_size=batch, block_size=16, max_seq_len=prompt + new + 16, max_new_tokens=new,
-                       cuda_graphs=graphs, paged_decode_kernel=paged)
+                       cuda_graphs=graphs, paged_decode_kernel=paged, overlap_steps=overlap)
     eng = Engine(model, cfg, eos_id=0, device=device)
     vocab = model.config.vocab_size
 
@@ -170,16 +170,41 @@ def build(shape: str, device: str, kv: str = "bf16", max_pos: int = 4096) -> Dec
     return Decoder(cfg).to(device=device, dtype=dtype).eval()
 
 
+def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float]) -> None:
+    """ms/step with each step launched before the previous one is read (the default on CUDA) and with each step
+    read before the next is launched, alternating per batch in one run; tokens dropped per generated token."""
+    prompt, new = (128, 256) if device == "cuda" else (16, 32)
+    for shape in shapes:
+        model = build(shape, device)
+        for b in (1, 64, 256) if device == "cuda" else (1, 16):
+            ms_on, eng = engine_ms_per_step(model, b, prompt, new, device, overlap=True)
+            ms_off = engine_ms_per_step(model, b, prompt, new, device, overlap=False)[0]
+            print(f"{shape:<9}bf16  batch {b:>4}: overlapped {ms_on:.3f} ms/step, plain {ms_off:.3f} ms/step "
+                  f"({ms_off / ms_on:.2f}x)", flush=True)
+            result[f"{shape}_overlap_ms_per_step_b{b}"] = ms_on
+            result[f"{shape}_plain_ms_per_step_b{b}"] = ms_off
+            result[f"{shape}_discarded_per_token_b{b}"] = eng.stats.discarded_tokens / max(eng.stats.generated_tokens, 1)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default="smollm2,qwen3")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--long", action="store_true", help="CUDA: also 2K context at batch 64 and 16K at batch 16, bf16 and fp4")
+    ap.add_argument("--overlap-only", action="store_true",
+                    help="only overlapped vs plain steps (engine.overlap_steps), side by side, for each shape at batch 1, 64, 256")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     torch.set_num_threads(2 if device == "cpu" else torch.get_num_threads())
     result: dict[str, float] = {}
+    if args.overlap_only:
+        overlap_side_by_side(args.shapes.split(",") if device == "cuda" else ["tiny"], device, result)
+        print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
+        return
     if device == "cpu":
         shapes, batches, prompt, new = ["tiny"], [1, 16], 16, 32
     else:

@@ -40,6 +40,9 @@ class EngineConfig(StrictConfig):
     share_prompt_kv: bool = True
     """Samples with the same prompt (a GRPO group) prefill it once: later ones hold its KV blocks
     (reference-counted, the last partly filled block copied) and start decoding at its last token."""
+    overlap_steps: bool | None = None
+    """Launch each step before reading the tokens of the one before, so the device never waits on the host
+    (rollout/engine.py); finished samples come back one step later. None: on CUDA. Dense paged models only."""
     paged_decode_kernel: bool = True
     """In graphed decode, attend through the paged Triton kernel, which reads the cache in its storage
     format (bf16, fp8, fp4) with no gathered copy; False: gather a fixed-length context, then SDPA."""

@@ -29,6 +29,18 @@ full blocks, copies the last partly filled one (copy on write: it writes its own
 starts as a decode row at the prompt's last token: P - 1 prompt tokens it never prefills. Interrupt
 exports each sample's whole KV (shared blocks read like any other), so resume needs nothing shared.
 
+Overlapped steps (`EngineConfig.overlap_steps`, on by default on CUDA; issue #15): `step()` launches the
+next step before it reads the tokens of the one before, so the GPU never waits on the host's per-step work
+(reading tokens, stop checks, the next step's inputs). A decode row whose last token is still on the
+device takes it from there (the previous step's output, gathered in the next step's input), and its
+sampling counter is one past the tokens the host has seen (`_Seq.inflight`). `step()` therefore returns
+the sequences that finished at the step before the one it launched. A row that finishes or pauses at a
+tool call in the step being read was launched once more: that token is dropped (`stats.discarded_tokens`;
+its KV write lands in blocks freed after it in stream order, or at the position a paused sample feeds
+again). `interrupt()` drops the launched step the same way: the token boundary is the last step read, and
+the counter-based RNG draws the same tokens again after resume. Dense paged models only (MoE reads its
+routing on the host, CSA2 keeps per-sequence caches): they run each step to its end.
+
 Tool calls (multi-turn, issue #16): a request with `tool_calls` pauses when `tool_stop` says its response
 closes a call; it keeps its blocks, leaves the batch, and waits for `append` (the tool output, fed by an
 extend at the next step) or `finish_paused`. Interrupt exports paused samples too (`paused=True`).
@@ -89,6 +101,8 @@ class _Seq:
     """The worker's record of each append (`append(info=)`), with its start and end."""
     prompt: _SharedPrompt | None = None
     """The shared-prompt registry entry this sequence holds (owner or sibling)."""
+    inflight: int = 0
+    """Tokens sampled by launched steps and not read yet (overlapped steps: 0 or 1 between steps)."""
 
     @property
     def num_cached(self) -> int:
@@ -96,7 +110,8 @@ class _Seq:
 
     @property
     def pending(self) -> int:
-        return len(self.tokens) - self.cached
+        """Tokens the next step feeds: known ones past `cached`, and one still on the device."""
+        return len(self.tokens) + self.inflight - self.cached
 
     @property
     def turn_start(self) -> int:
@@ -106,6 +121,22 @@ class _Seq:
     @property
     def num_response(self) -> int:
         return len(self.tokens) - len(self.request.prompt_tokens)
+
+
+@dataclass(eq=False)
+class _Step:
+    """A launched step: its rows, and their sampled tokens and logprobs on the way to the host."""
+
+    seqs: list[_Seq]
+    out: torch.Tensor
+    """[2, B] float64 on the device: token ids (exact below 2^53), logprobs."""
+    host: torch.Tensor
+    """`out` read back (pinned memory on CUDA, filled once `done` fires)."""
+    done: "torch.cuda.Event | None"
+    version: int
+    t0: float
+    dropped: set = field(default_factory=set)
+    """Rows whose token here is thrown away (they finished or paused at the step before)."""
 
 
 @dataclass
@@ -132,6 +163,9 @@ class EngineStats:
     """Samples that started from a sibling's prompt KV."""
     appended_tokens: int = 0
     """Tool-output tokens appended to paused samples (and prefilled over their cached context)."""
+    discarded_tokens: int = 0
+    """Overlapped steps: tokens sampled for rows that had finished or paused at the step before, or in the
+    step an interrupt dropped (computed, never read)."""
 
 
 class Engine:
@@ -153,6 +187,10 @@ class Engine:
         if cfg.cuda_graphs and self.device.type == "cuda" and not self.sparse and not mcfg.is_moe:
             self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch_size, self.cache.blocks_for(cfg.max_seq_len),
                                        paged_kernel=cfg.paged_decode_kernel)
+        self.overlap = (self.device.type == "cuda" if cfg.overlap_steps is None else cfg.overlap_steps) \
+            and not self.sparse and not mcfg.is_moe
+        """Launch each step before reading the previous one's tokens (module docstring)."""
+        self._inflight: _Step | None = None
         self.policy_version = 0
         self.stats = EngineStats()
         self.tool_stop = None
@@ -206,7 +244,7 @@ class Engine:
         return len(self._paused)
 
     def has_work(self) -> bool:
-        return bool(self._active or self._waiting or self._ready or self._paused or self._done)
+        return bool(self._active or self._waiting or self._ready or self._paused or self._done or self._inflight)
 
     def oldest_versions(self) -> list[int]:
         """Version of the oldest generated token of every unfinished sequence that has one."""
@@ -217,37 +255,95 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[Generation]:
-        """Advance every active sequence by one token; admit waiting ones. Returns finished ones."""
-        t0 = time.perf_counter()
+        """Advance every active sequence by one token; admit waiting ones. Returns finished ones (with
+        overlapped steps: those that finished at the step before the one launched here)."""
         finished, self._done = self._done, []
         self._admit()
+        prev, self._inflight = self._inflight, None
+        launched = self._launch(prev)
+        if self.overlap and launched is not None:
+            self._inflight = launched  # runs on the device while the host reads `prev`
+            launched = None
+        for rec in (prev, launched):
+            if rec is not None:
+                finished += self._complete(rec)
+        return finished
+
+    def _launch(self, prev: _Step | None) -> _Step | None:
+        """Queue one step of every active sequence on the device: prefill of new ones, extend after a tool
+        output, decode of the rest (a row whose last token is in `prev` takes it on the device)."""
+        t0 = time.perf_counter()
         fresh = [s for s in self._active if s.cached == 0]
         decoding = [s for s in self._active if s.cached > 0 and s.pending == 1]
         extending = [s for s in self._active if s.cached > 0 and s.pending > 1]
-        logits_parts, seqs = [], []
+        seqs = fresh + extending + decoding
+        if not seqs:
+            return None
+        cuda = self.device.type == "cuda"
+        at = {id(s): j for j, s in enumerate(prev.seqs)} if prev is not None else {}
+        # one copy in: sampling seeds and counters, and each decode row's known token or its row in `prev`
+        ints = torch.tensor([[s.request.seed for s in seqs], [s.num_response + s.inflight for s in seqs],
+                             [s.tokens[-1] if not s.inflight else 0 for s in seqs],
+                             [at[id(s)] if s.inflight else -1 for s in seqs]], dtype=torch.long)
+        floats = torch.tensor([[s.request.temperature for s in seqs], [s.request.top_p for s in seqs]], dtype=torch.float32)
+        if cuda:  # pinned: the copies are truly asynchronous
+            ints, floats = ints.pin_memory(), floats.pin_memory()
+        ints, floats = ints.to(self.device, non_blocking=True), floats.to(self.device, non_blocking=True)
+        logits_parts = []
         if fresh:
             logits_parts.append(self._forward_csa2(fresh, prefill=True) if self.sparse else self._prefill(fresh))
-            seqs += fresh
         for src, dst in self._copies:  # shared prompts' last partly filled blocks, now that their owners ran
             self.cache.copy_block(src, dst)
         self._copies = []
         if extending:
             logits_parts.append(self._forward_csa2(extending, prefill=True) if self.sparse else self._forward_cached(extending))
-            seqs += extending
         if decoding:
-            logits_parts.append(self._forward_csa2(decoding, prefill=False) if self.sparse else self._decode(decoding))
-            seqs += decoding
-        if not seqs:
-            return finished
+            n = len(decoding)
+            ids, row = ints[2, -n:], ints[3, -n:]
+            if any(s.inflight for s in decoding):
+                ids = torch.where(row >= 0, prev.out[0, row.clamp(min=0)].long(), ids)
+            logits_parts.append(self._forward_csa2(decoding, prefill=False) if self.sparse else self._decode(decoding, ids))
         for s in seqs:
-            s.cached = len(s.tokens)
-        self._sample_and_append(seqs, torch.cat(logits_parts))
-        dt = time.perf_counter() - t0
-        for s in seqs:
+            s.cached = len(s.tokens) + s.inflight
+            s.inflight += 1
+        nucleus = any(s.request.top_p < 1 for s in seqs)
+        tokens, logprobs = sample_tokens(torch.cat(logits_parts), floats[0], floats[1], ints[0], ints[1], nucleus=nucleus)
+        out = torch.stack([tokens.double(), logprobs.double()])  # token ids < 2^53: exact in float64
+        host, done = out, None
+        if cuda:  # the step's one read: into pinned memory, waited on with an event (not a device-wide sync)
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return _Step(seqs, out, host, done, self.policy_version, t0)
+
+    def _complete(self, rec: _Step) -> list[Generation]:
+        """Read a launched step's tokens (waiting for them) and apply them: append, then stop at EOS or the
+        length limit, or pause at a tool call."""
+        if rec.done is not None:
+            rec.done.synchronize()
+        tokens, logprobs = rec.host[0].long().tolist(), rec.host[1].tolist()
+        dt = time.perf_counter() - rec.t0
+        nxt, finished = self._inflight, []
+        for s, t, lp in zip(rec.seqs, tokens, logprobs):
+            if s in rec.dropped:
+                self.stats.discarded_tokens += 1
+                continue
+            s.inflight -= 1
+            s.tokens.append(t)
+            s.logprobs.append(lp)
+            s.versions.append(rec.version)
             s.generate_s += dt
-            if (s.tokens[-1] in self.eos_ids and not s.request.ignore_eos) or s.num_response >= self._max_new(s.request):
+            self.stats.generated_tokens += 1
+            again = nxt is not None and s.inflight > 0  # launched once more, in the step now running
+            if (t in self.eos_ids and not s.request.ignore_eos) or s.num_response >= self._max_new(s.request):
                 finished.append(self._finish(s))
+                if again:
+                    nxt.dropped.add(s)
             elif s.request.tool_calls and self._closes_tool_call(s):
+                if again:  # the running step fed the call's last token: fed again with the tool output
+                    nxt.dropped.add(s)
+                    s.inflight, s.cached = s.inflight - 1, s.cached - 1
                 self._active.remove(s)
                 self._paused[s.request.sample_id] = s
                 self._new_pauses.append(self._pause_of(s))
@@ -276,7 +372,7 @@ class Engine:
 
     def runnable(self) -> bool:
         """A step() would advance something (not only paused samples waiting for their tools)."""
-        return bool(self._active or self._waiting or self._ready or self._done)
+        return bool(self._active or self._waiting or self._ready or self._done or self._inflight)
 
     def _pause_of(self, s: _Seq) -> ToolCallPause:
         return ToolCallPause(s.request.sample_id, tuple(s.tokens[len(s.request.prompt_tokens):]), s.turn_start,
@@ -313,6 +409,12 @@ class Engine:
     def interrupt(self) -> list[RolloutState]:
         """Stop at the current token boundary: every held sequence's state (active, paused, appended to)
         moves to host memory and its blocks are freed; waiting requests are returned too (with no KV)."""
+        rec, self._inflight = self._inflight, None
+        if rec is not None:  # the boundary is the last step read: the launched one is dropped (module docstring)
+            for s in rec.seqs:
+                if s not in rec.dropped:
+                    s.inflight, s.cached = s.inflight - 1, s.cached - 1
+                    self.stats.discarded_tokens += 1
         states = []
         paused = set(self._paused)
         for s in [*self._active, *self._ready, *self._paused.values()]:
@@ -448,10 +550,10 @@ class Engine:
         self.stats.prefill_logit_rows += logits.shape[0]
         return logits
 
-    def _decode(self, seqs: list[_Seq]) -> torch.Tensor:
-        """Feed each sequence's last sampled token; returns next-token logits [B, V]."""
+    def _decode(self, seqs: list[_Seq], ids: torch.Tensor) -> torch.Tensor:
+        """Feed each sequence's last sampled token (`ids` [B] on the device); returns next-token logits [B, V]."""
         if self.graphs is not None:
-            logits = self.graphs.run([s.tokens[-1] for s in seqs], [s.cached for s in seqs], [s.blocks for s in seqs])
+            logits = self.graphs.run(ids, [s.cached for s in seqs], [s.blocks for s in seqs])
             if logits is not None:
                 self.stats.decode_steps += 1
                 self.stats.graph_steps += 1
@@ -459,19 +561,21 @@ class Engine:
                     self.stats.kv_gather_bytes += self._gather_bytes(self.graphs.bucket(len(seqs)),
                                                                      self.graphs.max_blocks * self.cache.block_size)
                 return logits
-        logits = self._forward_cached(seqs)
+        logits = self._forward_cached(seqs, ids[:, None])
         self.stats.decode_steps += 1
         return logits
 
-    def _forward_cached(self, seqs: list[_Seq]) -> torch.Tensor:
+    def _forward_cached(self, seqs: list[_Seq], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed each sequence's pending tokens (one at decode; the last sampled token and the appended ones
         after a tool call) at positions cached.., attending over its cached context and causally over
-        themselves; returns logits at each last fed token [B, V]. Eager: gathers the context."""
+        themselves; returns logits at each last fed token [B, V]. Eager: gathers the context. `ids` [B, T]
+        on the device: the fed tokens when the caller has them there (decode)."""
         B, bs = len(seqs), self.cache.block_size
         T = max(s.pending for s in seqs)
         pos = torch.tensor([[s.cached + min(t, s.pending - 1) for t in range(T)] for s in seqs], dtype=torch.long)
         valid = torch.tensor([[t < s.pending for t in range(T)] for s in seqs])
-        ids = torch.tensor([s.tokens[s.cached:] + [0] * (T - s.pending) for s in seqs], dtype=torch.long)
+        if ids is None:
+            ids = torch.tensor([s.tokens[s.cached:] + [0] * (T - s.pending) for s in seqs], dtype=torch.long)
         nb = max(self.cache.blocks_for(s.cached + s.pending) for s in seqs)
         tables = torch.tensor([s.blocks[:nb] + [0] * (nb - min(nb, len(s.blocks))) for s in seqs], dtype=torch.long)
         ctx_slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(B, nb * bs)
@@ -529,32 +633,6 @@ class Engine:
         else:
             self.stats.decode_steps += 1
         return torch.stack(out)
-
-    def _sample_and_append(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
-        """Sample one token per row on the device: one host-to-device copy of the rows' settings in, one
-        device-to-host copy of tokens and logprobs out (the step's only sync)."""
-        dev = logits.device
-        cuda = dev.type == "cuda"
-        ints = torch.tensor([[s.request.seed for s in seqs], [s.num_response for s in seqs]], dtype=torch.long)
-        floats = torch.tensor([[s.request.temperature for s in seqs], [s.request.top_p for s in seqs]], dtype=torch.float32)
-        if cuda:  # pinned: the copies are truly asynchronous
-            ints, floats = ints.pin_memory(), floats.pin_memory()
-        ints, floats = ints.to(dev, non_blocking=True), floats.to(dev, non_blocking=True)
-        nucleus = any(s.request.top_p < 1 for s in seqs)
-        tokens, logprobs = sample_tokens(logits, floats[0], floats[1], ints[0], ints[1], nucleus=nucleus)
-        out = torch.stack([tokens.double(), logprobs.double()])  # token ids < 2^53: exact in float64
-        if cuda:  # the step's one read: into pinned memory, then wait on an event (not a device-wide sync)
-            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host.copy_(out, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            done.synchronize()
-            out = host
-        for s, t, lp in zip(seqs, out[0].long().tolist(), out[1].tolist()):
-            s.tokens.append(t)
-            s.logprobs.append(lp)
-            s.versions.append(self.policy_version)
-        self.stats.generated_tokens += len(seqs)
 
     def _free(self, s: _Seq) -> None:
         """Let go of a sequence's blocks, and of its shared prompt's when it was the prompt's last user."""

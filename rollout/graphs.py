@@ -52,8 +52,8 @@ class DecodeGraphs:
         self.model, self.cache, self.max_blocks = model, cache, max_blocks
         self.buckets = batch_buckets(max_batch_size)
         self.device = cache.k.device
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        """bucket -> (graph, device input buffer, device logits, pinned host input buffer)."""
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
+        """bucket -> (graph, device input buffer, device logits, two pinned host input buffers used in turn)."""
         self._pool = None
         self.disabled_reason: str | None = None
         d = model.config.head_dim
@@ -88,7 +88,7 @@ class DecodeGraphs:
         logits, _ = self.model(ids, pos, batch=batch)
         return logits[:, 0]
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         buf = torch.zeros(b, _COLS + self.max_blocks, dtype=torch.long, device=self.device)  # all padding
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -101,13 +101,14 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             out = self._forward(buf)
-        return graph, buf, out, torch.zeros(buf.shape, dtype=torch.long, pin_memory=True)
+        return graph, buf, out, [torch.zeros(buf.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
 
-    def run(self, ids: list[int], positions: list[int], tables: list[list[int]]) -> torch.Tensor | None:
-        """Next-token logits [B, V] of one decode step, or None when graphs are off (decode eagerly)."""
+    def run(self, ids: torch.Tensor, positions: list[int], tables: list[list[int]]) -> torch.Tensor | None:
+        """Next-token logits [B, V] of one decode step, or None when graphs are off (decode eagerly). `ids` [B]
+        on the device (the rows' last tokens, possibly sampled by a step whose output the host has not read)."""
         if self.disabled_reason is not None:
             return None
-        B = len(ids)
+        B = len(positions)
         b = self.bucket(B)
         self.model.refresh_rollout_weights()  # in place, outside the graph: the graph reads the buffers
         if b not in self._graphs:
@@ -117,14 +118,18 @@ class DecodeGraphs:
                 self.disabled_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 self._graphs.clear()
                 return None
-        graph, buf, out, host = self._graphs[b]
-        h = host.numpy()  # pinned; the previous step's copy from it is done (its tokens were read back)
+        graph, buf, out, hosts = self._graphs[b]
+        # pinned, used every other step: with overlapped steps the last copy may still be queued, the one
+        # before it ran ahead of a step whose tokens the engine has read
+        host = hosts[self.replays % 2]
+        h = host.numpy()
         h[:] = 0
-        h[:B, 0], h[:B, 1], h[:B, 2] = ids, positions, 1
+        h[:B, 1], h[:B, 2] = positions, 1
         for i, t in enumerate(tables):
             n = min(len(t), self.max_blocks)
             h[i, _COLS:_COLS + n] = t[:n]
         buf.copy_(host, non_blocking=True)
+        buf[:B, 0].copy_(ids)
         graph.replay()
         self.replays += 1
         return out[:B]

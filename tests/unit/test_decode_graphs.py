@@ -132,7 +132,8 @@ def test_graph_decode_steps_make_no_host_sync_but_the_token_read():
             eng.step()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert eng.stats.graph_steps >= 10 and all(len(s.tokens) == 4 + 11 for s in eng._active)
+    assert eng.overlap and eng.stats.graph_steps >= 10  # overlapped (the default on CUDA): one step still unread
+    assert all(len(s.tokens) == 4 + 10 and s.inflight == 1 for s in eng._active)
 
 
 @cuda
