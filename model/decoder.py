@@ -170,13 +170,13 @@ class Attention(nn.Module):
         elif batch.block_table is not None:
             # Decode through the paged kernel: the cache is read in its storage format, nothing gathered.
             if not written:
-                batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
+                batch.cache.write(self.layer_idx, batch.slot_mapping, k, v, read_back=False)
             out = batch.cache.attend(self.layer_idx, q[:, 0], batch.block_table, batch.context_lens)  # [B, H, D]
             return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
         else:
             # Decode: write this step's K/V, then attend over the sequence's cached context.
             if not written:
-                batch.cache.write(self.layer_idx, batch.slot_mapping, k, v)
+                batch.cache.write(self.layer_idx, batch.slot_mapping, k, v, read_back=False)
             k_ctx, v_ctx = batch.cache.gather(self.layer_idx, batch.context_slots)  # [B, S, KVH, D]
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),

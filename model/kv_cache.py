@@ -283,10 +283,12 @@ class PagedKVCache:
         return total / (self.k.shape[0] * self.k.shape[1])
 
     # -- data movement -----------------------------------------------------------------------------
-    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, read_back: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """slot_mapping [B, T] (−1 = padding, sent to the scratch slot); k, v [B, T, KVH, D].
-        Returns K, V as the cache will give them back (dequantised; k, v themselves for bf16)."""
+        Returns K, V as the cache will give them back (dequantised; k, v themselves for bf16); with
+        `read_back=False` (decode through the paged kernel, which reads the cache itself) nothing, and the fp4
+        rows on CUDA are encoded straight into the pool (model/kernels/fp4.quantize_into: one kernel each)."""
         flat = slot_mapping.reshape(-1)
         flat = flat.masked_fill(flat < 0, self._scratch)  # two kernels (a where over a full_like took three)
         out = []
@@ -295,11 +297,17 @@ class PagedKVCache:
                 data[layer].index_copy_(0, flat, x.reshape(-1, *x.shape[2:]).to(data.dtype))
                 out.append(x)
                 continue
+            if not read_back and self.format.name == "fp4" and x.is_cuda:
+                from model.kernels.fp4 import quantize_into
+
+                quantize_into(x.reshape(-1, *x.shape[2:]), data[layer], scale[layer], flat)
+                continue
             q, s = self.format.encode(x)
             data[layer].index_copy_(0, flat, q.reshape(-1, *q.shape[2:]))
             scale[layer].index_copy_(0, flat, s.reshape(-1, *s.shape[2:]))
-            out.append(self.format.decode(q, s, x.dtype))
-        return out[0], out[1]
+            if read_back:
+                out.append(self.format.decode(q, s, x.dtype))
+        return (out[0], out[1]) if read_back else None
 
     def unquantised_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """The bf16 format: this layer's K and V pools [slots + 1, KVH, D] and the scratch slot, for a kernel

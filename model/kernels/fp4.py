@@ -144,18 +144,26 @@ def _bf16x2_dup(f):
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr, BF16_WORDS: tl.constexpr,
-                     ASM: tl.constexpr = False, V2: tl.constexpr = False):
+def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, rows_ptr, blocks_per_row, NBP: tl.constexpr,
+                     BF16_WORDS: tl.constexpr, ASM: tl.constexpr = False, V2: tl.constexpr = False,
+                     SCATTER: tl.constexpr = False):
     # 64-bit arithmetic once per program (the base pointers); per-element offsets are int32
     first = tl.program_id(0).to(tl.int64) * NBP
     if BF16_WORDS:
         x_ptr += first * 8
     else:
         x_ptr += first * 16
-    packed_ptr += first * 8
-    scale_ptr += first
     blk = tl.arange(0, NBP)  # block ids within the program
     live = blk < n_blocks - first
+    if SCATTER:  # block b of input row r goes to block b of output row rows[r] (a paged cache's slot)
+        src = first + blk
+        row = tl.load(rows_ptr + src // blocks_per_row, mask=live, other=0)
+        dst = row * blocks_per_row + src % blocks_per_row
+        packed_ptr += dst[:, None] * 8
+        scale_ptr += dst
+    else:
+        packed_ptr += first * 8 + blk[:, None] * 8
+        scale_ptr += first + blk
     pair = tl.arange(0, 8)  # channel pairs (2j, 2j+1) of a block: one output byte each
     if BF16_WORDS:
         # x_ptr is the bf16 tensor viewed as int32: word j holds channel 2j (low half), 2j+1 (high half).
@@ -189,7 +197,7 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr, 
     scale = tl.where(sub, sub_m * 0.001953125, up.to(tl.float32, bitcast=True))
     bits = tl.where(sub, sub_m.to(tl.int32), (up >> 20) - 960)  # E4M3 exponent field = float32's - 120
     bits = tl.where(has_nan, 0x7F, bits)  # E4M3 NaN: the block dequantises to NaN
-    tl.store(scale_ptr + blk, bits.to(tl.uint8), mask=live)
+    tl.store(scale_ptr, bits.to(tl.uint8), mask=live)
     if V2:  # bf16 words, PTX only
         t = tl.inline_asm_elementwise(_THRESHOLDS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r",
                                       [_bf16x2_dup(tl.where(has_nan, float("nan"), scale))],
@@ -199,7 +207,7 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr, 
             [w, mw, t[0][:, None], t[1][:, None], t[2][:, None], t[3][:, None], t[4][:, None], t[5][:, None],
              t[6][:, None], t[7][:, None]],
             dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
-        tl.store(packed_ptr + blk[:, None] * 8 + pair[None, :], packed, mask=live[:, None])
+        tl.store(packed_ptr + pair[None, :], packed, mask=live[:, None])
         return
     sc = tl.where(has_nan, float("nan"), scale)[:, None]  # NaN block: every code 0, as in the reference
     if ASM:  # bf16 words only
@@ -210,7 +218,7 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, NBP: tl.constexpr, 
             dtype=tl.int32, is_pure=True, pack=1).to(tl.uint8)
     else:
         packed = (_e2m1_code(lo, sc) | (_e2m1_code(hi, sc) << 4)).to(tl.uint8)
-    tl.store(packed_ptr + blk[:, None] * 8 + pair[None, :], packed, mask=live[:, None])
+    tl.store(packed_ptr + pair[None, :], packed, mask=live[:, None])
 
 
 @triton.jit
@@ -303,10 +311,34 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
     if n_blocks:
         asm = QUANT_ASM and words and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-        _quantize_kernel[(triton.cdiv(n_blocks, QUANT_NBP),)](flat, packed, scales, n_blocks, NBP=QUANT_NBP,
+        _quantize_kernel[(triton.cdiv(n_blocks, QUANT_NBP),)](flat, packed, scales, n_blocks, scales, 1, NBP=QUANT_NBP,
                                                                BF16_WORDS=words, ASM=asm, V2=asm and QUANT_V2,
                                                                num_warps=QUANT_WARPS)
     return packed.view(*x.shape[:-1], C // 2), scales.view(torch.float8_e4m3fn).view(*x.shape[:-1], C // ref.BLOCK)
+
+
+def quantize_into(x: torch.Tensor, packed_pool: torch.Tensor, scale_pool: torch.Tensor, rows: torch.Tensor) -> None:
+    """`quantize(x)` written straight into rows of a pool, in one kernel (the paged cache's fp4 write without the
+    temporary encoding and its two index copies): x [N, ...] -> packed_pool[rows[n]] and scale_pool[rows[n]]
+    (pools [R, ...] uint8, each row the width `quantize` gives x[n]); rows [N] int64 in [0, R)."""
+    N = x.shape[0]
+    per_row = x[0].numel() if N else 0
+    if per_row % ref.BLOCK:
+        raise ValueError(f"row width {per_row} is not a multiple of {ref.BLOCK}")
+    if not (packed_pool.is_contiguous() and scale_pool.is_contiguous() and packed_pool.dtype == scale_pool.dtype == torch.uint8
+            and packed_pool[0].numel() * 2 == per_row and scale_pool[0].numel() * ref.BLOCK == per_row):
+        raise ValueError("pools must be contiguous uint8 rows of the packed and scale widths of one x row")
+    flat = x.contiguous().view(-1)
+    words = flat.dtype == torch.bfloat16
+    if words:
+        flat = flat.view(torch.int32)
+    n_blocks = N * per_row // ref.BLOCK
+    if n_blocks:
+        asm = QUANT_ASM and words and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+        _quantize_kernel[(triton.cdiv(n_blocks, QUANT_NBP),)](flat, packed_pool.view(-1), scale_pool.view(-1), n_blocks,
+                                                               rows.contiguous(), per_row // ref.BLOCK, NBP=QUANT_NBP,
+                                                               BF16_WORDS=words, ASM=asm, V2=asm and QUANT_V2, SCATTER=True,
+                                                               num_warps=QUANT_WARPS)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

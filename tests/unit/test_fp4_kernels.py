@@ -117,3 +117,23 @@ def test_every_bf16_amax_bit_exact(v2, monkeypatch):
     p_ref, s_ref = ref.quantize(x)
     p, sc = kernels.quantize(x)
     assert torch.equal(p, p_ref) and torch.equal(sc.view(torch.uint8), s_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_into_pool_rows_equals_quantize_then_index_copy(dtype):
+    """The paged cache's fp4 decode write (model/kernels/fp4.quantize_into): each token's K/V heads encoded
+    straight into its slot's row of the pools, bit for bit what quantize + index_copy_ store; other rows untouched."""
+    torch.manual_seed(1)
+    N, KVH, D, R = 5, 2, 64, 9
+    x = (torch.randn(N, KVH, D) * torch.logspace(-3, 3, N)[:, None, None]).to(dtype).to(DEVICE)
+    rows = torch.tensor([7, 0, 8, 3, 5], device=DEVICE)  # scattered, first and last rows of the pool included
+    packed_pool = torch.randint(0, 255, (R, KVH, D // 2), dtype=torch.uint8, device=DEVICE)
+    scale_pool = torch.randint(0, 255, (R, KVH, D // 16), dtype=torch.uint8, device=DEVICE)
+    want_p, want_s = packed_pool.clone(), scale_pool.clone()
+    p, s = ref.quantize(x)
+    want_p.index_copy_(0, rows, p)
+    want_s.index_copy_(0, rows, s.view(torch.uint8))
+    kernels.quantize_into(x, packed_pool, scale_pool, rows)
+    assert torch.equal(packed_pool, want_p) and torch.equal(scale_pool, want_s)
+    with pytest.raises(ValueError, match="pools must be"):
+        kernels.quantize_into(x, packed_pool[:, :, :8], scale_pool, rows)

@@ -82,6 +82,12 @@ def test_fake_quant_is_bit_identical_to_cache_round_trip(kv_dtype):
     assert torch.equal(fake_quant(k, fmt), k_r) and torch.equal(fake_quant(v, fmt), v_r)
     assert torch.equal(k_w, k_r) and torch.equal(v_w, v_r)
     assert not torch.equal(k_r, k)  # it does quantise
+    if torch.cuda.is_available():  # the decode write without a read back (fp4 on CUDA: encoded into the pool)
+        cuda = PagedKVCache(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=32, kv_dtype=kv_dtype,
+                            device="cuda")
+        assert cuda.write(1, slots.cuda(), k.cuda(), v.cuda(), read_back=False) is None
+        k_c, v_c = cuda.gather(1, slots.cuda())
+        assert torch.equal(k_c.cpu(), k_r) and torch.equal(v_c.cpu(), v_r)
 
 
 @pytest.mark.parametrize("kv_dtype", ["bf16", "fp8", "fp4"])
