@@ -11,6 +11,11 @@ so that loading streams a file tensor by tensor into the model's parameters, and
 every source name of the architecture (`source_names`) and rebuilds each from the model. Export is
 therefore the same list run backwards, and `from_ours(to_ours(t)) == t` is what the round-trip tests check.
 
+A rank of a sharded trainer (FSDP2: each parameter split along dim 0) loads only its rows: `to_ours_rows`
+asks for just the source rows that land in them (a Rename or FuseGateUp reads the same rows of the source,
+StackExperts reads only the experts the rank holds); a step whose rows mix (PermuteRoPE) reads the whole
+source tensor and keeps its rows.
+
 The steps:
     Rename          same tensor, another name (most of a Llama/Qwen checkpoint is this: asyncrl's names are HF's)
     PermuteRoPE     GGUF q/k rows: llama.cpp reorders each head's rows for its RoPE (see the class)
@@ -30,6 +35,10 @@ import torch
 from model.config import ModelConfig
 
 Get = Callable[[str], torch.Tensor]
+Rows = Callable[[str], "range | None"]
+"""asyncrl parameter name -> the dim-0 rows a sharded rank keeps (None: the whole parameter)."""
+ReadRows = Callable[["range | None"], torch.Tensor]
+"""Rows of one source tensor (None: all of them) -> those rows, read from the file."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,22 @@ class Step:
     def from_ours(self, f: dict[str, int], get: Get) -> torch.Tensor:
         raise NotImplementedError
 
+    def to_ours_rows(self, f: dict[str, int], read: ReadRows, rows: Rows) -> list[Piece]:
+        """The pieces of the rows a rank holds: `rows(param)` is the dim-0 range of asyncrl parameter `param`
+        kept (None: all of it), `read(r)` reads rows `r` of the source tensor (None: all). A piece's index
+        and tensor are relative to the kept rows. Default: read everything, convert, cut."""
+        return [c for p in self.to_ours(f, read(None)) if (c := _cut(p, rows(p.name))) is not None]
+
+
+def _cut(p: Piece, keep: range | None) -> Piece | None:
+    """Piece `p` of a whole parameter restricted to the parameter's rows `keep` (None: unchanged)."""
+    if keep is None:
+        return p
+    if not p.index:
+        return Piece(p.name, (), p.tensor[keep.start : keep.stop])
+    j = p.index[0]
+    return Piece(p.name, (j - keep.start, *p.index[1:]), p.tensor) if j in keep else None
+
 
 class Rename(Step):
     def to_ours(self, f, t):
@@ -78,6 +103,9 @@ class Rename(Step):
 
     def from_ours(self, f, get):
         return get(self.ours.format(**f))
+
+    def to_ours_rows(self, f, read, rows):  # the parameter's rows are the source's
+        return [Piece(self.ours.format(**f), (), read(rows(self.ours.format(**f))))]
 
 
 @dataclass(frozen=True)
@@ -113,6 +141,12 @@ class StackExperts(Step):
     def to_ours(self, f, t):
         return [Piece(self.ours.format(**f), (f["j"],), t)]
 
+    def to_ours_rows(self, f, read, rows):  # expert j's file tensor is read only by the rank that holds row j
+        keep = rows(self.ours.format(**f))
+        if keep is not None and f["j"] not in keep:
+            return []
+        return super().to_ours_rows(f, read, rows)
+
     def from_ours(self, f, get):
         return get(self.ours.format(**f))[f["j"]]
 
@@ -128,6 +162,9 @@ class FuseGateUp(Step):
         inter = t.shape[1] // 2
         return [Piece(self.ours.format(**f), (), t[:, :inter]), Piece(self.up.format(**f), (), t[:, inter:])]
 
+    def to_ours_rows(self, f, read, rows):  # dim 0 is the expert for the source and both parameters
+        return self.to_ours(f, read(rows(self.ours.format(**f))))
+
     def from_ours(self, f, get):
         return torch.cat([get(self.ours.format(**f)), get(self.up.format(**f))], dim=1)
 
@@ -139,6 +176,9 @@ class Ignore(Step):
         return iter(())
 
     def to_ours(self, f, t):
+        return []
+
+    def to_ours_rows(self, f, read, rows):
         return []
 
 
@@ -163,6 +203,13 @@ class Conversion:
         if found is None:
             raise UnknownTensor(name)
         return found[0].to_ours(found[1], t)
+
+    def to_ours_rows(self, name: str, read: ReadRows, rows: Rows) -> list[Piece]:
+        """`to_ours` for the rows a sharded rank holds (Step.to_ours_rows)."""
+        found = self.step_for(name)
+        if found is None:
+            raise UnknownTensor(name)
+        return found[0].to_ours_rows(found[1], read, rows)
 
     def source_names(self) -> Iterator[tuple[str, Step, dict[str, int]]]:
         """Every source tensor of the architecture (in a stable order), with its step."""

@@ -2,7 +2,8 @@
 
     read_pretrained_config(path)        ModelConfig of an HF directory, a GGUF file or an asyncrl checkpoint
     build_decoder(cfg, device, dtype)   a Decoder; with cfg.init set, its weights come from that checkpoint
-    load_pretrained_into(model, path)   stream a checkpoint's tensors into the model's own parameters
+    load_pretrained_into(model, path)   stream a checkpoint's tensors into the model's own parameters (a
+                                        sharded one's rows only: each FSDP2 rank reads just its shard)
     export_hf(model, out_dir, ...)      a Hugging Face directory transformers loads as is
     export_checkpoint(ckpt, out_dir)    the same from an asyncrl checkpoint directory (rl export)
 
@@ -36,10 +37,11 @@ def read_pretrained_config(path: str | Path) -> ModelConfig:
 
 
 # -- loading ------------------------------------------------------------------------------------------------
-def build_decoder(cfg: ModelConfig, device="cpu", dtype=None):
+def build_decoder(cfg: ModelConfig, device="cpu", dtype=None, read_weights: bool = True):
     """A Decoder of `cfg` on `device` in `dtype` (default float32). With `cfg.init` the parameters are
     allocated there uninitialised (built on the meta device: no random init, no host copy) and then
-    filled from the checkpoint; without, the usual random initialisation."""
+    filled from the checkpoint (unless `read_weights` is False: the caller fills them, e.g. each FSDP2 rank
+    its shard once sharded); without, the usual random initialisation."""
     import torch
 
     from model.decoder import Decoder
@@ -56,12 +58,15 @@ def build_decoder(cfg: ModelConfig, device="cpu", dtype=None):
         model.lm_head.weight = model.model.embed_tokens.weight
     for b in model.buffers():  # Router.e_score_correction_bias: zero (no checkpoint of ours has one)
         b.zero_()
-    load_pretrained_into(model, resolve_model_source(cfg.init))
+    if read_weights:
+        load_pretrained_into(model, resolve_model_source(cfg.init))
     return model
 
 
 def _open_source(path: Path, kind: str, cfg: ModelConfig):
-    """(conversion, [(file, names, get(name) -> tensor)] lazily) of checkpoint `path` of `kind`."""
+    """(conversion, [(file, names, read(name, rows) -> tensor)] lazily) of checkpoint `path` of `kind`; `rows`
+    (a range of dim 0, or None for all) is read as a safetensors slice: the file's other rows are not read.
+    GGUF tensors are dequantised whole, then cut."""
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -72,7 +77,11 @@ def _open_source(path: Path, kind: str, cfg: ModelConfig):
 
         g = GGUFFile(path)
         conv = gguf_conversion(cfg, g.metadata["general.architecture"])
-        return conv, iter([(path, list(g.tensors), lambda n: torch.from_numpy(g.dequantized(n)))])
+
+        def dequantized(name, rows):
+            t = torch.from_numpy(g.dequantized(name))
+            return t if rows is None else t[rows.start : rows.stop]
+        return conv, iter([(path, list(g.tensors), dequantized)])
     files = hf_weight_files(path) if kind == "hf" else [path / "model.safetensors"]
     names = {}
     for f in files:  # headers only: every tensor name, to pick the expert layout before loading any
@@ -87,13 +96,36 @@ def _open_source(path: Path, kind: str, cfg: ModelConfig):
     def tensors():
         for f in files:
             with safe_open(str(f), framework="pt") as st:
-                yield f, names[f], st.get_tensor
+                yield f, names[f], lambda n, rows: st.get_tensor(n) if rows is None else st.get_slice(n)[rows.start : rows.stop]
     return conv, tensors()
 
 
-def load_pretrained_into(model, path: str | Path) -> None:
+def shard_rows(name: str, t) -> range | None:
+    """The dim-0 rows of parameter `t` this rank holds: all (None) unless `t` is a DTensor sharded along dim 0 over
+    a one-dimensional mesh (FSDP2's `fully_shard`), whose rank r keeps chunk r of ceil(rows / ranks) rows."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements):
+        return None
+    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        raise CheckpointFormatError(f"{name}: sharded as {t.placements} over a {t.device_mesh.ndim}-D mesh; loading "
+                                    "shards reads dim 0 over one mesh dimension only")
+    n, ranks, rank = t.shape[0], t.device_mesh.size(), t.device_mesh.get_local_rank()
+    chunk = -(-n // ranks)
+    kept = range(min(rank * chunk, n), min((rank + 1) * chunk, n))
+    if len(kept) != t.to_local().shape[0]:  # torch laid the shards out otherwise: refuse rather than mix rows up
+        raise CheckpointFormatError(f"{name}: rank {rank} holds {t.to_local().shape[0]} rows, expected {len(kept)}")
+    return kept
+
+
+def load_pretrained_into(model, path: str | Path) -> int:
     """Copy checkpoint `path` (HF directory, GGUF file or asyncrl checkpoint) into `model`'s parameters
-    in place, tensor by tensor, on their device and in their dtype. Every parameter must be written."""
+    in place, tensor by tensor, on their device and in their dtype. Every parameter must be written.
+
+    A parameter sharded along dim 0 (a DTensor: FSDP2's `fully_shard`, rl/parallel.py) is filled with this
+    rank's rows only, and only those rows are read from the file (`Conversion.to_ours_rows`: safetensors slices;
+    experts the rank does not hold are not read at all), so each of N ranks reads about 1/N of the file (a GGUF's
+    tensors are dequantised whole, then cut). Returns the bytes of tensor data read."""
     import torch
 
     from model.config import same_weights
@@ -108,17 +140,27 @@ def load_pretrained_into(model, path: str | Path) -> None:
             raise CheckpointFormatError(f"{path / 'config.json'}: saved with a different model config")
     conv, sources = _open_source(path, kind, cfg)
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # a tied lm_head: once, as embed_tokens
+    kept = {n: shard_rows(n, t) for n, t in targets.items()}
+    with torch.no_grad():
+        targets = {n: t.to_local() if kept[n] is not None else t for n, t in targets.items()}  # this rank's shard
     written = dict.fromkeys(targets, 0)
     seen: set[str] = set()
+    nbytes = 0
+
+    def counted(t: torch.Tensor) -> torch.Tensor:
+        nonlocal nbytes
+        nbytes += t.numel() * t.element_size()
+        return t
+
     with torch.no_grad():
         if kind != "asyncrl":  # Router.e_score_correction_bias: none of these formats has one
             for name, b in model.named_buffers():
                 b.zero_()
                 written[name] = b.numel()
-        for file, names, get in sources:
+        for file, names, read in sources:
             for name in names:
                 try:
-                    pieces = conv.to_ours(name, get(name))
+                    pieces = conv.to_ours_rows(name, lambda rows, name=name: counted(read(name, rows)), kept.get)
                 except UnknownTensor:
                     raise CheckpointFormatError(f"{file}: unexpected tensor {name} for this architecture") from None
                 except RuntimeError as e:  # a reshape in a step that the shape cannot take
@@ -141,6 +183,7 @@ def load_pretrained_into(model, path: str | Path) -> None:
     short = [n for n, t in targets.items() if written[n] < t.numel()]
     if short:
         raise CheckpointFormatError(f"{path}: no tensor for {short[0]}")
+    return nbytes
 
 
 # -- export -------------------------------------------------------------------------------------------------

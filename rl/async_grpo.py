@@ -31,7 +31,7 @@ import time
 from collections import defaultdict
 
 from rewards.task import Problem
-from rl import reconfigure
+from rl import reconfigure, repercussion
 from rl.config import GRPOStage, OPDStage
 from rl.dispatch import Dispatcher, FinishedMeta, Ticket
 from rl.faults import fault_point
@@ -76,6 +76,7 @@ class AsyncGRPO:
             teachers={t.name: t for t in opd.teachers} if opd else {})
         self.teacher_of: dict[str, str | None] = {}  # prompt_id -> teacher assigned at dispatch
         self.prompts_too_long = 0  # problems skipped because their prompt exceeds engine.prompt_limit (since start/resume)
+        self.on_failure = recipe.tools.on_failure if recipe.tools is not None else None
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -146,6 +147,8 @@ class AsyncGRPO:
                                           effort=self.effort_of.pop(g.sample_id),
                                           teacher=self.teacher_of.get(prompt_id_of(g.sample_id)))
                        for g, verdict in zip(gens, rewards.get(fut))]
+            if self.on_failure is not None:  # repercussion of sandbox failures (rl/repercussion.py)
+                samples = [repercussion.settle(s, self.on_failure) for s in samples]
             self.job.store.add_samples(samples)
             for s in samples:
                 if s.status == "finished":
@@ -251,7 +254,10 @@ class AsyncGRPO:
         """TRAIN one optimizer step on whole groups, data-parallel across the workers."""
         job, stage, policy, disp, clock = self.job, self.stage, self.policy, self.disp, self.clock
         t_train = time.perf_counter()
-        groups = [self.finished.pop(pid) for pid in batch]
+        whole = [self.finished.pop(pid) for pid in batch]
+        # repercussion: under tools.on_failure=leave_loss a sample a sandbox failure ended leaves the step, its
+        # tokens and its group's baseline (rl/repercussion.py); `whole` keeps it for the rollout metrics
+        groups = [repercussion.trained(g, self.on_failure) for g in whole]
         samples = [s for g in groups for s in g]
         adv = dict(zip((s.sample_id for s in samples), group_advantages(
             [s.reward for s in samples], [s.group_id for s in samples], std_normalize=stage.std_normalize)))
@@ -285,6 +291,7 @@ class AsyncGRPO:
         clock.train_s += time.perf_counter() - t_train
 
         trained_version = version - 1  # the weights this step's gradient was taken at
+        samples = [s for g in whole for s in g]  # the rollout metrics cover the batch, left-out samples included
         versions = [v for s in samples for v in s.policy_versions_T]
         metrics.update({
             "rollout/reward": sum(s.reward for s in samples) / len(samples),
@@ -311,6 +318,9 @@ class AsyncGRPO:
             "time/train_s": clock.train_s,
         })
         metrics.update(rollout_breakdown(samples))
+        if self.on_failure is not None:
+            metrics.update(repercussion.failure_counts(samples))
+            metrics["rollout/left_out"] = float(len(samples) - sum(map(len, groups)))
         return metrics
 
     def run(self) -> StageResult:

@@ -20,7 +20,9 @@ Files of a checkpoint directory:
   inflight-w<r>.msgpack      rank r      msgpack array of byte strings, one `RolloutState.to_bytes()` per
                                          in-flight sample of worker r (KV cache in its storage format,
                                          routing trace so far, tokens, logprobs, versions; requests not yet
-                                         admitted have no KV); layout (rollout/types.py) versioned by the
+                                         admitted have no KV; with tools, the sample's sandbox work directory
+                                         as its pending call found it, a gzip'd tar: rl/tool_turns.py, seed
+                                         §5.1.3); layout (rollout/types.py) versioned by the
                                          manifest's `rollout_state_format`; only files the manifest lists are read
   controller.json            driver      the controller records (below)
   MANIFEST.json              last        {format: 2, global_step, created_at, rollout_state_format,
@@ -83,6 +85,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -181,11 +184,47 @@ def save_tree(tree, directory: str | Path, json_name: str = TRAINER_JSON, tensor
     (Path(directory) / json_name).write_text(json.dumps({"format": FORMAT_VERSION, "tree": skeleton}))
 
 
-def load_tree(directory: str | Path, json_name: str = TRAINER_JSON, tensors_name: str = TRAINER_TENSORS):
+def _tree_skeleton(directory: str | Path, json_name: str):
     doc = json.loads((Path(directory) / json_name).read_text())
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
         raise ValueError(f"{json_name}: not a format-{FORMAT_VERSION} tensor tree")
-    return unflatten_tree(doc["tree"], load_file(str(Path(directory) / tensors_name)))
+    return doc["tree"]
+
+
+def load_tree(directory: str | Path, json_name: str = TRAINER_JSON, tensors_name: str = TRAINER_TENSORS):
+    return unflatten_tree(_tree_skeleton(directory, json_name), load_file(str(Path(directory) / tensors_name)))
+
+
+class FileTensor:
+    """A tensor of a tree left in its safetensors file (`open_tree`): `read(rows)` reads rows `rows` of dim 0
+    only (a safetensors slice; None: the whole tensor). A data-parallel rank that keeps a shard of the AdamW
+    moments reads just its rows (rl/parallel.py)."""
+
+    def __init__(self, file, name: str):
+        self._file, self.name = file, name
+        self.shape = tuple(file.get_slice(name).get_shape())
+
+    def read(self, rows: range | None = None) -> torch.Tensor:
+        return self._file.get_tensor(self.name) if rows is None else self._file.get_slice(self.name)[rows.start : rows.stop]
+
+
+@contextmanager
+def open_tree(directory: str | Path, json_name: str = TRAINER_JSON, tensors_name: str = TRAINER_TENSORS):
+    """`load_tree` with every tensor a `FileTensor` (nothing read yet), readable inside the `with`."""
+    skeleton = _tree_skeleton(directory, json_name)
+    with safe_open(str(Path(directory) / tensors_name), framework="pt") as f:
+        yield unflatten_tree(skeleton, {k: FileTensor(f, k) for k in f.keys()})
+
+
+def read_tree(tree):
+    """`tree` with every `FileTensor` read whole."""
+    if isinstance(tree, FileTensor):
+        return tree.read()
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(read_tree(v) for v in tree)
+    if isinstance(tree, dict):
+        return {k: read_tree(v) for k, v in tree.items()}
+    return tree
 
 
 # -- the manager --------------------------------------------------------------------------------------------

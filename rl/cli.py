@@ -83,12 +83,15 @@ def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = F
     from rl.checkpoint import CheckpointError
     from rl.driver import train  # heavy: torch
     from rl.run_dir import RunDirError
+    from rl.placement import PlacementError
     from rl.runtime import WorkerFailure
+    from rl.sandbox_nodes import SandboxStartError
     from rl.store_db import StoreError
 
     try:
         summary = train(recipe, run_dir, resume=resume, overwrite=overwrite, break_lock=break_lock)
-    except (CheckpointError, CheckpointFormatError, ChatTemplateError, StoreError, DatasetError, RunDirError) as e:
+    except (CheckpointError, CheckpointFormatError, ChatTemplateError, StoreError, DatasetError, RunDirError,
+            SandboxStartError, PlacementError) as e:
         print(f"{prefix}: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except WorkerFailure as e:

@@ -1,8 +1,8 @@
 """The execution handle verifiers get (`rewards.task.CodeRunner`, in `VerifyContext.code`), backed by a sandbox
 server of `sandbox_client/` (issue #16, item 3): rewards/ never imports the client, rl/ hands it this.
 
-Each `run` is one fresh sandbox (code written, `python3 -c` run, sandbox closed) on the server at
-`sandbox.socket`, with the recipe's limits; a node at its admission limit is waited on with backoff (the
+Each `run` is one fresh sandbox (code written, `python3 -c` run, sandbox closed) on the node's server (the one at
+`sandbox.socket`, or the one the job started: rl/sandbox_nodes.py), with the recipe's limits; a node at its admission limit is waited on with backoff (the
 verdict waits, the job does not stop). The client is asynchronous; verifiers are called synchronously (in a
 RewardWorker), so the runner owns one event loop on a thread of its own and one connection.
 """

@@ -219,6 +219,10 @@ class RuntimeConfig(StrictConfig):
     one device; the engines still hold full weights. One worker trains unsharded either way."""
     cpus_per_worker: float = Field(1.0, ge=0)
     """Ray CPU resource of each PolicyWorker."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the workers' placement group (one bundle per worker: 1 GPU + cpus_per_worker CPUs; rl/placement.py) lies
+    over the nodes: PACK (default) as few nodes as possible; SPREAD as many as possible; STRICT_PACK one node or
+    fail; STRICT_SPREAD one worker per node or fail. A group the cluster cannot hold fails the start in one line."""
     num_reward_workers: int = Field(1, gt=0)
     """CPU actors that verify finished samples."""
     worker_timeout_s: float = Field(1800.0, gt=0)
@@ -226,24 +230,38 @@ class RuntimeConfig(StrictConfig):
     one collective between them may take. A worker that has not answered by then is declared hung, one
     that died is named at once: the job stops with one line naming the worker and the phase (exit 4) and
     `rl resume` continues from the newest checkpoint (rl/runtime.py)."""
+    worker_start_timeout_s: float = Field(600.0, gt=0)
+    """Longest the workers' start may take: building each worker (imports, the model and its checkpoint
+    loaded) and the first calls (rendezvous, process group). Separate from worker_timeout_s so that a short
+    hang timeout does not fail a slow start (a large model, a loaded machine)."""
 
 
 class SandboxConfig(StrictConfig):
-    """Code execution for verifiers (`VerifyContext.code`, rl/code_runner.py) on a sandbox server of this node
-    (`rl sandbox serve`, sandbox_client/)."""
+    """Where tool calls (`tools:`) and verifiers that run code (`VerifyContext.code`, rl/code_runner.py) run: a
+    sandbox server of each node (sandbox_client/), one the job starts itself or one started apart."""
 
-    socket: Path | None = None
-    """Unix socket of a running sandbox server; None: verifiers get no code runner."""
+    socket: Literal["auto"] | Path | None = None
+    """`auto`: `rl train` starts a sandbox server on every node its workers run on and stops it when the job ends
+    (rl/sandbox_nodes.py); a path: the Unix socket of a server started apart (`rl sandbox serve --socket PATH`,
+    which many jobs may share); None (default): `auto` when the recipe has tools, else no sandbox (verifiers get
+    no code runner)."""
     limits: Limits = Field(default_factory=Limits)
-    """Per-run limits: memory_mib, cpu_s, max_processes, timeout_s, output_bytes, file_mib."""
+    """Per-run limits: memory_mib, cpu_s, max_processes, timeout_s, output_bytes, file_mib, snapshot_mib."""
+    backend: Literal["bwrap", "process"] = "bwrap"
+    """Isolation of the servers the job starts (`auto`): bwrap (namespaces + cgroups, strong) or process
+    (rlimits only, weak: for machines without user namespaces). A server started apart has its own."""
+    max_sandboxes: int = Field(32, ge=1, le=65536)
+    """Admission limit of each server the job starts (`auto`): sandboxes open at once on a node; a sample past
+    it waits with backoff (its KV kept)."""
 
     @field_validator("socket")
     @classmethod
-    def _listening(cls, p: Path | None) -> Path | None:
+    def _listening(cls, p: Path | str | None) -> Path | str | None:
         import stat
 
-        if p is not None and not (p.exists() and stat.S_ISSOCK(p.stat().st_mode)):
-            raise ValueError(f"{str(p)!r} is not a socket: start the node's server first (rl sandbox serve --socket {p})")
+        if isinstance(p, Path) and not (p.exists() and stat.S_ISSOCK(p.stat().st_mode)):
+            raise ValueError(f"{str(p)!r} is not a socket: start the node's server first (rl sandbox serve --socket {p}), "
+                             "or say `auto` to have the job start one")
         return p
 
 
@@ -308,6 +326,13 @@ class ToolsConfig(StrictConfig):
     """Response tokens per sample at most, tool output included; None: engine.max_new_tokens."""
     timeout_s: float = Field(10.0, gt=0)
     """Wall-clock seconds of one call; at most sandbox.limits.timeout_s, which the server enforces."""
+    on_failure: Literal["zero_reward", "leave_loss"] = "zero_reward"
+    """Repercussion (seed §5.1.3; rl/repercussion.py): a call whose sandbox failed (timeout, memory, cpu, processes,
+    output_truncated, crashed, refused after admission retries, sandbox_error) ends its sample, failed, with the
+    reason in the store (`samples.failure`) and `rollout/tool_failures/<reason>` counts per step. zero_reward: the
+    sample gets reward 0 and trains with it, inside its group's baseline; leave_loss: the sample leaves the step
+    (no token of it in the loss or its normaliser) and its group's baseline (mean, std) is taken over the
+    group's other samples. The job never stops for it."""
 
     @model_validator(mode="after")
     def _usable_definitions(self) -> "ToolsConfig":
@@ -390,9 +415,9 @@ class Recipe(StrictConfig):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     """Where workers run (Ray or in-process) and how many."""
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    """Code execution for verifiers: the node's sandbox server and per-run limits."""
+    """Code execution for tools and verifiers: each node's sandbox server (started by the job or apart), limits."""
     tools: ToolsConfig | None = None
-    """Multi-turn tool calls in rollouts (format, tools, limits); needs `sandbox.socket`. None: single-turn."""
+    """Multi-turn tool calls in rollouts (format, tools, limits), run on the node's sandbox server. None: single-turn."""
     stages: list[Stage] = Field(min_length=1)
     """Training stages, run in order (e.g. sft then grpo)."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -403,6 +428,15 @@ class Recipe(StrictConfig):
     """Metrics logging."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Resumable checkpoints: how often, how many kept."""
+
+    @property
+    def sandbox_server(self) -> Literal["auto", "apart"] | None:
+        """Whose sandbox servers the job uses: `auto` (it starts one per node), `apart` (sandbox.socket names one
+        started apart), or None (no sandbox: no tools, no socket)."""
+        socket = self.sandbox.socket
+        if socket is None:
+            return "auto" if self.tools is not None else None
+        return "auto" if socket == "auto" else "apart"
 
     @property
     def max_response_tokens(self) -> int:
@@ -536,9 +570,6 @@ class Recipe(StrictConfig):
     def validate_tools(self) -> "Recipe":
         if self.tools is None:
             return self
-        if self.sandbox.socket is None:
-            raise ValueError("tools: tool calls run in the node's sandbox server, and sandbox.socket names none "
-                             "(start one with `rl sandbox serve --socket PATH` and set sandbox.socket)")
         if self.tools.timeout_s > self.sandbox.limits.timeout_s:
             raise ValueError(f"tools.timeout_s={self.tools.timeout_s} exceeds sandbox.limits.timeout_s="
                              f"{self.sandbox.limits.timeout_s}, which the server enforces")

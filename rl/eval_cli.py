@@ -97,16 +97,34 @@ def cmd_eval(args: argparse.Namespace) -> int:
     renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
                         tools=recipe.tools.declared() if recipe.tools else None)
     device = recipe.run.device if recipe.run.device != "cuda" or torch.cuda.is_available() else "cpu"
-    generate = engine_generate(load_checkpoint(ckpt, device).eval(), recipe.engine, tok.eos_id, tok.eos_ids,
-                               tools=ToolTurns.from_recipe(recipe, tok))
-    print(f"checkpoint {ckpt}")
-    print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
-    for b in efforts:
-        m = evaluate(generate, renderer, tasks, max_new_tokens=recipe.max_response_tokens,
-                     temperature=recipe.eval.temperature, max_problems=args.max_problems or recipe.eval.max_problems, effort=b)
-        for name in tasks:
-            e = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith(f"eval/{name}/")}
-            label = "-" if b is None else str(b)
-            print(f"{label:>7} {name:<10} {e['accuracy']:>9.3f} {e['response_len']:>9.1f} {e['reasoning_tokens']:>10.1f} "
-                  f"{int(e['num_problems']):>9}")
+    tools = ToolTurns.from_recipe(recipe, tok)
+    servers = None
+    if tools is not None and recipe.sandbox_server == "auto":  # this evaluation's own server (rl/sandbox_nodes.py)
+        from rl.sandbox_nodes import NodeSandboxes, SandboxStartError, run_key
+
+        servers = NodeSandboxes(run_key(run_dir) + "#eval", recipe.sandbox.backend, recipe.sandbox.max_sandboxes,
+                                remote=False, say=lambda _: None)
+        try:
+            tools.use_server(servers.start([""], driver_node="")[""])
+        except SandboxStartError as e:
+            servers.stop()
+            return _fail(str(e))
+    try:
+        generate = engine_generate(load_checkpoint(ckpt, device).eval(), recipe.engine, tok.eos_id, tok.eos_ids,
+                                   tools=tools)
+        print(f"checkpoint {ckpt}")
+        print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
+        for b in efforts:
+            m = evaluate(generate, renderer, tasks, max_new_tokens=recipe.max_response_tokens, temperature=recipe.eval.temperature,
+                         max_problems=args.max_problems or recipe.eval.max_problems, effort=b)
+            for name in tasks:
+                e = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith(f"eval/{name}/")}
+                label = "-" if b is None else str(b)
+                print(f"{label:>7} {name:<10} {e['accuracy']:>9.3f} {e['response_len']:>9.1f} "
+                      f"{e['reasoning_tokens']:>10.1f} {int(e['num_problems']):>9}")
+    finally:
+        if tools is not None:
+            tools.shutdown()
+        if servers is not None:
+            servers.stop()
     return 0

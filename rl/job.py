@@ -211,7 +211,7 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
         logger = MetricsLogger(run_dir, recipe.logging, run_name=recipe.run.name, config=recipe.model_dump(mode="json"))
         for note in logger.notes:
             say(note)
-        runtime = Runtime(recipe)
+        runtime = Runtime(recipe, run_dir, say=say)
         state = RunState()
         progress = Progress(recipe.logging.progress_bar, say, logger, t_start)
         if resume_from is not None:

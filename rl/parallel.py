@@ -25,7 +25,9 @@ The rules every strategy keeps (they are what make two ranks take one rank's ste
   place, on the device; under DDP and Single the trainer's module is full already.
 
 Checkpoints hold full tensors in the same layout whichever strategy wrote them (`full_state_dict`,
-`full_optimizer_state`; rank 0 writes), so a run may resume with another strategy or worker count.
+`full_optimizer_state`; rank 0 writes), so a run may resume with another strategy or worker count. An FSDP2
+rank reads only the rows of each weight it keeps (`FSDP2.load_weights`: safetensors slices), about 1/N of the
+file.
 
 `deal_by_length` assigns whole groups to ranks so that every rank has about the same tokens to train.
 """
@@ -43,8 +45,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from model.checkpoint import load_weights_into, read_weights, write_weights
+from model.checkpoint import load_weights_into, write_weights
 from model.decoder import Decoder
+from model.pretrained import load_pretrained_into, shard_rows
+from rl.checkpoint import FileTensor, read_tree
 
 LossFn = Callable[[Decoder], tuple[torch.Tensor, Any]]
 """A micro-batch: the decoder -> (scalar loss to backpropagate, anything the caller wants back)."""
@@ -131,15 +135,20 @@ class Single:
         if self.rank == 0:
             write_weights(self.model, directory)
 
-    def load_weights(self, directory: str | Path) -> None:
+    def load_weights(self, directory: str | Path) -> int | None:
+        """The checkpoint's weights into the trainer's module, in place; returns the tensor bytes read when counted."""
         load_weights_into(self.model, directory)
+        return None
 
     def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict | None:
         """The optimizer's state_dict with full tensors on rank 0 (None elsewhere); every rank must call it."""
         return opt.state_dict() if self.rank == 0 else None
 
-    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
-        opt.load_state_dict(state)
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> int | None:
+        """A full optimizer state_dict (its tensors may be `FileTensor`s still in the checkpoint, rl/checkpoint.py
+        `open_tree`) into `opt`; returns the tensor bytes read when counted."""
+        opt.load_state_dict(read_tree(state))
+        return None
 
 
 class DDP(Single):
@@ -226,15 +235,11 @@ class FSDP2(Single):
                 out[k] = full.cpu()
         return out if self.rank == 0 else None
 
-    def load_weights(self, directory: str | Path) -> None:
-        """Every rank reads the full checkpoint and keeps its shard of each tensor."""
-        like = self.model.state_dict()
-        state = read_weights(self.model.config, directory)
-        missing = sorted(set(like) - set(state) - ({"lm_head.weight"} if self.model.config.tie_word_embeddings else set()))
-        if missing or set(state) - set(like):
-            raise ValueError(f"checkpoint {directory} does not match its config: missing {missing[:3]}, "
-                             f"unexpected {sorted(set(state) - set(like))[:3]}")
-        self.model.load_state_dict({k: _shard_like(v, like[k]) for k, v in state.items()}, strict=False)
+    def load_weights(self, directory: str | Path) -> int:
+        """Each rank reads only the rows it keeps of each tensor (safetensors slices, model/pretrained.py
+        `load_pretrained_into`): about 1/N of the file, whichever strategy or worker count wrote it (full
+        tensors), straight into its shards."""
+        return load_pretrained_into(self.model, directory)
 
     def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict | None:
         state = opt.state_dict()  # parameter-index keys, as DDP's; the moments are DTensors shaped like params
@@ -248,13 +253,28 @@ class FSDP2(Single):
                 out[i] = entry
         return {"state": out, "param_groups": state["param_groups"]} if self.rank == 0 else None
 
-    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> None:
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> int:
+        """Each moment (a tensor of its parameter's shape) becomes this rank's shard; one still in the checkpoint
+        (a `FileTensor`) is read only in this rank's rows. Returns the tensor bytes read from the file."""
         params = [p for g in opt.param_groups for p in g["params"]]
-        shards = {}
-        for i, s in state["state"].items():
-            p = params[int(i)]  # the moments have the parameter's shape; `step` is a scalar
-            shards[i] = {k: _shard_like(v, p) if torch.is_tensor(v) and v.shape == p.shape else v for k, v in s.items()}
-        opt.load_state_dict({"state": shards, "param_groups": state["param_groups"]})
+        nbytes = 0
+
+        def shard(v, p: torch.Tensor, what: str):
+            nonlocal nbytes
+            if isinstance(v, FileTensor) and v.shape == tuple(p.shape) and isinstance(p, DTensor):
+                local = v.read(shard_rows(what, p))
+                nbytes += local.numel() * local.element_size()
+                return DTensor.from_local(local.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements,
+                                          run_check=False, shape=p.shape, stride=p.stride())
+            if isinstance(v, FileTensor):  # `step`, a scalar
+                v = v.read()
+                nbytes += v.numel() * v.element_size()
+            return _shard_like(v, p) if torch.is_tensor(v) and v.shape == p.shape else v
+
+        shards = {i: {k: shard(v, params[int(i)], f"optimizer state {i}.{k}") for k, v in s.items()}
+                  for i, s in state["state"].items()}
+        opt.load_state_dict({"state": shards, "param_groups": read_tree(state["param_groups"])})
+        return nbytes
 
 
 class _LossModule(torch.nn.Module):

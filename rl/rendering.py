@@ -21,6 +21,7 @@ from model.tokenizer import Tokenizer
 from rewards.effort import EffortConfig, with_effort
 from rewards.task import Problem, Task, Trajectory, Verdict
 from rewards.task import Turn as TaskTurn
+from rl.repercussion import failure_of
 from rl.types import Prompt, Sample, Turn
 from rollout.tool_calls import render_tools_into_prompt
 from rollout.types import Generation
@@ -103,7 +104,7 @@ class Renderer:
             start, end = int(t["start"]), int(t["end"])
             if start > pos:
                 out.append(Turn("model", pos, start, self.tokenizer.decode(g.response_tokens[pos:start])))
-            if end > start:
+            if end > start or t.get("failure"):  # a failed call appended nothing: kept, empty, as the sample's end
                 out.append(Turn("tool", start, end, str(t.get("output", "")), tool=t.get("tool"), call=t.get("call"),
                                 status=t.get("status"), exit_code=t.get("exit_code"), truncated=bool(t.get("truncated")),
                                 wall_s=t.get("wall_s")))
@@ -133,5 +134,5 @@ class Renderer:
             finish_reason=g.finish_reason, status=status, routing_trace=g.routing_trace,
             timings={"finished_at": time.time(), "generate_s": g.generate_s},
             teacher=teacher, config_version=prompt.config_version, effort=effort, reason=verdict.reason,
-            turns=self.turns(g),
+            turns=self.turns(g), failure=failure_of(g.tool_turns),
         )

@@ -1,8 +1,9 @@
 """Where the components run: Ray actors (default) or in-process objects (tests, debugging).
 
 `Runtime` starts Ray locally (`ray.init`) or joins the cluster at `runtime.ray_address`, creates one
-`PolicyWorker` actor per device and a pool of CPU `RewardWorker` actors, and exposes them as
-`PolicyGroup` and `RewardGroup`: typed methods that call every worker (or one) and gather the results.
+`PolicyWorker` actor per device (each in its bundle of a placement group: rl/placement.py) and a pool of CPU
+`RewardWorker` actors, and exposes them as `PolicyGroup` and `RewardGroup`: typed methods that call every
+worker (or one) and gather the results.
 The controller code is the same for both modes; only `Group` knows whether a call crosses a process
 boundary.
 """
@@ -16,9 +17,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from rewards.task import Trajectory, Verdict, VerifyContext
+from rl import placement
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.trainer import StepMetrics, TrainBatch
-from rl.worker import PolicyWorker, StepResult
+from rl.sandbox_nodes import NodeSandboxes, run_key
+from rl.worker import PolicyWorker, StepResult, _node_ip
 from rollout.types import Generation, GenerationRequest
 from teachers.config import TeacherSpec
 
@@ -30,15 +33,23 @@ class RewardWorker:
 
     def __init__(self, recipe: Recipe):
         self.tasks = {d.name: d.build() for d in recipe.datasets}
-        code = None
-        if recipe.sandbox.socket is not None:  # verifiers that run code get the node's sandbox server
-            from rl.code_runner import SandboxCodeRunner
+        self.limits = recipe.sandbox.limits
+        self.ctx = VerifyContext()
+        if recipe.sandbox_server == "apart":  # verifiers that run code get the node's sandbox server
+            self.use_sandbox(recipe.sandbox.socket)
 
-            code = SandboxCodeRunner(recipe.sandbox.socket, recipe.sandbox.limits)
-        self.ctx = VerifyContext(code=code)
+    def use_sandbox(self, socket_path: str) -> None:
+        """Verifiers that run code get a runner on the sandbox server at `socket_path` (this node's)."""
+        from rl.code_runner import SandboxCodeRunner
+
+        self.ctx = VerifyContext(code=SandboxCodeRunner(socket_path, self.limits))
 
     def verify(self, trajectories: Sequence[Trajectory]) -> list[Verdict]:
         return [verify_one(self.tasks[t.problem.dataset], t, self.ctx) for t in trajectories]
+
+    def node_ip(self) -> str | None:
+        """This worker's node address as Ray knows it (None outside Ray)."""
+        return _node_ip()
 
     def ping(self) -> int:
         return os.getpid()
@@ -78,6 +89,8 @@ class Group:
 
     def __init__(self, members: list, remote: bool, name: str = "worker", timeout_s: float | None = None):
         self.members, self.remote, self.name, self.timeout_s = members, remote, name, timeout_s
+        self.timeout_field = "runtime.worker_timeout_s"
+        """The recipe field a slow call's message tells the user to raise."""
         self._calls: dict = {}  # pending remote futures -> (worker index, method)
 
     def __len__(self) -> int:
@@ -128,7 +141,7 @@ class Group:
         if pending:
             i, method = labels[pending[0]]
             raise WorkerFailure(f"{self.name} {i} did not finish {method} within {self.timeout_s:g} s "
-                                "(alive: raise runtime.worker_timeout_s if a call may take that long)")
+                                f"(alive: raise {self.timeout_field} if a call may take that long)")
         return [results[f] for f in futures]
 
     def _answers_ping(self, i: int | None) -> bool:
@@ -248,9 +261,24 @@ class RewardGroup:
 
 
 class Runtime:
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: Recipe, run_dir: str | os.PathLike | None = None, say: Callable[[str], None] = print):
+        """`run_dir` names the servers of `sandbox.socket: auto` (rl/sandbox_nodes.py: their state directories, so
+        that a resumed run reaps what a killed one left). Whatever this starts is stopped again if it fails."""
+        self.remote = recipe.runtime.ray
+        self.policy: PolicyGroup | None = None
+        self.rewards: RewardGroup | None = None
+        self.sandboxes: NodeSandboxes | None = None
+        self.placement_group = None  # the policy workers' (rl/placement.py)
+        try:
+            self._start_workers(recipe)
+            if recipe.sandbox_server == "auto":
+                self._start_sandboxes(recipe, run_dir, say)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_workers(self, recipe: Recipe) -> None:
         cfg = recipe.runtime
-        self.remote = cfg.ray
         n = cfg.num_workers
         if not self.remote:
             if n != 1:
@@ -268,24 +296,60 @@ class Runtime:
                 ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
         threads = max(1, recipe.run.num_threads // n)
         fault = {"ASYNCRL_FAULT": os.environ["ASYNCRL_FAULT"]} if os.environ.get("ASYNCRL_FAULT") else {}
+        bundle = placement.worker_bundle(recipe.run.device, cfg.cpus_per_worker)  # every worker's device reserved first
+        self.placement_group = None if bundle is None else placement.reserve(n, bundle, cfg.placement_strategy,
+                                                                             cfg.worker_start_timeout_s)
         actor = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=1 if recipe.run.device == "cuda" else 0,
                            concurrency_groups=HEALTH, runtime_env={"env_vars": fault} if fault else None)(PolicyWorker)
-        group = Group([actor.remote(recipe, rank=r, world_size=n, num_threads=threads) for r in range(n)], remote=True,
+        group = Group([actor.options(**placement.actor_options(self.placement_group, r))
+                       .remote(recipe, rank=r, world_size=n, num_threads=threads) for r in range(n)], remote=True,
                       name="policy worker", timeout_s=cfg.worker_timeout_s)
         self.policy = PolicyGroup(group)
         reward_actor = ray.remote(num_cpus=0, concurrency_groups=HEALTH)(RewardWorker)
         self.rewards = RewardGroup(Group([reward_actor.remote(recipe) for _ in range(cfg.num_reward_workers)], remote=True,
                                          name="reward worker", timeout_s=cfg.worker_timeout_s))
+        group.timeout_s, group.timeout_field = cfg.worker_start_timeout_s, "runtime.worker_start_timeout_s"
         if n > 1:  # the group meets at rank 0's node address (a cluster spans nodes), not at a loopback address
             address = group.get(group.submit(0, "rendezvous_address"))
             group.call_all("join_process_group", address)
         self.policy.info()  # surface construction errors now
+        group.timeout_s, group.timeout_field = cfg.worker_timeout_s, "runtime.worker_timeout_s"
+
+    def _start_sandboxes(self, recipe: Recipe, run_dir, say: Callable[[str], None]) -> None:
+        """`sandbox.socket: auto`: a sandbox server on each node a worker runs on (rl/sandbox_nodes.py); each worker
+        gets its node's socket."""
+        self.sandboxes = NodeSandboxes(run_key(run_dir), recipe.sandbox.backend, recipe.sandbox.max_sandboxes,
+                                       remote=self.remote, say=say)
+        policy, rewards = self.policy.group, self.rewards.group
+        if not self.remote:
+            socket = self.sandboxes.start([""], driver_node="")[""]
+            policy.call_all("use_sandbox", socket)
+            rewards.call_all("use_sandbox", socket)
+            return
+        policy_nodes = [i["node_ip"] for i in self.policy.info()]
+        reward_nodes = rewards.call_all("node_ip")
+        sockets = self.sandboxes.start(policy_nodes + reward_nodes, driver_node=_node_ip())
+        policy.get([policy.submit(i, "use_sandbox", sockets[ip]) for i, ip in enumerate(policy_nodes)])
+        rewards.get([rewards.submit(i, "use_sandbox", sockets[ip]) for i, ip in enumerate(reward_nodes)])
 
     def shutdown(self) -> None:
-        if self.remote:
-            import ray
+        """End the workers, then the sandbox servers the job started, then a Ray this job started; each step
+        runs even when one before it fails."""
+        try:
+            if self.remote:
+                import ray
 
-            for m in self.policy.group.members + self.rewards.group.members:
-                ray.kill(m)
-            if getattr(self, "_owns_ray", False) and ray.is_initialized():
-                ray.shutdown()
+                for g in (self.policy, self.rewards):
+                    for m in g.group.members if g is not None else []:
+                        ray.kill(m)
+                placement.release(self.placement_group)  # a Ray the caller started (a bench) gets its resources back
+        finally:
+            try:
+                if self.sandboxes is not None:
+                    self.sandboxes.stop()
+            finally:
+                if self.remote and getattr(self, "_owns_ray", False):
+                    import ray
+
+                    if ray.is_initialized():
+                        ray.shutdown()

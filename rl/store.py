@@ -25,7 +25,8 @@ Tables:
 - `turns`       one row per turn of a multi-turn sample (tool calls): kind (model | tool), [start, end)
                 in response-token indices, the turn's text (a tool turn's: its output as the model saw
                 it), and for tool turns the tool, the call, status, exit code, truncation and wall seconds.
-                Single-turn samples have none (revision 0004).
+                Single-turn samples have none (revision 0004). A sample a tool call's sandbox failure
+                ended keeps the reason in `samples.failure` (revision 0005; rl/repercussion.py).
 - `segments`    one row per maximal run of equal policy versions over a sample's response tokens,
                 [start, end) in response-token indices; derived from `policy_versions_T` at insert,
                 so "which samples span versions 3..5" is a SQL query rather than a blob scan.
@@ -303,7 +304,7 @@ class TrajectoryStore:
                 routing_shape=None if trace is None else ",".join(str(d) for d in trace.shape),
                 num_response_tokens=x.num_response_tokens, seq=self._seq + 1 + len(sample_rows),
                 teacher=x.teacher, config_version=int(x.config_version), effort=x.effort, reason=x.reason,
-                min_version=int(min(x.policy_versions_T)) if x.policy_versions_T else None,
+                failure=x.failure, min_version=int(min(x.policy_versions_T)) if x.policy_versions_T else None,
                 max_version=int(max(x.policy_versions_T)) if x.policy_versions_T else None,
                 **{k: None if x.timings.get(k) is None else float(x.timings[k]) for k in _TIMING_KEYS},
             ))
@@ -429,7 +430,7 @@ class TrajectoryStore:
             policy_versions_T=tuple(decode_array(r.policy_versions, VERSION_DTYPE).tolist()),
             reward=r.reward, correct=r.correct, finish_reason=r.finish_reason, status=r.status,
             timings=timings, routing_trace=trace, teacher=r.teacher, config_version=r.config_version,
-            effort=r.effort, reason=r.reason or "",
+            effort=r.effort, reason=r.reason or "", failure=r.failure,
             turns=tuple(Turn(kind=t.kind, start=t.start, end=t.end, text=t.text, tool=t.tool, call=t.call, status=t.status,
                              exit_code=t.exit_code, truncated=t.truncated, wall_s=t.wall_s) for t in turns),
         )
@@ -462,6 +463,7 @@ class TrajectoryStore:
         status: str | None = None,
         effort: int | None = None,
         teacher: str | None = None,
+        failure: str | None = None,
         limit: int = 50,
     ) -> list[SampleRow]:
         """This run's samples matching every given filter (reward bounds inclusive), oldest first."""
@@ -485,6 +487,8 @@ class TrajectoryStore:
             q = q.where(t.effort == effort)
         if teacher is not None:
             q = q.where(t.teacher == teacher)
+        if failure is not None:
+            q = q.where(t.failure == failure)
         q = q.order_by(t.finished_at, t.sample_id).limit(limit)
         with self._sessions() as s:
             return [SampleRow(*row) for row in s.execute(q)]

@@ -83,6 +83,9 @@ class SampleTable(Base):
     """Effort level b of the prompt (seed §5.1.4); NULL without effort control."""
     reason: Mapped[str | None] = mapped_column(Text)
     """The verifier's reason for the reward (rewards.task.Verdict.reason); NULL before revision 0003."""
+    failure: Mapped[str | None] = mapped_column(String(32), index=True)
+    """Repercussion (rl/repercussion.py): why a tool call's sandbox failed and ended the sample; NULL: none (or
+    stored before revision 0005)."""
     seq: Mapped[int] = mapped_column(index=True)
     """Write order within the run (the resume watermark compares against it)."""
 

@@ -15,15 +15,27 @@ The engine pauses a `tool_calls` request when `StopMatcher` says its turn closes
      `Generation.tool_turns`; the sample continues at the next step from its cached KV.
 An interrupt for a weight update may fall anywhere: the engine exports paused samples (`paused=True`), a running
 call keeps running, and its output is appended after the resume. After a restore from a checkpoint no call is
-running for a paused sample, so step 1 runs it again in a new sandbox (files of earlier calls are gone then).
-A sandbox that cannot be created or fails is the turn's status `sandbox_failed`, shown to the model as its output;
-it never stops the job.
+running for a paused sample, so step 1 runs it again in a new sandbox.
+Preemption (seed §5.1.3: rollouts suspended and resumed across preemption): a call must never see its own side
+effects twice. Before a call runs in an existing sandbox, the work directory is snapshot (`Sandbox.snapshot`, a
+gzip'd tar taken inside the sandbox; a new sandbox starts empty, or from a checkpoint's files, with no snapshot
+needed); a checkpoint stores, in each in-flight sample's RolloutState (`workdirs`), that pre-call snapshot for a
+sample with a pending call, or a snapshot taken then for one between calls. After `rl resume` (`restore_workdirs`)
+the sample's next call first restores its new sandbox from it, so a call that was running when the job died runs
+again on the files it saw the first time. A work directory over `Limits.snapshot_mib` cannot be kept: only if a
+checkpoint needs it, its sample's next call after the resume fails (`sandbox_failed`, the reason in one line).
+Repercussion (seed §5.1.3): a call whose sandbox failed (the server killed it: timeout, memory, cpu, processes,
+output_truncated, crashed; or no sandbox: refused after the admission retries, sandbox_error) ends its sample
+there, failed (finish reason `tool_failure`; the call kept as an empty tool turn with its `failure` reason);
+`tools.on_failure` says how training takes it (rl/repercussion.py). It never stops the job. A call that merely
+fails (a non-zero exit) is shown to the model as its output, as is one that does not parse.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -33,23 +45,27 @@ from rollout.tool_calls import (ToolCall, ToolCallError, ToolSpec, StopMatcher, 
                                 tool_result_tokens, tool_status)
 from rollout.types import Generation, ToolCallPause
 from sandbox_client import Limits, SandboxClient
-from sandbox_client.records import SandboxError
+from sandbox_client.records import AdmissionRefused, SandboxError
 
 
 class ToolTurns:
     def __init__(self, tokenizer, *, fmt: str, specs: Sequence[ToolSpec], max_turns: int, max_output_tokens: int,
-                 timeout_s: float, socket_path: str | Path, limits: Limits, admission_wait_s: float = 300.0):
+                 timeout_s: float, socket_path: str | Path | None, limits: Limits, admission_wait_s: float = 300.0):
+        """`socket_path`: the node's sandbox server; None until `use_server` names it (a server the job starts)."""
         self.tok, self.fmt, self.specs = tokenizer, fmt, tuple(specs)
         self.max_turns, self.max_output_tokens, self.timeout_s = max_turns, max_output_tokens, timeout_s
-        self.socket_path, self.limits, self.admission_wait_s = Path(socket_path), limits, admission_wait_s
+        self.socket_path = None if socket_path is None else Path(socket_path)
+        self.limits, self.admission_wait_s = limits, admission_wait_s
         self.matcher = StopMatcher(tokenizer, fmt)
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="tool-turns", daemon=True).start()
         self._client: SandboxClient | None = None  # connected at the first call (loop thread)
         self._sandboxes: dict = {}  # sample_id -> Sandbox (loop thread only)
         self._calls: dict[str, concurrent.futures.Future] = {}  # sample_id -> its running call
+        self._before: dict[str, asyncio.Future] = {}  # sample_id -> its pending call's pre-call work dir (loop thread)
+        self._kept: dict[str, dict] = {}  # sample_id -> work dir from a checkpoint, restored at its next call
         self._closing: list[concurrent.futures.Future] = []  # sandbox closes under way
-        self.stats = {"calls": 0, "parse_errors": 0, "sandbox_failed": 0, "max_turns": 0}
+        self.stats = {"calls": 0, "parse_errors": 0, "sandbox_failed": 0, "max_turns": 0, "tool_failures": 0}
 
     @classmethod
     def from_recipe(cls, recipe, tokenizer) -> "ToolTurns | None":
@@ -58,14 +74,21 @@ class ToolTurns:
             return None
         return cls(tokenizer, fmt=t.format, specs=t.specs(), max_turns=t.max_turns,
                    max_output_tokens=t.max_tool_output_tokens, timeout_s=t.timeout_s,
-                   socket_path=recipe.sandbox.socket, limits=recipe.sandbox.limits)
+                   socket_path=recipe.sandbox.socket if recipe.sandbox_server == "apart" else None,
+                   limits=recipe.sandbox.limits)
+
+    def use_server(self, socket_path: str | Path) -> None:
+        """Run calls on the sandbox server at `socket_path` (the node's server the job started: rl/sandbox_nodes.py);
+        call before the first call."""
+        self.socket_path = Path(socket_path)
 
     def attach(self, engine) -> None:
         engine.tool_stop = self.matcher
 
     # -- between engine steps --------------------------------------------------------------------------
     def service(self, engine) -> list[Generation]:
-        """Start calls for new pauses, append finished calls' outputs; returns samples finished here (max_turns)."""
+        """Start calls for new pauses, append finished calls' outputs; returns samples finished here (max_turns, or
+        a call whose sandbox failed)."""
         finished = []
         pauses = engine.paused()
         for p in pauses:
@@ -82,7 +105,11 @@ class ToolTurns:
         for sid, fut in list(self._calls.items()):
             if fut.done() and sid in paused:
                 del self._calls[sid]
+                self._before.pop(sid, None)  # the call's effects are now part of the sample
                 output, info = fut.result()
+                if info.get("failure"):  # repercussion: the sample ends here, failed
+                    finished.append(self._fail(engine, sid, output, info))
+                    continue
                 res = tool_result_tokens(self.tok, output, max_tokens=self.max_output_tokens)
                 engine.append(sid, res.tokens, {**info, "output": res.output, "truncated": res.truncated})
         self.close([g.sample_id for g in finished])
@@ -118,6 +145,30 @@ class ToolTurns:
         asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=30)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
+    # -- preemption: work directories in checkpoints -----------------------------------------------------
+    def workdirs(self, sample_ids: Sequence[str]) -> dict[str, dict | None]:
+        """For a checkpoint (every engine interrupted): each sample's work directory as its pending call found it
+        (the pre-call snapshot), or as it is now when no call is pending; None: no files. `RolloutState.workdir`
+        documents the record."""
+        return asyncio.run_coroutine_threadsafe(self._workdirs(list(sample_ids)), self._loop).result()
+
+    def restore_workdirs(self, kept: dict[str, dict]) -> None:
+        """Work directories from a checkpoint (`workdirs`), by sample id: each sample's next call restores its new
+        sandbox from its record first. Call before the samples resume."""
+        self._kept.update({sid: w for sid, w in kept.items() if w is not None})
+
+    async def _workdirs(self, sample_ids: list[str]) -> dict[str, dict | None]:
+        async def one(sid: str) -> dict | None:
+            before = self._before.get(sid)
+            if before is not None and not before.cancelled():  # a call is pending: it runs again after a resume
+                return await asyncio.shield(before)
+            if sid in self._kept:  # restored from a checkpoint, no call since
+                return self._kept[sid]
+            sb = self._sandboxes.get(sid)
+            return None if sb is None else await _snapshot(sb)
+
+        return dict(zip(sample_ids, await asyncio.gather(*(one(sid) for sid in sample_ids))))
+
     # -- a call ------------------------------------------------------------------------------------------
     def _start(self, p: ToolCallPause) -> concurrent.futures.Future:
         text = self.tok.decode(list(p.response_tokens[p.turn_start:]))
@@ -135,12 +186,27 @@ class ToolTurns:
     async def _run(self, sample_id: str, call: ToolCall) -> tuple[str, dict]:
         t0 = time.monotonic()
         info = {"tool": call.name, "call": call.call_text}
+        # the work directory before this call, recorded before the first await (a checkpoint may ask for it
+        # at any point of the call): a new sandbox's is the checkpoint's (or nothing), else a snapshot
+        sb = self._sandboxes.get(sample_id)
+        if sb is None:
+            before = asyncio.get_running_loop().create_future()
+            before.set_result(self._kept.get(sample_id))
+        else:
+            before = asyncio.ensure_future(_snapshot(sb))
+        self._before[sample_id] = before
         try:
-            if self._client is None:
-                self._client = await SandboxClient.connect(self.socket_path)
-            sb = self._sandboxes.get(sample_id)
+            kept = await before
             if sb is None:
+                if kept is not None and "lost" in kept:
+                    self._kept.pop(sample_id, None)  # the call after this one starts in an empty sandbox
+                    raise SandboxError(f"the work directory was not kept across the preemption: {kept['lost']}")
+                if self._client is None:
+                    self._client = await SandboxClient.connect(self.socket_path)
                 sb = self._sandboxes[sample_id] = await self._client.create_waiting(self.limits, wait_s=self.admission_wait_s)
+                if kept is not None:
+                    await sb.restore(kept["archive"])
+                    self._kept.pop(sample_id, None)
             timeout = min(self.timeout_s, self.limits.timeout_s)
             r = await (sb.exec(code=call.source, timeout=timeout) if call.run == "python"
                        else sb.exec(call.source, timeout=timeout))
@@ -148,14 +214,27 @@ class ToolTurns:
             self.stats["sandbox_failed"] += 1
             self._sandboxes.pop(sample_id, None)
             return (f"[sandbox failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}]",
-                    {**info, "status": "sandbox_failed", "exit_code": None, "wall_s": time.monotonic() - t0})
+                    {**info, "status": "sandbox_failed", "exit_code": None, "wall_s": time.monotonic() - t0,
+                     "failure": "refused" if isinstance(e, AdmissionRefused) else "sandbox_error"})
         out = format_tool_output(r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace"),
                                  reason=r.reason, exit_code=r.exit_code)
         return out, {**info, "status": tool_status(r.reason, r.exit_code), "exit_code": r.exit_code,
-                     "wall_s": time.monotonic() - t0}
+                     "wall_s": time.monotonic() - t0, "failure": None if r.reason == "ok" else r.reason}
+
+    def _fail(self, engine, sample_id: str, output: str, info: dict) -> Generation:
+        """Repercussion (seed §5.1.3: a crashed environment is a failed trajectory): the sample ends at the call
+        (finish reason `tool_failure`), nothing appended; the call stays in its record as an empty tool turn whose
+        `failure` names the reason (rl/repercussion.py says what training does with it)."""
+        self.stats["tool_failures"] += 1
+        g = engine.finish_paused(sample_id, "tool_failure")
+        end = len(g.response_tokens)
+        turn = {**info, "output": output, "truncated": False, "start": end, "end": end}
+        return dataclasses.replace(g, tool_turns=(*g.tool_turns, turn))
 
     async def _close(self, sample_ids: list[str]) -> None:
         for sid in sample_ids:
+            self._before.pop(sid, None)
+            self._kept.pop(sid, None)
             sb = self._sandboxes.pop(sid, None)
             if sb is not None:
                 try:
@@ -164,12 +243,22 @@ class ToolTurns:
                     pass  # the server reaps what a dead connection leaves
 
     async def _close_all(self) -> None:
+        self._before.clear()
+        self._kept.clear()
         await self._close(list(self._sandboxes))
 
     async def _shutdown(self) -> None:
         await self._close(list(self._sandboxes))
         if self._client is not None:
             await self._client.close()
+
+
+async def _snapshot(sb) -> dict:
+    """The work directory's record for a checkpoint: its archive, or why it cannot be kept (one line)."""
+    try:
+        return {"archive": await sb.snapshot()}
+    except (SandboxError, OSError, asyncio.TimeoutError) as e:
+        return {"lost": str(e).splitlines()[0] if str(e) else type(e).__name__}
 
 
 def generate_with_tools(engine, tools: ToolTurns | None, requests: Sequence) -> list[Generation]:

@@ -1,6 +1,6 @@
 """`rl traj ls` and `rl traj show`: read a run's trajectory store from the command line.
 
-    rl traj ls RUN_DIR [--dataset D] [--min-reward X] [--max-reward X] [--step N] [--status S] [--limit N]
+    rl traj ls RUN_DIR [--dataset D] [--min-reward X] [--max-reward X] [--step N] [--status S] [--failure R] [--limit N]
     rl traj show RUN_DIR SAMPLE_ID
 
 Both read the run's store (`store.url` of RUN_DIR/recipe.yaml, else `RUN_DIR/trajectories.db`) unless
@@ -50,6 +50,7 @@ def add_traj_parser(subparsers) -> None:
     ls.add_argument("--status", help="finished | discarded | failed | ...")
     ls.add_argument("--effort", type=int, help="only prompts at reasoning-effort level B")
     ls.add_argument("--teacher", help="only samples scored by this OPD teacher")
+    ls.add_argument("--failure", help="only samples a sandbox failure ended, for this reason (timeout, memory, ...)")
     ls.add_argument("--limit", type=_positive_int, default=50, help="at most N rows (default 50)")
     ls.add_argument("--url", help="SQLAlchemy URL of the store (default: the run's store.url, else RUN_DIR/trajectories.db)")
     ls.set_defaults(func=cmd_ls)
@@ -67,7 +68,8 @@ def cmd_ls(args) -> int:
         try:
             rows = store.query(
                 dataset=args.dataset, min_reward=args.min_reward, max_reward=args.max_reward,
-                train_step=args.step, status=args.status, effort=args.effort, teacher=args.teacher, limit=args.limit,
+                train_step=args.step, status=args.status, effort=args.effort, teacher=args.teacher,
+                failure=args.failure, limit=args.limit,
             )
         finally:
             store.close()
@@ -96,7 +98,8 @@ def cmd_show(args) -> int:
     t = sample.timings
     print(f"sample         {sample.sample_id}")
     print(f"prompt_id      {sample.prompt_id}   group {sample.group_id}   dataset {sample.dataset}")
-    print(f"status         {sample.status}   finish_reason {sample.finish_reason}")
+    print(f"status         {sample.status}   finish_reason {sample.finish_reason}"
+          + (f"   failure {sample.failure} (repercussion)" if sample.failure else ""))
     print(f"reward         {sample.reward:.4f}   correct {'yes' if sample.correct else 'no'}"
           + (f"   ({sample.reason})" if sample.reason else ""))
     print(f"train step     {step if step is not None else '- (not trained)'}   config version {sample.config_version}")

@@ -99,6 +99,9 @@ class Sample:
     """Why the verifier scored it so (rewards.task.Verdict.reason)."""
     turns: tuple[Turn, ...] = ()
     """Multi-turn samples: the model and tool turns, in order, tiling the response; () for one model turn."""
+    failure: str | None = None
+    """Repercussion (seed §5.1.3, rl/repercussion.py): why a tool call's sandbox failed and ended the sample
+    (timeout, cpu, memory, processes, output_truncated, crashed, refused, sandbox_error); None: no failure."""
 
     def __post_init__(self) -> None:
         n, at = len(self.response_tokens), 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ import msgpack
 
 from model.checkpoint import load_weights_into
 from model.decoder import Decoder
-from model.pretrained import build_decoder
+from model.pretrained import build_decoder, load_pretrained_into
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.faults import fault_point
 from rl.objectives import build_objective
@@ -55,14 +55,26 @@ class StepResult:
     """Version of the oldest generated token of every active sequence that has one."""
 
 
-def build_policy(recipe: Recipe) -> Decoder:
+def build_policy(recipe: Recipe, read_weights: bool = True) -> Decoder:
     """The run's initial policy on its device: `model.init`'s weights (a pretrained checkpoint, streamed in),
-    else a random initialisation from the run seed; then `run.init_checkpoint`'s weights when given."""
+    else a random initialisation from the run seed; then `run.init_checkpoint`'s weights when given.
+    `read_weights=False`: neither file is read (the parameters are allocated; `initial_weights` names the
+    file that `PolicyWorker.join_process_group` reads once the trainer is sharded)."""
     torch.manual_seed(recipe.run.seed)
-    model = build_decoder(recipe.model, device=recipe.run.device)
-    if recipe.run.init_checkpoint is not None:  # shape checked by Recipe; the KV format may differ (QAT)
+    model = build_decoder(recipe.model, device=recipe.run.device, read_weights=read_weights)
+    if recipe.run.init_checkpoint is not None and read_weights:  # shape checked by Recipe; the KV format may differ (QAT)
         load_weights_into(model, recipe.run.init_checkpoint)
     return model
+
+
+def initial_weights(recipe: Recipe) -> Path | None:
+    """The checkpoint holding every initial weight: run.init_checkpoint (written over model.init's), else
+    model.init's; None: a random initialisation."""
+    from model.registry import resolve_model_source
+
+    if recipe.run.init_checkpoint is not None:
+        return Path(recipe.run.init_checkpoint)
+    return None if recipe.model.init is None else Path(resolve_model_source(recipe.model.init))
 
 
 def _node_ip() -> str | None:
@@ -109,11 +121,14 @@ class PolicyWorker:
     def __init__(self, recipe: Recipe, *, rank: int = 0, world_size: int = 1, num_threads: int | None = None):
         """World size > 1: `join_process_group` before the first train step (rl/runtime.py calls it)."""
         self.recipe, self.rank, self.world_size = recipe, rank, world_size
+        fault_point("worker_init", rank)
         torch.set_num_threads(num_threads or recipe.run.num_threads)
-        self.model = build_policy(recipe)  # same seed on every rank: identical initial weights
+        sharded = recipe.runtime.parallel == "fsdp2" and world_size > 1
+        self._weights_unread = sharded and initial_weights(recipe) is not None
+        """FSDP2 with initial weights from a file: each rank reads its rows of it once sharded (`join_process_group`)."""
+        self.model = build_policy(recipe, read_weights=not self._weights_unread)  # same seed on every rank
         # the engine decodes with its own copy of the float32 master weights under run.dtype bfloat16 (a bf16 copy)
         # and under FSDP2 (the trainer's parameters become shards); else it shares the trainer's module
-        sharded = recipe.runtime.parallel == "fsdp2" and world_size > 1
         bf16 = recipe.run.dtype == "bfloat16"
         self.rollout_model = (rollout_copy(self.model, torch.bfloat16 if bf16 else torch.float32) if bf16 or sharded
                               else self.model)
@@ -145,7 +160,10 @@ class PolicyWorker:
     def join_process_group(self, init_method: str) -> None:
         """Join the data-parallel group (NCCL reduces CUDA tensors, gloo CPU ones) over the interface that
         holds this node's Ray address (unless GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise); every
-        collective is bounded by runtime.worker_timeout_s, so a rank whose peer hangs fails, never waits forever."""
+        collective is bounded by runtime.worker_timeout_s, so a rank whose peer hangs fails, never waits forever.
+        A process already in the group (several workers of one test process) keeps it. Then the trainer takes
+        its strategy; under FSDP2 with initial weights from a file (`initial_weights`), each rank reads only its
+        rows of it and the engine's full copy is gathered from the shards."""
         from datetime import timedelta
 
         iface = interface_of(_node_ip())
@@ -153,10 +171,23 @@ class PolicyWorker:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
         backend = "nccl" if self.recipe.run.device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=self.recipe.runtime.worker_timeout_s))
+        if not dist.is_initialized():
+            # meeting the others is part of the start (a peer may still be loading its model): the store waits up to
+            # runtime.worker_start_timeout_s; collectives after it are bounded by runtime.worker_timeout_s
+            from urllib.parse import urlsplit
+
+            where = urlsplit(init_method)
+            store = dist.TCPStore(where.hostname, where.port, self.world_size, is_master=self.rank == 0,
+                                  timeout=timedelta(seconds=self.recipe.runtime.worker_start_timeout_s))
+            dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=self.recipe.runtime.worker_timeout_s))
         self.parallel = build_data_parallel(self.recipe.runtime.parallel, self.model,
                                             bf16=self.recipe.run.dtype == "bfloat16")
+        if self._weights_unread:  # each rank reads only its rows of the file; the engine's copy gathers them
+            load_pretrained_into(self.model, initial_weights(self.recipe))
+            refresh_rollout_copy(self.rollout_model, self.model)
+            self.rollout_model.refresh_rollout_weights()
+            self._weights_unread = False
 
     # -- ROLLOUT -------------------------------------------------------------------------------------
     def add_requests(self, requests: Sequence[GenerationRequest]) -> None:
@@ -260,7 +291,8 @@ class PolicyWorker:
     # -- checkpoint (rl/checkpoint.py) ------------------------------------------------------------------
     def save(self, directory: str) -> int:
         """Rank 0 writes weights and the trainer state (optimizer, LR schedule, RNG: safetensors + JSON,
-        rl/checkpoint.py); every rank writes its parked states. Call while interrupted. Returns the bytes
+        rl/checkpoint.py); every rank writes its parked states (with tools, each with its sandbox work directory as
+        its pending call found it: rl/tool_turns.py). Call while interrupted. Returns the bytes
         of in-flight state written by this rank."""
         from rl.checkpoint import inflight_file, save_tree
 
@@ -271,25 +303,29 @@ class PolicyWorker:
                        "scheduler": self.trainer.sched.state_dict() if self.trainer else None,
                        "torch_rng": torch.get_rng_state(),
                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, directory)
-        blob = msgpack.packb([s.to_bytes() for s in self._held])
+        held = self._held
+        if self.tools is not None:  # each sample's sandbox files as its pending call found them (rl/tool_turns.py)
+            kept = self.tools.workdirs([s.request.sample_id for s in held])
+            held = [replace(s, workdir=kept[s.request.sample_id]) for s in held]
+        blob = msgpack.packb([s.to_bytes() for s in held])
         inflight_file(directory, self.rank).write_bytes(blob)
         return len(blob)
 
     def load(self, directory: str) -> None:
         """Weights, optimizer, LR schedule and RNG from a checkpoint (after `begin_stage`)."""
-        from rl.checkpoint import load_tree
+        from rl.checkpoint import open_tree, read_tree
 
-        self.parallel.load_weights(directory)  # FSDP2: each rank keeps its shard of the full checkpoint
+        self.parallel.load_weights(directory)  # FSDP2: each rank reads only its rows of the full tensors
         if self.rollout_model is not self.model:
             refresh_rollout_copy(self.rollout_model, self.model)
         self.rollout_model.refresh_rollout_weights()
-        state = load_tree(directory)
-        if self.trainer is not None and state["optimizer"] is not None:
-            self.parallel.load_optimizer_state(self.trainer.opt, state["optimizer"])
-            self.trainer.sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["torch_rng"])
-        if state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        with open_tree(directory) as state:  # tensors read as used: FSDP2 reads only its rows of the AdamW moments
+            if self.trainer is not None and state["optimizer"] is not None:
+                self.parallel.load_optimizer_state(self.trainer.opt, state["optimizer"])
+                self.trainer.sched.load_state_dict(read_tree(state["scheduler"]))
+            torch.set_rng_state(state["torch_rng"].read())
+            if state["cuda_rng"] is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all(read_tree(state["cuda_rng"]))
 
     def load_inflight(self, files: Sequence[str]) -> list[str]:
         """Park the checkpoint's in-flight states, this rank's share (states are portable between
@@ -301,9 +337,17 @@ class PolicyWorker:
                 raise ValueError(f"{f}: not a list of serialised rollout states")
             states += [RolloutState.from_bytes(b) for b in blobs]
         self._held = states[self.rank :: self.world_size]
+        if self.tools is not None:  # each sample's next call restores its new sandbox from these first
+            self.tools.restore_workdirs({s.request.sample_id: s.workdir for s in self._held})
+        self._held = [replace(s, workdir=None) for s in self._held]
         return [s.request.sample_id for s in self._held]
 
     # -- misc ----------------------------------------------------------------------------------------
+    def use_sandbox(self, socket_path: str) -> None:
+        """Tool calls run on the sandbox server at `socket_path`, this node's that the job started (rl/runtime.py)."""
+        if self.tools is not None:
+            self.tools.use_server(socket_path)
+
     def _full_weights(self) -> Decoder:
         return self.rollout_model if isinstance(next(self.model.parameters()), DTensor) else self.model
 

@@ -101,6 +101,11 @@ class RolloutState:
     """As `Generation.tool_turns`."""
     num_cached: int | None = None
     """Tokens whose KV `k`/`v` (or csa2) hold; None: len(tokens) - 1 when there is KV, else 0."""
+    workdir: dict | None = None
+    """Multi-turn, in checkpoints only: the sample's sandbox work directory as it was before its pending tool call
+    (or now, between calls), so that after a resume the call runs again on the same files (seed §5.1.3). The
+    worker's record, opaque to the engine (rl/tool_turns.py): {"archive": gzip'd tar bytes} or {"lost": why};
+    None: no files."""
 
     @property
     def cached(self) -> int:
@@ -152,6 +157,7 @@ class RolloutState:
             "appended_spans": [list(x) for x in self.appended_spans],
             "tool_turns": list(self.tool_turns),
             "num_cached": self.num_cached,
+            "workdir": self.workdir,
             "tensors": {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors.items()},
             "routing": None if self.routing is None else list(self.routing.shape),
         }
@@ -214,6 +220,7 @@ class RolloutState:
                 appended_spans=[tuple(_ints(x)) for x in header.get("appended_spans", [])],
                 tool_turns=_dicts(header.get("tool_turns", [])),
                 num_cached=None if header.get("num_cached") is None else _ints([header["num_cached"]])[0],
+                workdir=_workdir(header.get("workdir")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"rollout state: malformed header ({type(e).__name__}: {e})") from None
@@ -243,6 +250,14 @@ def _dicts(xs) -> list[dict]:
     if not isinstance(xs, list) or not all(isinstance(x, dict) for x in xs):
         raise ValueError(f"expected a list of maps, got {type(xs).__name__}")
     return xs
+
+
+def _workdir(x) -> dict | None:
+    ok = x is None or (isinstance(x, dict) and len(x) == 1 and (isinstance(x.get("archive"), bytes)
+                                                                 or isinstance(x.get("lost"), str)))
+    if not ok:
+        raise ValueError("workdir is neither null, {archive: bytes} nor {lost: str}")
+    return x
 
 
 def _ints(xs) -> list[int]:

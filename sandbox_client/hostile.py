@@ -145,9 +145,18 @@ async def cpu_spin(world: HostWorld) -> Outcome:
     return await _one_exec(world, "cpu_spin", lambda r, sb: _want(r, "cpu", 3.0), code="while True: pass", timeout=4)
 
 
+def _settled(uid: int | None, within_s: float = 2.0) -> list[int]:
+    """The uid's live processes once SIGKILLed ones had `within_s` to exit (the kernel ends a PID namespace's
+    processes after its init dies, not at once; on a loaded machine that takes a moment)."""
+    end = time.monotonic() + within_s
+    while (left := uid_processes(uid)) and time.monotonic() < end:
+        time.sleep(0.01)
+    return left
+
+
 async def sleep_past_timeout(world: HostWorld) -> Outcome:
     def judge(r, sb):
-        left = uid_processes(sb.host_uid)  # the tree dies with the exec, not only at close
+        left = _settled(sb.host_uid)  # the tree dies with the exec, not only at close
         return _want(r, "timeout", 2.5) + ([f"processes {left} survive the timeout"] if left else [])
 
     return await _one_exec(world, "sleep_past_timeout", judge, command="sleep 60 & sleep 60", timeout=1)

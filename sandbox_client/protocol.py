@@ -1,7 +1,8 @@
 """The wire format between client and server over a Unix socket: frames of a 4-byte big-endian length and a
 msgpack map, many requests in flight on one connection (answers carry the request's `id`).
 
-    request   {"id": int, "op": "create" | "exec" | "write_file" | "read_file" | "close" | "info", ...args}
+    request   {"id": int, "op": "create" | "exec" | "write_file" | "read_file" | "snapshot" | "restore" | "close"
+               | "info", ...args}
     answer    {"id": int, "ok": true, "result": {...}}
               {"id": int, "ok": false, "error": {"kind": str, "message": str, "retryable": bool}}
 

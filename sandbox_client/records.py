@@ -42,6 +42,9 @@ class Limits(StrictConfig):
     killed with reason `output_truncated`."""
     file_mib: int = Field(64, ge=1, le=1 << 20)
     """Largest file one process may write (RLIMIT_FSIZE), MiB. The work directory's total is not capped."""
+    snapshot_mib: int = Field(16, ge=1, le=192)
+    """Largest archive (gzip'd tar) of the work directory that `snapshot` returns, MiB; a larger work directory
+    cannot be snapshot (a one-line error). Multi-turn rollouts keep one per in-flight sample in checkpoints."""
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ class SandboxState:
 
 
 async def run_exec(sb: SandboxState, backend: Backend, children: Children, argv: list[str], stdin: bytes,
-                   timeout_s: float) -> ExecResult:
+                   timeout_s: float, output_bytes: int | None = None) -> ExecResult:
+    """`output_bytes`: the cap of each output stream (None: the sandbox's `limits.output_bytes`)."""
     loop = asyncio.get_running_loop()
     host, cwd, env = backend.command(argv, work=sb.work, uid=sb.uid, limits=sb.limits,
                                      procs_files=sb.cgroup.procs_files if sb.cgroup else [])
@@ -59,7 +60,8 @@ async def run_exec(sb: SandboxState, backend: Backend, children: Children, argv:
         killed.append(why)
         kill_group(proc.pid)
 
-    out, err = _Capture(sb.limits.output_bytes, kill), _Capture(sb.limits.output_bytes, kill)
+    cap = sb.limits.output_bytes if output_bytes is None else output_bytes
+    out, err = _Capture(cap, kill), _Capture(cap, kill)
     tasks = [asyncio.create_task(proc.wait()), asyncio.create_task(out.pump(proc.stdout)),
              asyncio.create_task(err.pump(proc.stderr))]
     if stdin:

@@ -8,6 +8,9 @@ them through one isolation backend (backends.py).
   cgroup; each exec is a fresh bwrap over them, so nothing an exec starts outlives it, while files persist
   between execs. `write_file`/`read_file` run `cat` inside the sandbox, so a symlink the sandbox planted
   resolves in the sandbox's view of the filesystem, never the server's.
+- `snapshot` / `restore` move a work directory's whole content as a gzip'd tar (`tar` inside the sandbox, like
+  the file operations): a multi-turn rollout keeps its sample's files across a preemption this way (seed
+  §5.1.3). The archive is capped (`Limits.snapshot_mib`); a larger one is a one-line error.
 - An exec ends at its own end, or is killed (the whole process tree) when it passes its wall-clock timeout,
   its CPU seconds (polled from the cgroup, RLIMIT_CPU behind it) or its output cap; OOM kills and refused
   forks are read from the cgroup's counters. The result says which (`ExecResult.reason`).
@@ -16,7 +19,8 @@ them through one isolation backend (backends.py).
 - Crash safety: a record per live sandbox (`STATE/live/<id>.json`: work directory, cgroups, uid) is written
   before anything is created. A server starting on the state directory first reaps what a server killed
   with -9 left: kills the recorded cgroups' processes and the recorded uids' processes, removes the groups
-  and work directories. One server per state directory (an flock on `STATE/server.lock`).
+  and work directories. One server per state directory (an flock on `STATE/server.lock`). A server removes
+  only the socket file it bound (its inode), never another server's at the same path.
 - A connection's sandboxes are closed when it ends, so a client that dies leaks nothing either.
 """
 
@@ -47,12 +51,16 @@ from sandbox_client.backends import BACKENDS, INSIDE_UID, Backend, BackendUnavai
 from sandbox_client.cgroups import CgroupError, CgroupTree, kill_group_dirs, remove_dirs
 from sandbox_client.processes import Children, become_subreaper, kill_group
 from sandbox_client.protocol import ProtocolError, encode, read_frame
-from sandbox_client.records import AdmissionRefused, ExecResult, Limits, SandboxError
+from sandbox_client.records import MIB, AdmissionRefused, ExecResult, Limits, SandboxError
 from sandbox_client.runner import SandboxState, run_exec
 
 LOG_HEAD = 4096
 """Bytes of each output stream the command log keeps."""
 ORPHAN_SWEEP_S = 1.0
+SNAPSHOT_ARGV = ("tar", "-czf", "-", "--numeric-owner", ".")
+"""Run in the work directory: its whole content (hidden files included) as a gzip'd tar on stdout."""
+RESTORE_ARGV = ("/bin/sh", "-c", "find . -mindepth 1 -delete && tar -xzf - --no-same-owner")
+"""Run in the work directory: empty it, then unpack the archive on stdin into it."""
 
 
 class ServerError(RuntimeError):
@@ -91,6 +99,9 @@ class SandboxServer:
         self._server: asyncio.AbstractServer | None = None
         self.children = Children()
         self._sweeper: asyncio.Task | None = None
+        self._socket_inode: tuple[int, int] | None = None
+        """(st_dev, st_ino) of the socket file this server bound: `stop` removes that file only, never one
+        another server put at the same path since."""
 
     # ---- start, reap, stop -------------------------------------------------------------------------------
 
@@ -197,9 +208,18 @@ class SandboxServer:
                 else:
                     raise ServerError(f"another server already listens on {self.socket_path}")
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
-        self._server = await asyncio.start_unix_server(self._connection, path=str(self.socket_path),
-                                                       limit=1 << 20)
-        self.socket_path.chmod(0o600)
+        # bound here, not by asyncio: given a path, asyncio first unlinks whatever socket is there, which could be
+        # the socket of a server that started since the probe above
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(self.socket_path))
+        except OSError as e:
+            sock.close()
+            raise ServerError(f"cannot listen on {self.socket_path} ({e.strerror}): another server took it") from None
+        st = self.socket_path.stat()
+        self._socket_inode = (st.st_dev, st.st_ino)
+        self.socket_path.chmod(0o600)  # before listen(): no one connects to it before that
+        self._server = await asyncio.start_unix_server(self._connection, sock=sock, limit=1 << 20)
 
     async def serve_forever(self) -> None:
         """Serve until SIGTERM or SIGINT, then close every sandbox."""
@@ -214,7 +234,7 @@ class SandboxServer:
         if self._server is not None:
             self._server.close()
             self._server = None
-            with contextlib.suppress(FileNotFoundError):
+            if owns_socket_file(self.socket_path, self._socket_inode):
                 self.socket_path.unlink()
         for sb in list(self.sandboxes.values()):
             await self._close(sb)
@@ -284,7 +304,8 @@ class SandboxServer:
 
     def _ops(self) -> dict[str, Callable]:
         return {"create": self._op_create, "exec": self._op_exec, "write_file": self._op_write_file,
-                "read_file": self._op_read_file, "close": self._op_close, "info": self._op_info}
+                "read_file": self._op_read_file, "snapshot": self._op_snapshot, "restore": self._op_restore,
+                "close": self._op_close, "info": self._op_info}
 
     def _get(self, msg: dict[str, Any]) -> SandboxState:
         sb = self.sandboxes.get(msg["sandbox_id"])
@@ -368,6 +389,32 @@ class SandboxServer:
             raise SandboxError(f"read_file {path}: {_why(result)}")
         return {"data": result.stdout}
 
+    async def _op_snapshot(self, msg, owned) -> dict[str, Any]:
+        sb = self._get(msg)
+        cap = sb.limits.snapshot_mib * MIB
+        result = await run_exec(sb, self.backend, self.children, list(SNAPSHOT_ARGV), b"", sb.limits.timeout_s,
+                                output_bytes=cap)
+        self._record_exec("snapshot", result, keep_stdout=False)
+        if result.stdout_truncated:
+            raise SandboxError(f"snapshot: the work directory's archive passes the sandbox's cap of "
+                               f"{sb.limits.snapshot_mib} MiB (Limits.snapshot_mib)")
+        if not result.ok:
+            raise SandboxError(f"snapshot: {_why(result)}")
+        return {"data": result.stdout}
+
+    async def _op_restore(self, msg, owned) -> dict[str, Any]:
+        sb, data = self._get(msg), msg["data"]
+        if not isinstance(data, bytes):
+            raise TypeError("data must be bytes")
+        if len(data) > sb.limits.snapshot_mib * MIB:
+            raise SandboxError(f"restore: an archive of {len(data)} bytes passes the sandbox's cap of "
+                               f"{sb.limits.snapshot_mib} MiB (Limits.snapshot_mib)")
+        result = await run_exec(sb, self.backend, self.children, list(RESTORE_ARGV), data, sb.limits.timeout_s)
+        self._record_exec("restore", result)
+        if not result.ok:
+            raise SandboxError(f"restore: {_why(result)}")
+        return {"bytes": len(data)}
+
     # ---- running one command -----------------------------------------------------------------------------
 
     async def _close(self, sb: SandboxState) -> None:
@@ -393,12 +440,21 @@ class SandboxServer:
         if self._log is not None:
             self._log.write(json.dumps({"ts": round(time.time(), 6), **entry}) + "\n")
 
-    def _record_exec(self, op: str, r: ExecResult) -> None:
+    def _record_exec(self, op: str, r: ExecResult, keep_stdout: bool = True) -> None:
         self._record({"op": op, "sandbox": r.sandbox_id, "command": list(r.command), "reason": r.reason,
                       "exit_code": r.exit_code, "signal": r.signal, "duration_s": r.duration_s, "cpu_s": r.cpu_s,
                       "stdout_bytes": len(r.stdout), "stderr_bytes": len(r.stderr), "stdout_truncated": r.stdout_truncated,
-                      "stderr_truncated": r.stderr_truncated, "stdout": r.stdout[:LOG_HEAD].decode(errors="replace"),
+                      "stderr_truncated": r.stderr_truncated, "stdout": r.stdout[:LOG_HEAD].decode(errors="replace") if keep_stdout else "",
                       "stderr": r.stderr[:LOG_HEAD].decode(errors="replace")})
+
+
+def owns_socket_file(path: Path, inode: tuple[int, int] | None) -> bool:
+    """Whether `path` is still the socket file whose (st_dev, st_ino) is `inode` (the one its server bound)."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    return inode is not None and (st.st_dev, st.st_ino) == inode
 
 
 def _path(msg: dict[str, Any]) -> str:

@@ -7,11 +7,14 @@ tests do."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +95,55 @@ def test_a_batch_larger_than_the_node_waits_for_admission(world):
         server.stop()
     assert [r.stdout_text for r in results] == [f"{i * i}\n" for i in range(6)]
     assert info["active"] == 0 and info["strong"] and info["cgroups"]
+
+
+def test_a_work_directory_moves_to_another_sandbox_by_snapshot_and_restore(world):
+    """What a checkpoint keeps of a multi-turn sample (rl/tool_turns.py): the whole work directory (nested and hidden
+    files, symlinks as links) goes into another sandbox, whose own files it replaces; an archive over the cap, or
+    bytes that are no archive, fail with one line; an archive (from a checkpoint: untrusted) whose members climb
+    out of the work directory writes nothing outside it."""
+    async def session():
+        async with await SandboxClient.connect(world.socket_path) as client:
+            limits = Limits(timeout_s=5, snapshot_mib=1)
+            async with await client.create(limits) as a:
+                await a.exec("mkdir -p d/e && echo deep > d/e/f && echo h > .hidden && ln -s /etc/passwd link")
+                archive = await a.snapshot()
+            async with await client.create(limits) as b:
+                await b.write_file("stale", "gone after the restore")
+                await b.restore(archive)
+                listing = await b.exec("find . -mindepth 1 | sort; cat d/e/f .hidden; readlink link")
+                await b.exec("head -c 3000000 /dev/urandom > big")
+                errors = []
+                for op in (b.snapshot(), b.restore(b"not a tar")):
+                    with pytest.raises(SandboxError) as e:
+                        await op
+                    errors.append(str(e.value))
+                with contextlib.suppress(SandboxError):  # tar may refuse the members, or only skip them
+                    await b.restore(_climbing_archive())
+                escaped = [p for p in (Path(b.host_work_dir).parent / "escaped", Path("/tmp/asyncrl-escaped"))
+                           if p.exists()]
+            return listing, errors, escaped
+
+    listing, errors, escaped = asyncio.run(session())
+    assert escaped == []
+    assert listing.stdout_text.split() == ["./.hidden", "./d", "./d/e", "./d/e/f", "./link", "deep", "h", "/etc/passwd"]
+    assert all("\n" not in e for e in errors)
+    assert errors[0] == "snapshot: the work directory's archive passes the sandbox's cap of 1 MiB (Limits.snapshot_mib)"
+    assert errors[1].startswith("restore: ")
+
+
+def _climbing_archive() -> bytes:
+    """A gzip'd tar whose members climb out: `../escaped`, `/tmp/asyncrl-escaped`, and a link to /tmp then a file
+    through it."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in ("../escaped", "/tmp/asyncrl-escaped"):
+            tar.addfile(tarfile.TarInfo(name), io.BytesIO())
+        link = tarfile.TarInfo("link")
+        link.type, link.linkname = tarfile.SYMTYPE, "/tmp"
+        tar.addfile(link)
+        tar.addfile(tarfile.TarInfo("link/asyncrl-escaped"), io.BytesIO())
+    return buf.getvalue()
 
 
 def test_bad_requests_fail_with_one_line(world):

@@ -3,11 +3,16 @@ the real stop matcher and parser, a real sandbox server (bubblewrap). The tiny r
 by itself, so each sample's first turn is put in its RolloutState as if the model had written it (its KV not yet
 cached), and the sample resumes paused at that call: from there every step is the production path. The call runs
 in the sample's sandbox while other samples decode, its output is appended as its own tokens and prefilled over
-the cached context, an interrupt while a call runs loses nothing, and the turn limit ends a sample."""
+the cached context, an interrupt while a call runs loses nothing, the turn limit ends a sample, and a call the
+sandbox kills (CPU time, memory) ends its sample with the reason (repercussion)."""
 
+import io
 import os
 import shutil
+import tarfile
 import tempfile
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -59,25 +64,33 @@ def test_tool_calls_run_in_the_sandbox_and_their_output_is_appended(server):
     _, sock = server
     torch.manual_seed(0)
     tok = CharTokenizer()
-    engine = Engine(Decoder(debug_config(moe=False)).eval(), EngineConfig(max_batch_size=4, block_size=4, max_seq_len=400),
+    engine = Engine(Decoder(debug_config(moe=False)).eval(), EngineConfig(max_batch_size=8, block_size=4, max_seq_len=400),
                     eos_id=tok.eos_id)
     tools = ToolTurns(tok, fmt="code", specs=[PYTHON_TOOL], max_turns=1, max_output_tokens=40, timeout_s=5,
                       socket_path=sock, limits=Limits(timeout_s=5, cpu_s=2))
     tools.attach(engine)
     turns = {"ok": "```python\nimport time; time.sleep(0.3); print(6*7)\n```", "bad": "```python\nprint(6*\n```",
-             "spin": "```python\nwhile True: pass\n```"}
+             "spin": "```python\nwhile True: pass\n```", "hog": "```python\nx = b'x' * (400 << 20)\n```"}
     states = [_paused_at(engine, tok, sid, t) for sid, t in turns.items()]
     states.append(_paused_at(engine, tok, "limit", turns["ok"], tool_turns=[{"status": "ok", "start": 0, "end": 0}]))
     engine.resume(states)
     engine.step()  # admits them paused: nothing to feed until their tools answer
-    assert engine.num_paused == 4 and not engine.runnable()
+    assert engine.num_paused == 5 and not engine.runnable()
     tools.service(engine)
     # an interrupt while the calls run (a weight update): the calls go on, their outputs land after the resume
     held = [RolloutState.from_bytes(s.to_bytes()) for s in engine.interrupt()]
-    assert {s.request.sample_id for s in held if s.paused} == {"ok", "bad", "spin"}  # "limit" was finished
+    assert {s.request.sample_id for s in held if s.paused} == {"ok", "bad", "spin", "hog"}  # "limit" was finished
     engine.resume(held)
     gens = _drive(engine, tools)
-    assert set(gens) == {"ok", "bad", "spin"}
+    assert set(gens) == {"ok", "bad", "spin", "hog"}
+    # repercussion: a call the server killed (CPU time, memory) ends its sample there, nothing appended, the reason kept
+    for sid, failure, status in (("spin", "cpu", "timeout"), ("hog", "memory", "error")):
+        g = gens.pop(sid)
+        (turn,) = g.tool_turns
+        n = len(tok.encode(turns[sid]))
+        assert g.finish_reason == "tool_failure" and len(g.response_tokens) == n and not g.appended_spans
+        assert (turn["failure"], turn["status"], turn["start"], turn["end"]) == (failure, status, n, n), turn
+    assert tools.stats["tool_failures"] == 2
     for sid, g in gens.items():
         (turn,) = g.tool_turns
         s, e = g.appended_spans[0]
@@ -90,8 +103,8 @@ def test_tool_calls_run_in_the_sandbox_and_their_output_is_appended(server):
     bad = gens["bad"].tool_turns[0]  # a traceback longer than 40 tokens: cut, and the cut marked and recorded
     assert bad["status"] == "error" and bad["output"].startswith('  File "<string>"') and bad["truncated"]
     assert bad["output"].endswith("[tool output truncated to 40 tokens]") and not gens["ok"].tool_turns[0]["truncated"]
-    assert gens["spin"].tool_turns[0]["status"] == "timeout"
-    assert tools.stats["max_turns"] == 1 and tools.stats["calls"] == 3
+    assert gens["ok"].tool_turns[0]["failure"] is None and gens["bad"].tool_turns[0]["failure"] is None
+    assert tools.stats["max_turns"] == 1 and tools.stats["calls"] == 4
     tools.shutdown()
 
 
@@ -110,3 +123,62 @@ def test_a_call_that_does_not_parse_is_answered_with_the_parsers_line(server):
     assert turn["status"] == "parse_error" and turn["output"].startswith("error: ") and "nope" in turn["output"]
     assert tools.stats["parse_errors"] >= 1 and tools.stats["calls"] == 0
     tools.shutdown()
+
+
+NOTE = "```python\nimport time; open('n', 'a').write('x\\n'); time.sleep(1.5); print(open('n').read())\n```"
+"""A call with a side effect: it appends a line to `n` in the work directory, then (slowly) prints the file."""
+
+
+def test_a_preempted_call_runs_again_on_the_files_it_found(server):
+    """Preemption (seed §5.1.3): a checkpoint taken while a call runs keeps the work directory as that call found
+    it; after the job dies, the sample's new sandbox is restored from it and the call runs again: the file holds
+    one line per completed call, never the dead run's extra line (and never none of the earlier call's)."""
+    srv, sock = server
+    torch.manual_seed(0)
+    tok = CharTokenizer()
+    engine = Engine(Decoder(debug_config(moe=False)).eval(), EngineConfig(max_batch_size=2, block_size=4, max_seq_len=400),
+                    eos_id=tok.eos_id)
+    limits = Limits(timeout_s=5)
+    tools = ToolTurns(tok, fmt="code", specs=[PYTHON_TOOL], max_turns=2, max_output_tokens=40, timeout_s=5,
+                      socket_path=sock, limits=limits)
+    tools.attach(engine)
+    engine.resume([_paused_at(engine, tok, "s", NOTE)])
+    engine.step()
+    while engine.num_paused:  # the first call runs to its end in a new sandbox and its output is appended
+        tools.service(engine)
+        tools.wait(0.05)
+    (st,) = engine.interrupt()
+    assert [t["output"] for t in st.tool_turns] == ["x"]
+    # the model's next turn is the same call again (as if it had written it): the sample pauses at it
+    call = tok.encode(NOTE)
+    st.tokens += call
+    st.logprobs += [0.0] * len(call)
+    st.policy_versions += [0] * len(call)
+    st.paused = True
+    engine.resume([st])
+    engine.step()
+    tools.service(engine)
+    deadline = time.monotonic() + 20
+    while not any(f.read_text() == "x\nx\n" for f in srv.state_dir.glob("work/*/n")):  # the call has appended
+        assert time.monotonic() < deadline, "the second call never wrote its line"
+        time.sleep(0.02)
+    (held,) = engine.interrupt()  # a checkpoint while the call runs
+    kept = tools.workdirs(["s"])["s"]
+    with tarfile.open(fileobj=io.BytesIO(kept["archive"]), mode="r:gz") as tar:
+        assert tar.extractfile("./n").read() == b"x\n"  # as the pending call found it
+    tools.shutdown()  # the job dies: its sandboxes go
+
+    saved = RolloutState.from_bytes(replace(held, workdir=kept).to_bytes())  # what the checkpoint holds
+    assert saved.paused and saved.workdir == kept
+    lost = _paused_at(engine, tok, "lost", NOTE)
+    resumed = ToolTurns(tok, fmt="code", specs=[PYTHON_TOOL], max_turns=2, max_output_tokens=40, timeout_s=5,
+                        socket_path=sock, limits=limits)
+    resumed.attach(engine)
+    resumed.restore_workdirs({"s": saved.workdir, "lost": {"lost": "snapshot: too big"}})
+    engine.resume([replace(saved, workdir=None), lost])
+    gens = _drive(engine, resumed)
+    assert [t["output"] for t in gens["s"].tool_turns] == ["x", "x\nx"]  # one line per completed call
+    (failed, *_) = gens["lost"].tool_turns
+    assert failed["status"] == "sandbox_failed"
+    assert "the work directory was not kept across the preemption: snapshot: too big" in failed["output"]
+    resumed.shutdown()

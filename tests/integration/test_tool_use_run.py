@@ -1,10 +1,18 @@
 """`rl train` with tools end to end (issue #16): a tiny char-level model learns from demonstrations (SFT) to call
 the python tool, then GRPO rollouts on Ray pause at its calls, run them in the node's sandbox server
 (bubblewrap), append the outputs as their own tokens and continue; the store keeps each sample's turns with loss
-mask 0 on tool tokens, `rl traj show` renders them, and the held-out evaluation serves calls too."""
+mask 0 on tool tokens, `rl traj show` renders them, and the held-out evaluation serves calls too. The recipe names
+no server: `rl train` starts the node's own (rl/sandbox_nodes.py) and none is left when it ends.
 
+Repercussion (seed §5.1.3): a model taught to write a call that allocates 128 MiB has each such call killed by the
+sandbox's memory limit (64 MiB); the samples end there, failed, with the reason in the store and in
+`rollout/tool_failures/memory`, and under `tools.on_failure: leave_loss` they leave the trained batch; the job
+goes on."""
+
+import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -13,8 +21,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rl.sandbox_nodes import run_key, server_paths
 from rl.store import TrajectoryStore
-from sandbox_client import LocalServer
 
 pytestmark = pytest.mark.integration
 
@@ -28,46 +36,109 @@ def _rl(*args, cwd):  # the task module lives under tests/: the repository on th
                           cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_grpo_rollouts_call_tools_in_the_sandbox():
+def _recipe(dataset_args: dict | None = None, **tools) -> dict:
+    """SFT on the task's demonstrations of calling the tool, then two small GRPO steps; no sandbox.socket."""
+    return {
+        "run": {"name": "tools", "seed": 0},
+        "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
+                  "max_position_embeddings": 512, "ffn": {"type": "dense", "intermediate_size": 128}},
+        "datasets": [{"type": "custom", "name": "sums", "task": "tests.tasks.tool_sums:ToolSums",
+                      **({"args": dataset_args} if dataset_args else {})}],
+        "engine": {"max_batch_size": 16, "max_seq_len": 400, "max_new_tokens": 64},
+        "sandbox": {"limits": {"timeout_s": 5, "memory_mib": 64}, "max_sandboxes": 8},
+        "tools": {"format": "code", "max_turns": 2, "max_tool_output_tokens": 16, "timeout_s": 5, **tools},
+        "runtime": {"ray": True, "num_workers": 1, "num_cpus": 2},
+        "stages": [{"type": "sft", "max_steps": 60, "batch_size": 16, "optim": {"lr": 3e-3}},
+                   {"type": "grpo", "max_steps": 2, "prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8,
+                    "dispatch": {"policy": "sample", "max_inflight": 8}}],
+        "logging": {"wandb": False, "progress_bar": False},
+    }
+
+
+def _server_processes(state: Path) -> list[int]:
+    """Live sandbox servers on the state directory `state` (by their command line)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
+        except OSError:
+            continue
+        if b"sandbox_client" in argv and os.fsencode(state) in argv:
+            found.append(int(d.name))
+    return found
+
+
+def _train(root: Path, recipe: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    """`rl train` of `recipe` in root/run; checks that it started the node's server and left none running."""
+    (root / "tools.yaml").write_text(yaml.safe_dump(recipe))
+    run_dir = root / "run"
+    proc = _rl("train", str(root / "tools.yaml"), "--run-dir", str(run_dir), cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sock, state = server_paths(run_key(run_dir))
+    assert f"sandbox: started the server at {sock}" in proc.stdout, proc.stdout[-2000:]
+    assert _server_processes(state) == [] and not sock.exists()  # stopped with the job, its socket removed
+    log = [json.loads(line) for line in (state / "commands.jsonl").read_text().splitlines()]
+    assert [e["op"] for e in log if e["op"] in ("start", "stop")] == ["start", "stop"]
+    assert any(e["op"] == "exec" for e in log)  # the rollouts' calls ran on it
+    return proc, run_dir
+
+
+@pytest.fixture
+def root():
     if shutil.which("bwrap") is None and os.environ.get("CI") != "true":
         pytest.skip("bubblewrap is not installed (apt-get install bubblewrap; .ci/run does)")
     root = Path(tempfile.mkdtemp(prefix="asyncrl-tool-run-"))
-    root.chmod(0o711)
-    server = LocalServer(root / "s.sock", root / "state", max_sandboxes=8)
-    try:
-        recipe = {
-            "run": {"name": "tools", "seed": 0},
-            "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
-                      "max_position_embeddings": 512, "ffn": {"type": "dense", "intermediate_size": 128}},
-            "datasets": [{"type": "custom", "name": "sums", "task": "tests.tasks.tool_sums:ToolSums"}],
-            "engine": {"max_batch_size": 16, "max_seq_len": 400, "max_new_tokens": 64},
-            "sandbox": {"socket": str(root / "s.sock"), "limits": {"timeout_s": 5}},
-            "tools": {"format": "code", "max_turns": 2, "max_tool_output_tokens": 16, "timeout_s": 5},
-            "runtime": {"ray": True, "num_workers": 1, "num_cpus": 2},
-            "stages": [{"type": "sft", "max_steps": 60, "batch_size": 16, "optim": {"lr": 3e-3}},
-                       {"type": "grpo", "max_steps": 2, "prompts_per_step": 2, "group_size": 4, "micro_batch_size": 8,
-                        "dispatch": {"policy": "sample", "max_inflight": 8}}],
-            "logging": {"wandb": False, "progress_bar": False},
-        }
-        (root / "tools.yaml").write_text(yaml.safe_dump(recipe))
-        proc = _rl("train", str(root / "tools.yaml"), "--run-dir", str(root / "run"), cwd=root)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        store = TrajectoryStore.for_run_dir(root / "run")
-        samples = [store.get_sample(r.sample_id) for r in store.query(limit=100) if r.train_step is not None]
-        store.close()
-        assert len(samples) == 2 * 2 * 4
-        called = [s for s in samples if s.turns]
-        assert called, "no rollout called the tool"
-        for s in called:
-            tools = [t for t in s.turns if t.kind == "tool"]
-            assert tools and tools[0].tool == "python" and tools[0].status in ("ok", "error", "timeout")
-            assert s.turns[0].kind == "model" and s.turns[0].text.startswith("```python")
-            mask = s.loss_mask_T()
-            assert all(mask[t.start:t.end] == (0,) * (t.end - t.start) for t in tools) and sum(mask) < len(mask)
-        ok = [t for s in called for t in s.turns if t.kind == "tool" and t.status == "ok"]
-        assert ok and all(t.text.strip().lstrip("-").isdigit() for t in ok)  # what print(a+b) printed
-        show = _rl("traj", "show", str(root / "run"), called[0].sample_id, cwd=root)
-        assert show.returncode == 0 and "python" in show.stdout, show.stderr[-1000:]
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    yield root
+    state = server_paths(run_key(root / "run"))[1]
+    shutil.rmtree(state, ignore_errors=True)  # the server's state and command log, and its output
+    state.with_name(f"{state.name}.server.log").unlink(missing_ok=True)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_grpo_rollouts_call_tools_in_the_sandbox(root):
+    _, run_dir = _train(root, _recipe())
+    store = TrajectoryStore.for_run_dir(run_dir)
+    samples = [store.get_sample(r.sample_id) for r in store.query(limit=100) if r.train_step is not None]
+    store.close()
+    assert len(samples) == 2 * 2 * 4
+    called = [s for s in samples if s.turns]
+    assert called, "no rollout called the tool"
+    for s in called:
+        tools = [t for t in s.turns if t.kind == "tool"]
+        assert tools and tools[0].tool == "python" and tools[0].status in ("ok", "error", "timeout")
+        assert s.turns[0].kind == "model" and s.turns[0].text.startswith("```python")
+        mask = s.loss_mask_T()
+        assert all(mask[t.start:t.end] == (0,) * (t.end - t.start) for t in tools) and sum(mask) < len(mask)
+    ok = [t for s in called for t in s.turns if t.kind == "tool" and t.status == "ok"]
+    assert ok and all(t.text.strip().lstrip("-").isdigit() for t in ok)  # what print(a+b) printed
+    show = _rl("traj", "show", str(run_dir), called[0].sample_id, cwd=root)
+    assert show.returncode == 0 and "python" in show.stdout, show.stderr[-1000:]
+
+
+def test_calls_the_sandbox_kills_fail_their_samples_and_leave_the_loss(root):
+    recipe = _recipe({"hog": True}, on_failure="leave_loss")
+    recipe["stages"][0]["max_steps"] = 100
+    _, run_dir = _train(root, recipe)
+    with sqlite3.connect(run_dir / "trajectories.db") as db:  # the samples of the groups the two steps took
+        ids = [r[0] for r in db.execute("select s.sample_id from samples s join prompts p on p.run_id = s.run_id and "
+                                        "p.prompt_id = s.prompt_id where p.outcome = 'trained'")]
+    store = TrajectoryStore.for_run_dir(run_dir)
+    batch = [(store.get_sample(i), store.sample_train_step(i)) for i in ids]
+    store.close()
+    failed = [s for s, _ in batch if s.failure is not None]
+    assert len(batch) == 2 * 2 * 4 and failed, "no call was killed"
+    for s, step in batch:
+        if s.failure is None:
+            assert step is not None
+            continue
+        # ended at the call the memory limit killed, nothing appended; stored, but it left the loss: untrained
+        assert (s.failure, s.finish_reason, s.turns[-1].kind, s.turns[-1].status) == ("memory", "tool_failure", "tool", "error")
+        assert s.turns[-1].start == s.turns[-1].end == s.num_response_tokens and step is None
+    ls = _rl("traj", "ls", str(run_dir), "--failure", "memory", "--limit", "100", cwd=root)
+    assert ls.returncode == 0 and all(s.sample_id in ls.stdout for s in failed), ls.stderr[-1000:]
+    show = _rl("traj", "show", str(run_dir), failed[0].sample_id, cwd=root)
+    assert "finish_reason tool_failure   failure memory (repercussion)" in show.stdout, show.stderr[-1000:]
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "rollout/tool_failures" in m]
+    assert len(steps) == 2 and sum(m["rollout/tool_failures/memory"] for m in steps) == len(failed)
+    assert sum(m["rollout/tool_failures"] for m in steps) == sum(m["rollout/left_out"] for m in steps) == len(failed)

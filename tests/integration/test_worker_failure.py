@@ -37,7 +37,9 @@ def _ray_processes() -> list[str]:
 
 
 @pytest.mark.parametrize("fault, line", [
-    ("worker_train@1:3:STOP", "policy worker 1 did not answer train_step within 8 s and does not answer a ping (hung or stopped)"),
+    # rank 1 also takes longer to build than worker_timeout_s: the start is bounded by worker_start_timeout_s
+    ("worker_init@1:1:SLEEP9,worker_train@1:3:STOP",
+     "policy worker 1 did not answer train_step within 8 s and does not answer a ping (hung or stopped)"),
     ("worker_rollout@1:8", "policy worker 1 died during rollout (ActorDiedError)"),
 ])
 def test_a_hung_or_dead_worker_ends_the_job_with_one_line_and_resume_continues(tmp_path, fault, line):

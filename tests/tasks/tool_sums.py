@@ -1,6 +1,8 @@
 """A tool-use task for tests (issue #16): "sum a b"; the demonstration calls the python tool, reads its output
 and answers with it, so a tiny char-level model learns in a few SFT steps to write a call the engine pauses at.
-Correct when the final assistant turn is the sum. Tests name it as `tests.tasks.tool_sums:ToolSums`."""
+Correct when the final assistant turn is the sum. Tests name it as `tests.tasks.tool_sums:ToolSums`; with
+`args: {hog: true}` the demonstration's call allocates 128 MiB instead (a call that a sandbox of 64 MiB has killed
+for memory: the repercussion tests)."""
 
 from __future__ import annotations
 
@@ -11,8 +13,10 @@ from rollout.tool_calls import PLAIN_TOOL_CLOSE, PLAIN_TOOL_OPEN
 
 
 class ToolSums(Task):
-    def __init__(self, name: str):
-        self.name = name
+    HOG = "```python\nb'x'*2**27\n```"
+
+    def __init__(self, name: str, hog: bool = False):
+        self.name, self.hog = name, hog
 
     def problem_for(self, a: int, b: int) -> Problem:
         return Problem(f"{self.name}:{a}+{b}", self.name, f"sum {a} {b}\n", answer=str(a + b), metadata={"a": a, "b": b})
@@ -27,6 +31,8 @@ class ToolSums(Task):
 
     def demonstration(self, problem: Problem, rng: random.Random, **_) -> str:
         a, b = problem.metadata["a"], problem.metadata["b"]
+        if self.hog:
+            return self.HOG
         return f"```python\nprint({a}+{b})\n```{PLAIN_TOOL_OPEN}{a + b}{PLAIN_TOOL_CLOSE}{a + b}"
 
     def verify(self, trajectory: Trajectory, ctx: VerifyContext) -> Verdict:

@@ -346,6 +346,8 @@ def _with_header(data: bytes, change) -> bytes:
     (lambda h: h.__setitem__("format", 99), "format 99"),
     (lambda h: h["tensors"]["k"].__setitem__(1, [2, 2000, 1, 4]), "runs past the end"),
     (lambda h: h["request"].__setitem__("callback", "os.system"), "unexpected keyword"),
+    (lambda h: h.__setitem__("workdir", {"archive": "not bytes"}), "workdir is neither"),
+    (lambda h: h.__setitem__("workdir", {"archive": b"", "lost": "both"}), "workdir is neither"),
 ])
 def test_rollout_state_decoding_refuses_anything_but_its_own_layout(change, error):
     data = _state_bytes()
@@ -354,6 +356,14 @@ def test_rollout_state_decoding_refuses_anything_but_its_own_layout(change, erro
         RolloutState.from_bytes(_with_header(data, change))
     with pytest.raises(ValueError, match="truncated"):
         RolloutState.from_bytes(data[:5])
+
+
+@pytest.mark.parametrize("workdir", [None, {"archive": b"\x1f\x8b tar.gz bytes"}, {"lost": "snapshot: too big"}])
+def test_a_samples_sandbox_work_directory_travels_in_its_state(workdir):
+    """Multi-turn samples keep their sandbox files across a preemption in the state itself (rl/tool_turns.py)."""
+    st = RolloutState.from_bytes(_state_bytes())
+    st.workdir = workdir
+    assert RolloutState.from_bytes(st.to_bytes()).workdir == workdir
 
 
 def test_deeply_nested_msgpack_is_refused_before_it_is_built():

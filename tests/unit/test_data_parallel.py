@@ -9,6 +9,11 @@ One spawn (both ranks) runs every scenario and writes what it saw; the tests bel
   copy (equal to one rank's weights, the same on both ranks); a checkpoint round trip (full tensors written
   by rank 0, shards read back) continues exactly; run.dtype bfloat16 (MixedPrecisionPolicy) trains too.
 - PolicyWorker under DDP with run.dtype bfloat16: the engine's bf16 copy is refreshed in place and agrees.
+- FSDP2 loads a checkpoint (one written by FSDP2, one by a single worker: both full tensors) reading only each
+  rank's rows of the weights and of the AdamW moments (the bytes read per rank are counted from the slices
+  read); the initial weights of run.init_checkpoint are read the same way once sharded (not before).
+- OPD (full-vocabulary reverse KL to two teachers of other shapes, plus GRPO) under FSDP2 takes the one-rank
+  steps; after each step the engines' weights are bit-identical on both ranks (the teachers are not sharded).
 """
 
 from __future__ import annotations
@@ -76,6 +81,30 @@ def _sft_batch(seed: int) -> TrainBatch:
     return TrainBatch(b.prompts_B, b.responses_B, b.num_tokens)
 
 
+def _opd_recipe(out: str) -> dict:
+    """WORKER_RECIPE with an OPD stage: teachers ta (serves arith) and tb, of other shapes than the student."""
+    stage = {"type": "opd", "group_size": GROUP, "micro_batch_size": MICRO, "rl_weight": 0.5, "kl_chunk_size": 16,
+             "prompts_per_step": 2, "dispatch": {"max_inflight": 8},
+             "optim": {"lr": 1e-3}, "teachers": {"prefetch": False, "teachers": [
+                 {"name": "ta", "checkpoint": os.path.join(out, "ta"), "datasets": ["arith"]},
+                 {"name": "tb", "checkpoint": os.path.join(out, "tb")}]}}
+    return {**WORKER_RECIPE, "engine": {**WORKER_RECIPE["engine"], "max_batch_size": 8}, "stages": [stage]}
+
+
+def _opd_batch(seed: int) -> TrainBatch:
+    """GRPO groups whose rows are scored by teacher ta or tb, group by group."""
+    import dataclasses
+
+    b = _groups(3, seed)
+    return dataclasses.replace(b, teachers_B=["ta" if (i // GROUP) % 2 == 0 else "tb" for i in range(len(b))])
+
+
+def _local(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.to_local().detach().clone() for k, v in model.state_dict().items() if isinstance(v, DTensor)}
+
+
 def _full(model) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
@@ -85,6 +114,7 @@ def _full(model) -> dict[str, torch.Tensor]:
 # -- what each rank runs ------------------------------------------------------------------------------------
 def _rank_main(rank: int, port: int, out: str) -> None:
     import rl.parallel as parallel
+    from rl.checkpoint import open_tree
     from rl.parallel import DDP, FSDP2, build_data_parallel
     from rl.worker import PolicyWorker
 
@@ -138,12 +168,50 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         w.update_weights(1)
         res[f"bf16_{kind}"] = {"loss": m.sums["sft/loss"], "engine": _full(w.rollout_model),
                                "dtype": str(next(w.rollout_model.parameters()).dtype)}
+
+    # FSDP2 reads only its rows of a checkpoint written by FSDP2 (`out`, above) and of one by one worker
+    for name, path in (("fsdp2", out), ("one_worker", os.path.join(out, "init"))):
+        nbytes = worker.parallel.load_weights(path)
+        res[f"load_{name}"] = {"bytes": nbytes, "local": _local(worker.model), "full": _full(worker.model)}
+    with open_tree(out) as tree:  # and only its rows of the AdamW moments
+        res["load_fsdp2"]["optimizer_bytes"] = worker.parallel.load_optimizer_state(worker.trainer.opt, tree["optimizer"])
+    # the initial weights of run.init_checkpoint: read once sharded, each rank its rows
+    init = Recipe.model_validate({**WORKER_RECIPE, "run": {**WORKER_RECIPE["run"], "init_checkpoint": os.path.join(out, "init")}})
+    w = PolicyWorker(init, rank=rank, world_size=2, num_threads=1)
+    res["init"] = {"before": _full(w.model)}
+    w.join_process_group(f"tcp://127.0.0.1:{port}")  # in the group already: kept
+    res["init"].update(trainer=_full(w.model), engine=_full(w.rollout_model))
+
+    # OPD under FSDP2: the student sharded, the teachers whole on every rank
+    opd = Recipe.model_validate(_opd_recipe(out))
+    w = PolicyWorker(opd, rank=rank, world_size=2, num_threads=1)
+    w.join_process_group(f"tcp://127.0.0.1:{port}")
+    w.begin_stage(opd.stages[0])
+    for step in range(STEPS):
+        m = w.train_step(_shards(_opd_batch(20 + step), 2)[rank], opd.stages[0])
+        w.update_weights(step + 1)
+        res[f"opd{step}"] = {"metrics": m, "engine": _full(w.rollout_model), "checksum": w.info()["weights_checksum"]}
     _dump(res, os.path.join(out, f"rank{rank}"))
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def dp_out(tmp_path_factory):
+    """The spawn's directory, with two teachers and an init checkpoint in it."""
+    from model.checkpoint import save_checkpoint
+    from rl.worker import build_policy
+
     out = tmp_path_factory.mktemp("dp")
+    torch.manual_seed(1)  # teachers of other shapes than the student (same vocabulary); an init checkpoint
+    save_checkpoint(Decoder(debug_config(moe=False, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8)), out / "ta")
+    save_checkpoint(Decoder(debug_config(moe=True, num_layers=1)), out / "tb")
+    init = build_policy(Recipe.model_validate({**WORKER_RECIPE, "run": {**WORKER_RECIPE["run"], "seed": 7}}))
+    save_checkpoint(init, out / "init")  # one worker's checkpoint: full tensors
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(dp_out):
+    out = dp_out
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -250,6 +318,69 @@ def test_bfloat16_trains_and_refreshes_the_bf16_engine_copy_on_both_ranks(ranks,
     for name in r0["engine"]:
         assert torch.equal(r0["engine"][name], r1["engine"][name]), name
     assert torch.isfinite(torch.tensor(r0["loss"] + r1["loss"]))
+
+
+@pytest.mark.parametrize("written_by", ["fsdp2", "one_worker"])
+def test_fsdp2_ranks_read_only_their_rows_of_a_checkpoint(ranks, dp_out, written_by):
+    from safetensors.torch import load_file
+
+    file = load_file(str((dp_out if written_by == "fsdp2" else dp_out / "init") / "model.safetensors"))  # a full load
+    r0, r1 = ranks[0][f"load_{written_by}"], ranks[1][f"load_{written_by}"]
+    assert set(r0["local"]) == set(r0["full"]) == set(file)  # every tensor sharded, every one loaded
+    for name, t in file.items():
+        assert torch.equal(r0["full"][name], t) and torch.equal(r1["full"][name], t), name
+        assert torch.equal(torch.cat([r0["local"][name], r1["local"][name]]), t), name  # rank 0 the first rows
+        assert 0 < len(r1["local"][name]) <= len(r0["local"][name]), name
+    total = sum(t.numel() * t.element_size() for t in file.values())
+    assert r0["bytes"] + r1["bytes"] == total  # each row read once, by the rank that keeps it
+    assert 0.45 * total < r0["bytes"] < 0.55 * total, (r0["bytes"], total)
+
+
+def test_fsdp2_ranks_read_only_their_rows_of_the_adamw_moments(ranks, dp_out):
+    from rl.checkpoint import open_tree
+
+    with open_tree(dp_out) as tree:  # the FSDP2 worker's checkpoint: AdamW state of full tensors
+        state = [v.read() for s in tree["optimizer"]["state"].values() for v in s.values()]
+    moments = sum(t.numel() * t.element_size() for t in state if t.dim() > 0)
+    steps = sum(t.numel() * t.element_size() for t in state if t.dim() == 0)  # scalars: every rank reads them
+    r0, r1 = ranks[0]["load_fsdp2"]["optimizer_bytes"], ranks[1]["load_fsdp2"]["optimizer_bytes"]
+    assert moments > 0 and r0 + r1 == moments + 2 * steps
+    assert 0.45 * moments < r0 - steps < 0.55 * moments, (r0, moments)
+
+
+def test_fsdp2_reads_the_initial_weights_once_sharded(ranks, dp_out):
+    from safetensors.torch import load_file
+
+    from rl.worker import build_policy
+
+    file = load_file(str(dp_out / "init" / "model.safetensors"))
+    seeded = build_policy(Recipe.model_validate({**WORKER_RECIPE, "runtime": {"ray": False}})).state_dict()
+    assert any(not torch.equal(seeded[k], t) for k, t in file.items())
+    for r in ranks:
+        for name, t in file.items():
+            assert torch.equal(r["init"]["before"][name], seeded[name]), name  # built; the file not read yet
+            assert torch.equal(r["init"]["trainer"][name], t) and torch.equal(r["init"]["engine"][name], t), name
+
+
+def test_opd_under_fsdp2_takes_the_one_rank_steps_with_identical_weights_on_both_ranks(ranks, dp_out):
+    from rl.worker import PolicyWorker
+
+    recipe = Recipe.model_validate({**_opd_recipe(str(dp_out)), "runtime": {"ray": False}})
+    stage = recipe.stages[0]
+    one = PolicyWorker(recipe, num_threads=1)
+    one.begin_stage(stage)
+    for step in range(STEPS):
+        alone = merge_step_metrics([one.train_step(_opd_batch(20 + step), stage)])
+        one.update_weights(step + 1)
+        r0, r1 = ranks[0][f"opd{step}"], ranks[1][f"opd{step}"]
+        merged = merge_step_metrics([r0["metrics"], r1["metrics"]])
+        for k in ("opd/kl_loss", "opd/kl_sum", "rl/loss", "train/grad_norm"):
+            assert merged[k] == pytest.approx(alone[k], rel=1e-5, abs=1e-7), (step, k)
+        assert alone["opd/kl_loss"] > 0 and alone["opd/teachers_in_step"] == 2  # both teachers scored rows
+        for name, w in one.model.state_dict().items():
+            torch.testing.assert_close(r0["engine"][name], w, rtol=1e-5, atol=1e-5, msg=name)
+            assert torch.equal(r0["engine"][name], r1["engine"][name]), (step, name)  # bit-identical ranks
+        assert r0["checksum"] == r1["checksum"]
 
 
 def test_deal_by_length_keeps_groups_whole_and_balances_tokens():

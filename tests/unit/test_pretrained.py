@@ -204,6 +204,46 @@ def test_steps_invert_each_other():
                     assert torch.equal(target, p.tensor), (kind, name)
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_sharded_rank_reads_only_the_rows_it_keeps(ranks):
+    """`to_ours_rows` (what an FSDP2 rank loads, model/pretrained.py): for every declared conversion, each of
+    `ranks` ranks keeping chunk r of every parameter's rows gets exactly those rows, and reads only them (a
+    whole expert only where it keeps that expert), so the ranks together read each file row once; GGUF's
+    permuted q/k rows mix within a head and are read whole, then cut."""
+    from model.conversion import gguf_conversion
+
+    torch.manual_seed(0)
+    cases = [(k, hf_conversion, layout) for k in KINDS for layout in (("per_expert", "fused") if k == "qwen3_moe" else ("per_expert",))]
+    for kind, make, layout in cases + [("llama", gguf_conversion, "llama")]:
+        cfg, conv = _small_config(kind), make(_small_config(kind), layout)
+        model = Decoder(cfg)
+        state, params = model.state_dict(), dict(model.named_parameters())  # buffers: none in these formats
+        chunk = {n: -(-t.shape[0] // ranks) for n, t in state.items()}
+        source = dict(conv.export(state.__getitem__))
+        read_by_rank = []
+        for r in range(ranks):
+            def rows(n, r=r):
+                return range(min(r * chunk[n], len(state[n])), min((r + 1) * chunk[n], len(state[n])))
+            local = {n: torch.full_like(t[rows(n).start : rows(n).stop], float("nan")) for n, t in state.items()}
+            nbytes = 0
+            for name, tensor in source.items():
+                def read(want, tensor=tensor):
+                    nonlocal nbytes
+                    out = tensor if want is None else tensor[want.start : want.stop]
+                    nbytes += out.numel() * out.element_size()
+                    return out
+                for p in conv.to_ours_rows(name, read, rows):
+                    (local[p.name][p.index] if p.index else local[p.name]).copy_(p.tensor)
+            for n, t in params.items():
+                assert torch.equal(local[n], t.detach()[rows(n).start : rows(n).stop]), (kind, layout, n, r)
+            read_by_rank.append(nbytes)
+        total = sum(t.numel() * t.element_size() for t in source.values())
+        if make is hf_conversion:  # every row read once, by the rank that keeps it
+            assert sum(read_by_rank) == total, (kind, layout)
+        else:  # the permuted q/k weights whole on every rank, the rest once
+            assert total < sum(read_by_rank) < ranks * total
+
+
 def _small_config(kind: str) -> ModelConfig:
     """The debug model flavour with the features of `kind`."""
     from tests.conftest import debug_config

@@ -79,7 +79,8 @@ def test_unusable_definitions_are_refused(server_socket, tools, needle):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    ("", "r.yaml: Value error, tools: tool calls run in the node's sandbox server, and sandbox.socket names none"),
+    ("sandbox: {socket: none.sock}\n", "sandbox.socket: Value error, 'none.sock' is not a socket: start the node's "
+                                      "server first (rl sandbox serve --socket none.sock), or say `auto`"),
     (SANDBOX + "tools: {format: code, timeout_s: 30}\n", "tools.timeout_s=30.0 exceeds sandbox.limits.timeout_s=20.0"),
     (SANDBOX + "engine: {max_seq_len: 256}\ntools: {format: code, max_total_tokens: 256}\n",
      "tools.max_total_tokens=256 leaves no room for a prompt in engine.max_seq_len=256"),
@@ -87,3 +88,19 @@ def test_unusable_definitions_are_refused(server_socket, tools, needle):
 def test_cross_section_rules(server_socket, extra, needle):
     text = GOOD + extra + ("" if "tools:" in extra else "tools: {format: code}\n")
     assert needle in error_of(text)
+
+
+@pytest.mark.parametrize("sandbox, tools, server", [
+    ("", "tools: {format: code}\n", "auto"),  # tools and no socket: the job starts each node's server
+    ("sandbox: {socket: auto}\n", "", "auto"),  # no tools, but verifiers that run code get one
+    (SANDBOX, "tools: {format: code}\n", "apart"),  # a server started apart
+    ("", "", None),
+])
+def test_whose_sandbox_servers_a_job_uses(server_socket, sandbox, tools, server):
+    Path("r.yaml").write_text(GOOD + sandbox + tools)
+    recipe = load_recipe("r.yaml")
+    assert recipe.sandbox_server == server
+    if recipe.tools is not None:
+        assert recipe.tools.on_failure == "zero_reward"  # the default repercussion
+    Path("r.yaml").write_text(GOOD + "tools: {format: code, on_failure: ignore}\n")
+    assert "tools.on_failure: Input should be 'zero_reward' or 'leave_loss'" in error_of(Path("r.yaml").read_text())

@@ -18,7 +18,7 @@ from rl.store import StoreError, TrajectoryStore, decode_array
 from rl.store_db import alembic_config, head_revision, schema_state, sqlite_url, upgrade_store
 from tests.unit.test_store import make_sample
 
-HEAD = "0004"
+HEAD = "0005"
 """The newest schema revision (rl/migrations/versions)."""
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -64,7 +64,7 @@ def legacy_run(tmp_path: Path, which: str) -> Path:
     return run_dir
 
 
-def test_head_is_0004_and_the_baseline_is_d07e8ae_exactly(tmp_path):
+def test_head_is_0005_and_the_baseline_is_d07e8ae_exactly(tmp_path):
     from alembic import command
 
     assert head_revision() == HEAD
@@ -109,6 +109,7 @@ def test_rl_db_upgrade_keeps_every_row_and_the_new_code_reads_them(tmp_path, cap
 
     after = {t: rows(db, t) for t in OLD_TABLES}
     assert all(r.pop("reason") is None for r in after["samples"])  # revision 0003's column: unknown for old rows
+    assert all(r.pop("failure") is None for r in after["samples"])  # revision 0005's: no tool calls, no failures
     if which == "pre-effort":  # the column is new to these rows: NULL, as for a run without effort control
         assert all(r.pop("effort") is None for r in after["samples"])
     else:
@@ -124,6 +125,7 @@ def test_rl_db_upgrade_keeps_every_row_and_the_new_code_reads_them(tmp_path, cap
         x = store.get_sample(old["sample_id"])
         assert list(x.response_tokens) == decode_array(old["response_tokens"], "<i4").tolist()
         assert x.reward == old["reward"] and store.sample_train_step(x.sample_id) == old["train_step"] and x.turns == ()
+        assert x.failure is None
         assert store.segments(x.sample_id) == [(s["start"], s["end"], s["policy_version"]) for s in
                                                sorted(old_segments, key=lambda s: s["start"]) if s["sample_id"] == x.sample_id]
     assert store.audit() == {"trained_twice": 0, "trained": 32, "link_mismatch": 0, "prompts": 12, "prompts_open": 0}
