@@ -7,7 +7,7 @@ no server: `rl train` starts the node's own (rl/sandbox_nodes.py) and none is le
 Repercussion (seed §5.1.3): a model taught to write a call that allocates 128 MiB has each such call killed by the
 sandbox's memory limit (64 MiB); the samples end there, failed, with the reason in the store and in
 `rollout/tool_failures/memory`, and under `tools.on_failure: leave_loss` they leave the trained batch; the job
-goes on."""
+goes on. One run covers both: half the demonstrations make that call."""
 
 import json
 import os
@@ -95,14 +95,30 @@ def root():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_grpo_rollouts_call_tools_in_the_sandbox(root):
-    _, run_dir = _train(root, _recipe())
+def test_grpo_rollouts_call_tools_in_the_sandbox_and_killed_calls_leave_the_loss(root):
+    """Half the demonstrations call for 128 MiB: the model samples both calls. Calls that run are appended (loss
+    mask 0) and rendered; calls the memory limit kills end their samples, which leave the trained batch."""
+    recipe = _recipe({"hog": 0.5}, on_failure="leave_loss")
+    recipe["stages"][0]["max_steps"] = 100
+    _, run_dir = _train(root, recipe)
+    with sqlite3.connect(run_dir / "trajectories.db") as db:  # the samples of the groups the two steps took
+        ids = [r[0] for r in db.execute("select s.sample_id from samples s join prompts p on p.run_id = s.run_id and "
+                                        "p.prompt_id = s.prompt_id where p.outcome = 'trained'")]
     store = TrajectoryStore.for_run_dir(run_dir)
-    samples = [store.get_sample(r.sample_id) for r in store.query(limit=100) if r.train_step is not None]
+    batch = [(store.get_sample(i), store.sample_train_step(i)) for i in ids]
     store.close()
-    assert len(samples) == 2 * 2 * 4
-    called = [s for s in samples if s.turns]
-    assert called, "no rollout called the tool"
+    assert len(batch) == 2 * 2 * 4
+    failed = [s for s, _ in batch if s.failure is not None]
+    called = [s for s, step in batch if s.failure is None and s.turns]
+    assert failed, "no call was killed"
+    assert called, "no rollout's call ran"
+    for s, step in batch:
+        if s.failure is None:
+            assert step is not None
+            continue
+        # ended at the call the memory limit killed, nothing appended; stored, but it left the loss: untrained
+        assert (s.failure, s.finish_reason, s.turns[-1].kind, s.turns[-1].status) == ("memory", "tool_failure", "tool", "error")
+        assert s.turns[-1].start == s.turns[-1].end == s.num_response_tokens and step is None
     for s in called:
         tools = [t for t in s.turns if t.kind == "tool"]
         assert tools and tools[0].tool == "python" and tools[0].status in ("ok", "error", "timeout")
@@ -113,27 +129,6 @@ def test_grpo_rollouts_call_tools_in_the_sandbox(root):
     assert ok and all(t.text.strip().lstrip("-").isdigit() for t in ok)  # what print(a+b) printed
     show = _rl("traj", "show", str(run_dir), called[0].sample_id, cwd=root)
     assert show.returncode == 0 and "python" in show.stdout, show.stderr[-1000:]
-
-
-def test_calls_the_sandbox_kills_fail_their_samples_and_leave_the_loss(root):
-    recipe = _recipe({"hog": True}, on_failure="leave_loss")
-    recipe["stages"][0]["max_steps"] = 100
-    _, run_dir = _train(root, recipe)
-    with sqlite3.connect(run_dir / "trajectories.db") as db:  # the samples of the groups the two steps took
-        ids = [r[0] for r in db.execute("select s.sample_id from samples s join prompts p on p.run_id = s.run_id and "
-                                        "p.prompt_id = s.prompt_id where p.outcome = 'trained'")]
-    store = TrajectoryStore.for_run_dir(run_dir)
-    batch = [(store.get_sample(i), store.sample_train_step(i)) for i in ids]
-    store.close()
-    failed = [s for s, _ in batch if s.failure is not None]
-    assert len(batch) == 2 * 2 * 4 and failed, "no call was killed"
-    for s, step in batch:
-        if s.failure is None:
-            assert step is not None
-            continue
-        # ended at the call the memory limit killed, nothing appended; stored, but it left the loss: untrained
-        assert (s.failure, s.finish_reason, s.turns[-1].kind, s.turns[-1].status) == ("memory", "tool_failure", "tool", "error")
-        assert s.turns[-1].start == s.turns[-1].end == s.num_response_tokens and step is None
     ls = _rl("traj", "ls", str(run_dir), "--failure", "memory", "--limit", "100", cwd=root)
     assert ls.returncode == 0 and all(s.sample_id in ls.stdout for s in failed), ls.stderr[-1000:]
     show = _rl("traj", "show", str(run_dir), failed[0].sample_id, cwd=root)

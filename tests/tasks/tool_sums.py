@@ -1,8 +1,8 @@
 """A tool-use task for tests (issue #16): "sum a b"; the demonstration calls the python tool, reads its output
 and answers with it, so a tiny char-level model learns in a few SFT steps to write a call the engine pauses at.
 Correct when the final assistant turn is the sum. Tests name it as `tests.tasks.tool_sums:ToolSums`; with
-`args: {hog: true}` the demonstration's call allocates 128 MiB instead (a call that a sandbox of 64 MiB has killed
-for memory: the repercussion tests)."""
+`args: {hog: F}` that share of the demonstrations calls for 128 MiB instead (a call that a sandbox of 64 MiB has
+killed for memory: the repercussion tests); the model learns both calls and samples either."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from rollout.tool_calls import PLAIN_TOOL_CLOSE, PLAIN_TOOL_OPEN
 class ToolSums(Task):
     HOG = "```python\nb'x'*2**27\n```"
 
-    def __init__(self, name: str, hog: bool = False):
-        self.name, self.hog = name, hog
+    def __init__(self, name: str, hog: float = 0.0):
+        self.name, self.hog = name, float(hog)
 
     def problem_for(self, a: int, b: int) -> Problem:
         return Problem(f"{self.name}:{a}+{b}", self.name, f"sum {a} {b}\n", answer=str(a + b), metadata={"a": a, "b": b})
@@ -31,7 +31,7 @@ class ToolSums(Task):
 
     def demonstration(self, problem: Problem, rng: random.Random, **_) -> str:
         a, b = problem.metadata["a"], problem.metadata["b"]
-        if self.hog:
+        if self.hog and rng.random() < self.hog:
             return self.HOG
         return f"```python\nprint({a}+{b})\n```{PLAIN_TOOL_OPEN}{a + b}{PLAIN_TOOL_CLOSE}{a + b}"
 
