@@ -84,10 +84,23 @@ class SandboxClient:
         return await self.call("info", wait_s=ANSWER_SLACK_S)
 
     async def create(self, limits: Limits | None = None) -> "Sandbox":
-        """A new sandbox; `AdmissionRefused` at once when the node is full."""
+        """A new sandbox; `AdmissionRefused` at once when the node is full. Cancelled while the server answers, the
+        sandbox it then creates is closed at once (never left holding an admission slot until the connection ends)."""
         limits = limits or Limits()
-        info = await self.call("create", wait_s=ANSWER_SLACK_S, limits=limits.model_dump())
+        request = asyncio.ensure_future(self.call("create", wait_s=ANSWER_SLACK_S, limits=limits.model_dump()))
+        try:
+            info = await asyncio.shield(request)
+        except asyncio.CancelledError:
+            request.add_done_callback(self._close_unclaimed)
+            raise
         return Sandbox(self, info)
+
+    def _close_unclaimed(self, request: asyncio.Future) -> None:
+        """A create whose caller was cancelled: close what it created."""
+        if request.cancelled() or request.exception() is not None or self._listener.done():
+            return
+        orphan = asyncio.ensure_future(self.call("close", wait_s=ANSWER_SLACK_S, sandbox_id=request.result()["sandbox_id"]))
+        orphan.add_done_callback(lambda f: f.cancelled() or f.exception())  # nothing to report to anyone
 
     async def create_waiting(self, limits: Limits | None = None, *, wait_s: float = 60.0) -> "Sandbox":
         """`create`, retried with jittered exponential backoff while the node is full, up to `wait_s`."""

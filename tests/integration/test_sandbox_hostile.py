@@ -214,3 +214,28 @@ def test_a_client_that_goes_away_leaves_nothing_behind(world):
         time.sleep(0.05)
     assert not Path(sb.host_work_dir).exists()
     assert uid_processes(sb.host_uid) == []
+
+
+def test_a_create_cancelled_while_the_server_answers_leaves_no_sandbox_open(world):
+    """A caller cancelled during `create` (a dropped sample's call waiting for admission) must not leave the
+    sandbox the server then creates holding an admission slot until the connection ends: with a limit of one,
+    the next create succeeds at once."""
+    server = world.start_server("cancelled-create", max_sandboxes=1)
+
+    async def session():
+        async with await SandboxClient.connect(server.socket_path) as client:
+            pending = asyncio.create_task(client.create(LIMITS))
+            await asyncio.sleep(0)  # the request is written; the server is still setting the sandbox up
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pending
+            deadline = time.monotonic() + 5
+            while (await client.info())["active"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            async with await client.create(LIMITS) as sb:
+                return (await sb.exec("echo fine")).stdout
+
+    try:
+        assert asyncio.run(session()) == b"fine\n"
+    finally:
+        server.stop()
