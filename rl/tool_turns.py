@@ -120,6 +120,27 @@ class ToolTurns:
         self.close(list(self._calls))
         self._closing.append(asyncio.run_coroutine_threadsafe(self._close_all(), self._loop))
 
+    def suspend(self) -> int:
+        """Free every sandbox this worker holds (an evaluation needs the node's admission slots while the rollouts
+        are parked; seed §5.1.3 suspends and resumes rollouts): each sample's work directory is kept as a checkpoint
+        keeps it (`workdirs`: before its pending call, or as it is), its call cancelled and its sandbox closed. Its
+        next call restores a new sandbox from the kept directory; a cancelled call runs again there, so its side
+        effects are not doubled. Returns how many samples' sandboxes were freed."""
+        sids = sorted(set(self._calls) | set(asyncio.run_coroutine_threadsafe(self._held_ids(), self._loop).result()))
+        if not sids:
+            return 0
+        kept = self.workdirs(sids)
+        for sid in sids:
+            fut = self._calls.pop(sid, None)
+            if fut is not None:
+                fut.cancel()
+        asyncio.run_coroutine_threadsafe(self._close(sids), self._loop).result(timeout=60)
+        self.restore_workdirs(kept)
+        return len(sids)
+
+    async def _held_ids(self) -> list[str]:
+        return [*self._sandboxes, *self._before]
+
     def wait(self, timeout_s: float) -> None:
         """Block until a running call finishes (or `timeout_s`): the engine has nothing else to do."""
         if self._calls:

@@ -224,6 +224,8 @@ class PolicyWorker:
         continue afterwards from their exact token."""
         self.rollout_model.eval()
         parked = self.engine.interrupt()
+        if self.tools is not None:  # the parked samples' sandboxes go back to the node; their files are kept
+            self.tools.suspend()
         try:
             return generate_with_tools(self.engine, self.tools, requests)
         finally:

@@ -182,3 +182,42 @@ def test_a_preempted_call_runs_again_on_the_files_it_found(server):
     assert failed["status"] == "sandbox_failed"
     assert "the work directory was not kept across the preemption: snapshot: too big" in failed["output"]
     resumed.shutdown()
+
+
+def test_an_evaluation_gets_the_sandboxes_that_parked_samples_held(server):
+    """Evaluation while rollouts are parked (PolicyWorker.generate): `suspend` gives the parked samples' sandboxes
+    back to the node, keeping their files, so with an admission limit of one the evaluation's call runs at once;
+    the parked sample's next call then finds its files again."""
+    _, sock = server
+    scratch = Path(tempfile.mkdtemp(prefix="asyncrl-tool-suspend-"))
+    scratch.chmod(0o711)
+    one = LocalServer(scratch / "one.sock", scratch / "state", max_sandboxes=1)
+    try:
+        torch.manual_seed(0)
+        tok = CharTokenizer()
+        engine = Engine(Decoder(debug_config(moe=False)).eval(), EngineConfig(max_batch_size=2, block_size=4, max_seq_len=400),
+                        eos_id=tok.eos_id)
+        tools = ToolTurns(tok, fmt="code", specs=[PYTHON_TOOL], max_turns=2, max_output_tokens=40, timeout_s=5,
+                          socket_path=one.socket_path, limits=Limits(timeout_s=5), admission_wait_s=2.0)
+        tools.attach(engine)
+        engine.resume([_paused_at(engine, tok, "s", NOTE)])
+        engine.step()
+        while engine.num_paused:  # the first call runs and holds the node's one sandbox
+            tools.service(engine)
+            tools.wait(0.05)
+        (st,) = engine.interrupt()  # parked for the evaluation
+        assert tools.suspend() == 1
+        engine.resume([_paused_at(engine, tok, "eval", NOTE)])
+        first = _drive(engine, tools)["eval"].tool_turns[0]
+        assert (first["status"], first["output"], first.get("failure")) == ("ok", "x", None)  # admitted, not refused
+        call = tok.encode(NOTE)  # the parked sample's next turn calls again: its files came back
+        st.tokens += call
+        st.logprobs += [0.0] * len(call)
+        st.policy_versions += [0] * len(call)
+        st.paused = True
+        engine.resume([st])
+        assert [t["output"] for t in _drive(engine, tools)["s"].tool_turns] == ["x", "x\nx"]
+        tools.shutdown()
+    finally:
+        one.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
