@@ -58,6 +58,12 @@ class KVFormat:
     def decode(self, data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
+    def store(self, x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> None:
+        """Encode x [N, KVH, D] into rows `rows` [N] of a layer's pools (the decode write, nothing read back)."""
+        q, s = self.encode(x)
+        data.index_copy_(0, rows, q)
+        scale.index_copy_(0, rows, s)
+
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """decode(encode(x)) in x's dtype: exactly what a cache write followed by a read returns."""
         return self.decode(*self.encode(x), x.dtype)
@@ -146,6 +152,13 @@ class FP4Format(KVFormat):
 
     def decode(self, data, scale, dtype):
         return _fp4_impl(data).dequantize(data, scale.view(torch.float8_e4m3fn), dtype)
+
+    def store(self, x, data, scale, rows):
+        if not x.is_cuda:
+            return super().store(x, data, scale, rows)
+        from model.kernels.fp4 import quantize_into  # one kernel: encoded straight into the rows
+
+        quantize_into(x, data, scale, rows)
 
     def bytes_per_row(self, head_dim, compute_dtype):
         return head_dim * fp4.BITS_PER_VALUE / 8
@@ -287,8 +300,8 @@ class PagedKVCache:
               ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """slot_mapping [B, T] (−1 = padding, sent to the scratch slot); k, v [B, T, KVH, D].
         Returns K, V as the cache will give them back (dequantised; k, v themselves for bf16); with
-        `read_back=False` (decode through the paged kernel, which reads the cache itself) nothing, and the fp4
-        rows on CUDA are encoded straight into the pool (model/kernels/fp4.quantize_into: one kernel each)."""
+        `read_back=False` (decode through the paged kernel, which reads the cache itself) nothing, and the rows
+        are encoded straight into the pool where the format can (`KVFormat.store`; fp4 on CUDA: one kernel each)."""
         flat = slot_mapping.reshape(-1)
         flat = flat.masked_fill(flat < 0, self._scratch)  # two kernels (a where over a full_like took three)
         out = []
@@ -297,10 +310,8 @@ class PagedKVCache:
                 data[layer].index_copy_(0, flat, x.reshape(-1, *x.shape[2:]).to(data.dtype))
                 out.append(x)
                 continue
-            if not read_back and self.format.name == "fp4" and x.is_cuda:
-                from model.kernels.fp4 import quantize_into
-
-                quantize_into(x.reshape(-1, *x.shape[2:]), data[layer], scale[layer], flat)
+            if not read_back:
+                self.format.store(x.reshape(-1, *x.shape[2:]), data[layer], scale[layer], flat)
                 continue
             q, s = self.format.encode(x)
             data[layer].index_copy_(0, flat, q.reshape(-1, *q.shape[2:]))

@@ -297,23 +297,31 @@ DEQUANT_NBP, DEQUANT_WARPS = 128, 4
 DEQUANT_F16_DECODE = True  # E2M1 via fp16 bit placement (False: the float32 bit pattern path)
 
 
-def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as model.fp4.quantize: x [..., C] -> (uint8 [..., C // 2], float8_e4m3fn [..., C // 16])."""
-    C = x.shape[-1]
-    if C % ref.BLOCK:
-        raise ValueError(f"last dimension {C} is not a multiple of {ref.BLOCK}")
+def _launch_quantize(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor | None,
+                     blocks_per_row: int) -> None:
+    """The quantise kernel over x's 16-value blocks into flat uint8 `packed` / `scales`; with `rows`, block b of
+    x's row r lands in block b of output row rows[r] (`blocks_per_row` blocks a row)."""
     flat = x.contiguous().view(-1)
     words = flat.dtype == torch.bfloat16
     if words:
         flat = flat.view(torch.int32)
     n_blocks = x.numel() // ref.BLOCK
-    packed = torch.empty(n_blocks * 8, dtype=torch.uint8, device=x.device)
-    scales = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
     if n_blocks:
         asm = QUANT_ASM and words and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-        _quantize_kernel[(triton.cdiv(n_blocks, QUANT_NBP),)](flat, packed, scales, n_blocks, scales, 1, NBP=QUANT_NBP,
-                                                               BF16_WORDS=words, ASM=asm, V2=asm and QUANT_V2,
-                                                               num_warps=QUANT_WARPS)
+        _quantize_kernel[(triton.cdiv(n_blocks, QUANT_NBP),)](
+            flat, packed, scales, n_blocks, scales if rows is None else rows.contiguous(), blocks_per_row, NBP=QUANT_NBP,
+            BF16_WORDS=words, ASM=asm, V2=asm and QUANT_V2, SCATTER=rows is not None, num_warps=QUANT_WARPS)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as model.fp4.quantize: x [..., C] -> (uint8 [..., C // 2], float8_e4m3fn [..., C // 16])."""
+    C = x.shape[-1]
+    if C % ref.BLOCK:
+        raise ValueError(f"last dimension {C} is not a multiple of {ref.BLOCK}")
+    n_blocks = x.numel() // ref.BLOCK
+    packed = torch.empty(n_blocks * 8, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n_blocks, dtype=torch.uint8, device=x.device)
+    _launch_quantize(x, packed, scales, None, 1)
     return packed.view(*x.shape[:-1], C // 2), scales.view(torch.float8_e4m3fn).view(*x.shape[:-1], C // ref.BLOCK)
 
 
@@ -321,24 +329,13 @@ def quantize_into(x: torch.Tensor, packed_pool: torch.Tensor, scale_pool: torch.
     """`quantize(x)` written straight into rows of a pool, in one kernel (the paged cache's fp4 write without the
     temporary encoding and its two index copies): x [N, ...] -> packed_pool[rows[n]] and scale_pool[rows[n]]
     (pools [R, ...] uint8, each row the width `quantize` gives x[n]); rows [N] int64 in [0, R)."""
-    N = x.shape[0]
-    per_row = x[0].numel() if N else 0
+    per_row = x[0].numel() if x.shape[0] else 0
     if per_row % ref.BLOCK:
         raise ValueError(f"row width {per_row} is not a multiple of {ref.BLOCK}")
     if not (packed_pool.is_contiguous() and scale_pool.is_contiguous() and packed_pool.dtype == scale_pool.dtype == torch.uint8
             and packed_pool[0].numel() * 2 == per_row and scale_pool[0].numel() * ref.BLOCK == per_row):
         raise ValueError("pools must be contiguous uint8 rows of the packed and scale widths of one x row")
-    flat = x.contiguous().view(-1)
-    words = flat.dtype == torch.bfloat16
-    if words:
-        flat = flat.view(torch.int32)
-    n_blocks = N * per_row // ref.BLOCK
-    if n_blocks:
-        asm = QUANT_ASM and words and x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-        _quantize_kernel[(triton.cdiv(n_blocks, QUANT_NBP),)](flat, packed_pool.view(-1), scale_pool.view(-1), n_blocks,
-                                                               rows.contiguous(), per_row // ref.BLOCK, NBP=QUANT_NBP,
-                                                               BF16_WORDS=words, ASM=asm, V2=asm and QUANT_V2, SCATTER=True,
-                                                               num_warps=QUANT_WARPS)
+    _launch_quantize(x, packed_pool.view(-1), scale_pool.view(-1), rows, per_row // ref.BLOCK)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
