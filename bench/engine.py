@@ -55,14 +55,14 @@ VARIANTS = {  # name -> (cuda_graphs, paged decode kernel, fused RMSNorm/RoPE, t
 
 
 def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: str, *,
-                       variant: str = "graphs", overlap: bool | None = None) -> tuple[float, Engine]:
+                       variant: str = "graphs", overlap: bool | None = None, sample_in_graph: bool = True) -> tuple[float, Engine]:
     from model import fused as rollout_path
     from model.kernels import norm_rope
 
     graphs, paged, fused_norm, fused_layers = VARIANTS[variant]
     norm_rope.ENABLED, rollout_path.ENABLED = fused_norm, fused_layers
     cfg = EngineConfig(max_batch_size=batch, block_size=16, max_seq_len=prompt + new + 16, max_new_tokens=new,
-                       cuda_graphs=graphs, paged_decode_kernel=paged, overlap_steps=overlap)
+                       cuda_graphs=graphs, paged_decode_kernel=paged, overlap_steps=overlap, sample_in_graph=sample_in_graph)
     eng = Engine(model, cfg, eos_id=0, device=device)
     vocab = model.config.vocab_size
 
@@ -171,22 +171,34 @@ def build(shape: str, device: str, kv: str = "bf16", max_pos: int = 4096) -> Dec
 
 
 def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float]) -> None:
-    """ms/step with each step launched before the previous one is read (the default on CUDA) and with each step
-    read before the next is launched, alternating per batch in one run; tokens dropped per generated token."""
+    """ms/step of the engine as configured by default (steps overlapped on CUDA, tokens sampled inside the decode
+    graph), next to the same engine sampling after the replay (`sample_in_graph: false`) and to plain steps (each
+    read before the next is launched), in turn per batch in one run; tokens dropped per generated token; FP4 KV
+    against bf16 at batch 64 (the same weights)."""
     prompt, new = (128, 256) if device == "cuda" else (16, 32)
     for shape in shapes:
-        model = build(shape, device)
-        for b in (1, 64, 256) if device == "cuda" else (1, 16):
-            ms_on, eng = engine_ms_per_step(model, b, prompt, new, device, overlap=True)
-            ms_off = engine_ms_per_step(model, b, prompt, new, device, overlap=False)[0]
-            print(f"{shape:<9}bf16  batch {b:>4}: overlapped {ms_on:.3f} ms/step, plain {ms_off:.3f} ms/step "
-                  f"({ms_off / ms_on:.2f}x)", flush=True)
-            result[f"{shape}_overlap_ms_per_step_b{b}"] = ms_on
-            result[f"{shape}_plain_ms_per_step_b{b}"] = ms_off
-            result[f"{shape}_discarded_per_token_b{b}"] = eng.stats.discarded_tokens / max(eng.stats.generated_tokens, 1)
-        del model
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        for kv in ("bf16", "fp4"):
+            model = build(shape, device, kv)
+            for b in ((1, 64, 256) if kv == "bf16" else (64,)) if device == "cuda" else (1, 16):
+                ms_on, eng = engine_ms_per_step(model, b, prompt, new, device, overlap=True)
+                key = f"{shape}_{'' if kv == 'bf16' else 'fp4_'}"
+                result[f"{key}ms_per_step_b{b}"] = ms_on
+                if kv == "fp4":
+                    result[f"{shape}_fp4_over_bf16_b{b}"] = ms_on / result[f"{shape}_ms_per_step_b{b}"]
+                    print(f"{shape:<9}fp4   batch {b:>4}: {ms_on:.3f} ms/step ({result[f'{shape}_fp4_over_bf16_b{b}']:.3f}"
+                          f" of bf16)", flush=True)
+                    continue
+                ms_after = engine_ms_per_step(model, b, prompt, new, device, overlap=True, sample_in_graph=False)[0]
+                ms_off = engine_ms_per_step(model, b, prompt, new, device, overlap=False)[0]
+                print(f"{shape:<9}bf16  batch {b:>4}: {ms_on:.3f} ms/step; sampling after the replay {ms_after:.3f}; "
+                      f"plain steps {ms_off:.3f} ({ms_off / ms_on:.2f}x); graph-sampled steps "
+                      f"{eng.stats.graph_sampled_steps}/{eng.stats.decode_steps}", flush=True)
+                result[f"{shape}_sample_after_ms_per_step_b{b}"] = ms_after
+                result[f"{shape}_plain_ms_per_step_b{b}"] = ms_off
+                result[f"{shape}_discarded_per_token_b{b}"] = eng.stats.discarded_tokens / max(eng.stats.generated_tokens, 1)
+            del model
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -196,7 +208,8 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--long", action="store_true", help="CUDA: also 2K context at batch 64 and 16K at batch 16, bf16 and fp4")
     ap.add_argument("--overlap-only", action="store_true",
-                    help="only overlapped vs plain steps (engine.overlap_steps), side by side, for each shape at batch 1, 64, 256")
+                    help="only the engine's default against sampling after the replay and plain steps, side by side, for each "
+                         "shape at batch 1, 64, 256, and FP4 against bf16 KV at batch 64")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     torch.set_num_threads(2 if device == "cpu" else torch.get_num_threads())

@@ -39,17 +39,19 @@ QUICK_STAGE = {"grpo": ["stages.0.prompts_per_step=2", "stages.0.group_size=2", 
 QUICK_STAGE["opd"] = QUICK_STAGE["grpo"]
 
 
-def _launch(arm: str, out: Path, minutes: float, quick: bool, gpu: int | None, extra: list[str] = ()) -> subprocess.Popen:
+def _launch(arm: str, out: Path, minutes: float, quick: bool, gpu: int | None, extra: list[str] = (),
+            base: str | None = None) -> subprocess.Popen:
+    base = base or arm
     sets = [f"stages.0.max_minutes={minutes}", "logging.progress_bar=false", *extra]
     if quick:
-        sets += QUICK + QUICK_STAGE[arm]
+        sets += QUICK + QUICK_STAGE[base]
     if arm == "opd":
         sets.append(f"stages.0.teachers.teachers.0.checkpoint={out / 'grpo'}")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
     log = open(out / f"{arm}.log", "w")
-    cmd = [*CLI, "train", RECIPES[arm], "--run-dir", str(out / arm), *[a for s in sets for a in ("--set", s)]]
+    cmd = [*CLI, "train", RECIPES[base], "--run-dir", str(out / arm), *[a for s in sets for a in ("--set", s)]]
     print(f"[{arm}] {' '.join(cmd[3:])}" + ("" if gpu is None else f"  (GPU {gpu})"), flush=True)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -69,31 +71,76 @@ def _wait(procs: dict[str, subprocess.Popen], out: Path) -> None:
         time.sleep(2)
 
 
-TRAIN_SPLIT = "datasets.0.heldout.path=configs/data/word_problems_train.jsonl"
+TRAIN_FILE, TEST_FILE = ROOT / "configs/data/word_problems_train.jsonl", ROOT / "configs/data/word_problems_test.jsonl"
+TRAIN_SPLIT = ["--set", f"datasets.0.heldout.path={TRAIN_FILE}"]
 
 
-def train_split_eval(out: Path, arms: list[str], gpus: int, quick: bool) -> None:
-    """Greedy accuracy of each arm's final checkpoint on the first problems of its *training* file (`rl eval
-    --set`), written to ARM/train_eval.txt: next to the held-out score it tells a generalisation gap (train high,
-    held-out low) from a training reward that over-states the policy (both low)."""
+def responses_evals(out: Path, arms: list[str], gpus: int, quick: bool) -> None:
+    """`rl eval --responses` of each arm's final checkpoint, greedy, on the held-out problems (ARM/heldout.jsonl) and
+    on the first problems of its *training* file (ARM/train.jsonl, summary in ARM/train_eval.txt): next to the run's
+    own score the first tells the run's bf16 evaluation from a float32 one and where the answers go wrong (per
+    kind); the second tells a generalisation gap (train high, held-out low) from a training reward that over-states
+    the policy (both low)."""
     procs = []
     for i, arm in enumerate(arms):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(i % gpus)
-        cmd = [*CLI, "eval", str(out / arm), "--set", TRAIN_SPLIT, "--max-problems", "2" if quick else "256"]
-        if quick:
-            cmd += ["--set", "run.device=cpu"]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(out / arm / "train_eval.txt", "w"),
-                                      stderr=subprocess.STDOUT))
+        for name, sets in (("heldout", []), ("train", TRAIN_SPLIT)):
+            cmd = [*CLI, "eval", str(out / arm), *sets, "--max-problems", "2" if quick else "256",
+                   "--responses", str(out / arm / f"{name}.jsonl")]
+            if quick:
+                cmd += ["--set", "run.device=cpu"]
+            log = out / arm / ("train_eval.txt" if name == "train" else "heldout_eval.txt")
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT))
     for p in procs:
         p.wait()
 
 
-def _train_eval_acc(run_dir: Path) -> float:
-    path = run_dir / "train_eval.txt"
-    rows = [line.split() for line in path.read_text().splitlines()] if path.is_file() else []
-    return next((float(r[2]) for r in rows if r[:2] == ["-", "wp"]), float("nan"))
+def _kinds(path: Path) -> tuple[list[str], dict[str, str]]:
+    """Kind of each row of a word-problem file (by row number, 1-based) and by question text."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return ["", *(r.get("kind", "?") for r in rows)], {r["question"]: r.get("kind", "?") for r in rows}
+
+
+def per_kind(run_dir: Path) -> dict[str, dict[str, float]]:
+    """Accuracy per problem kind: greedy held-out and train (`rl eval --responses` files) and the run's rollouts over
+    its last 10 train steps (the store), with the sample counts."""
+    out: dict[str, dict[str, float]] = {}
+
+    def add(kind: str, col: str, correct: bool) -> None:
+        d = out.setdefault(kind, {})
+        d[col] = d.get(col, 0.0) + float(correct)
+        d[f"n_{col}"] = d.get(f"n_{col}", 0) + 1
+    for col, path, src in (("heldout", run_dir / "heldout.jsonl", TEST_FILE), ("train", run_dir / "train.jsonl", TRAIN_FILE)):
+        if path.is_file():
+            by_row, _ = _kinds(src)
+            for line in path.read_text().splitlines():
+                r = json.loads(line)
+                add(by_row[r["row_number"]], col, r["correct"])
+    db = run_dir / "trajectories.db"
+    if db.is_file():
+        import re
+        import sqlite3
+
+        _, by_text = _kinds(TRAIN_FILE)
+        with sqlite3.connect(db) as c:
+            last = c.execute("select max(train_step) from samples").fetchone()[0]
+            rows = c.execute("select prompt_text, correct from samples where train_step > ?", ((last or 0) - 10,)).fetchall()
+        for text, correct in rows:
+            m = re.search(r"<\|im_start\|>user\n(.*?)<\|im_end\|>", text, re.S)
+            add(by_text.get(m.group(1).strip(), "?") if m else "?", "rollout", bool(correct))
+    for d in out.values():
+        for col in ("heldout", "train", "rollout"):
+            if d.get(f"n_{col}"):
+                d[col] /= d[f"n_{col}"]
+    return out
+
+
+def _eval_acc(run_dir: Path, name: str) -> float:
+    path = run_dir / f"{name}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return sum(r["correct"] for r in rows) / len(rows) if rows else float("nan")
 
 
 def summarize(run_dir: Path) -> dict[str, float] | None:
@@ -117,7 +164,7 @@ def summarize(run_dir: Path) -> dict[str, float] | None:
             "steps": last["step"], "minutes": (rows[-1]["time"] - rows[0]["time"]) / 60 if "time" in rows[0] else float("nan"),
             "rollout_tok_s": mean("rollout/tokens_per_s"), "train_tok_s": mean("train/tokens_per_s"),
             "response_len": last.get("eval/wp/response_len", float("nan")),
-            "train_split_acc": _train_eval_acc(run_dir),
+            "train_split_acc": _eval_acc(run_dir, "train"), "rl_eval_acc": _eval_acc(run_dir, "heldout"),
             "last_rollout_acc": _tail_mean(rows, "rollout/accuracy"),
             "dropped_stale_groups": last_value(rows, "dispatch/dropped_stale_groups"),
             "rollout_s": last_value(rows, "time/rollout_s"), "train_s": last_value(rows, "time/train_s")}
@@ -132,8 +179,8 @@ def _tail_mean(rows: list[dict], key: str, n: int = 10) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
-def report(out: Path) -> str:
-    runs = {arm: s for arm in RECIPES if (s := summarize(out / arm)) is not None}
+def report(out: Path, arms: dict[str, str]) -> str:
+    runs = {arm: s for arm in arms if (s := summarize(out / arm)) is not None}
     print(f"\n{'run':<6}{'steps':>6}{'min':>6}{'acc start':>10}{'acc end':>9}{'answered':>14}{'truncated':>14}"
           f"{'rollout tok/s':>14}{'train tok/s':>12}")
     for arm, s in runs.items():
@@ -146,15 +193,26 @@ def report(out: Path) -> str:
         result.update(init_acc=base["init_acc"], answered_init=base["answered_init"], truncated_init=base["truncated_init"],
                       num_problems=int(base["num_problems"]))
     for arm, s in runs.items():
-        print(f"{arm}: greedy accuracy on 256 training problems {s['train_split_acc']:.3f} (held-out {s['acc']:.3f}); "
+        print(f"{arm}: greedy accuracy on 256 training problems {s['train_split_acc']:.3f} (held-out {s['acc']:.3f}, "
+              f"{s['rl_eval_acc']:.3f} by `rl eval` of the final checkpoint); "
               f"rollout accuracy over the last 10 steps {s['last_rollout_acc']:.3f}; groups dropped as stale "
               f"{s['dropped_stale_groups']}; rollout {s['rollout_s']:.0f} s, train {s['train_s']:.0f} s")
-        result.update({f"{arm}_train_split_acc": s["train_split_acc"]})
-        if arm != "sft":
+        result.update({f"{arm}_train_split_acc": s["train_split_acc"], f"{arm}_rl_eval_acc": s["rl_eval_acc"]})
+        if arms[arm] != "sft":
             result.update({f"{arm}_last_rollout_acc": s["last_rollout_acc"], f"{arm}_dropped_stale_groups": s["dropped_stale_groups"],
                            f"{arm}_rollout_s": s["rollout_s"], f"{arm}_train_s": s["train_s"]})
         result.update({f"{arm}_acc": s["acc"], f"answered_{arm}": s["answered"], f"truncated_{arm}": s["truncated"],
                        f"{arm}_steps": s["steps"], f"{arm}_rollout_tok_s": s["rollout_tok_s"], f"{arm}_train_tok_s": s["train_tok_s"]})
+    kinds = {arm: per_kind(out / arm) for arm in runs}
+    (out / "per_kind.json").write_text(json.dumps(kinds, indent=1))
+    names = sorted({k for d in kinds.values() for k in d})
+    if names:
+        print("\naccuracy per kind: held-out greedy / train greedy / rollouts of the last 10 steps")
+        print(f"{'kind':<16}" + "".join(f"{arm:>22}" for arm in kinds))
+        for k in names:
+            cells = [kinds[arm].get(k, {}) for arm in kinds]
+            print(f"{k:<16}" + "".join(f"{c.get('heldout', float('nan')):>8.2f}{c.get('train', float('nan')):>7.2f}"
+                                       f"{c.get('rollout', float('nan')):>7.2f}" for c in cells))
     if "grpo" in runs and "opd" in runs:
         gap = runs["grpo"]["acc"] - runs["opd"]["init_acc"]
         result["opd_gap_closed"] = (runs["opd"]["acc"] - runs["opd"]["init_acc"]) / gap if gap > 0 else float("nan")
@@ -168,13 +226,22 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "smollm2-bench")
     ap.add_argument("--quick", action="store_true", help="CPU, one step per run: checks the plumbing, not learning")
     ap.add_argument("--set", action="append", default=[], metavar="ARM:KEY=VALUE",
-                    help="a recipe override for one arm (grpo, sft or opd), e.g. grpo:stages.0.optim.lr=2e-5")
+                    help="a recipe override for one arm (grpo, sft, opd or an --arm), e.g. grpo:stages.0.optim.lr=2e-5")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME=BASE",
+                    help="one more arm run at once with the others, from BASE's recipe (grpo or sft) and its own --set "
+                         "overrides, e.g. --arm grpo_std=grpo --set grpo_std:stages.0.std_normalize=true")
     args = ap.parse_args()
-    extra: dict[str, list[str]] = {arm: [] for arm in RECIPES}
+    arms = {arm: arm for arm in RECIPES}
+    for item in args.arm:
+        name, sep, base = item.partition("=")
+        if not sep or base not in ("grpo", "sft") or not name.isidentifier() or name in arms:
+            ap.error(f"--arm {item!r}: expected NAME=BASE with a new NAME and BASE one of grpo, sft")
+        arms[name] = base
+    extra: dict[str, list[str]] = {arm: [] for arm in arms}
     for item in args.set:
         arm, sep, override = item.partition(":")
-        if arm not in RECIPES or not sep:
-            ap.error(f"--set {item!r}: expected ARM:KEY=VALUE with ARM one of {', '.join(RECIPES)}")
+        if arm not in arms or not sep:
+            ap.error(f"--set {item!r}: expected ARM:KEY=VALUE with ARM one of {', '.join(arms)}")
         extra[arm].append(override)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -183,14 +250,15 @@ def main() -> None:
     gpus = torch.cuda.device_count() if not args.quick else 0
     if args.phase in ("arms", "all"):
         minutes = args.minutes or (0.5 if args.quick else 7.0)
-        procs = {arm: _launch(arm, out, minutes, args.quick, (i % gpus) if gpus else None, extra[arm])
-                 for i, arm in enumerate(("grpo", "sft"))}
+        at_once = [a for a in arms if a != "opd"]
+        procs = {arm: _launch(arm, out, minutes, args.quick, (i % gpus) if gpus else None, extra[arm], arms[arm])
+                 for i, arm in enumerate(at_once)}
         _wait(procs, out)
-        train_split_eval(out, ["grpo", "sft"], gpus, args.quick)
+        responses_evals(out, at_once, gpus, args.quick)
     if args.phase in ("opd", "all"):
         minutes = args.minutes or (0.5 if args.quick else 6.0)
         _wait({"opd": _launch("opd", out, minutes, args.quick, 0 if gpus else None, extra["opd"])}, out)
-    print(report(out), flush=True)
+    print(report(out, arms), flush=True)
 
 
 if __name__ == "__main__":

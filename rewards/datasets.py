@@ -269,9 +269,10 @@ class FileDataset(Task):
             out.append((split_key(cfg, row), p))
         return out
 
-    def scan(self) -> str:
+    def scan(self, *, need_train: bool = True) -> str:
         """Read and check every row of the dataset's files and make the split; DatasetError (one line: file, row,
-        field) for the first bad row. Returns a one-line summary. Idempotent."""
+        field) for the first bad row. Returns a one-line summary. Idempotent. `need_train=False` (evaluation
+        only, `rl eval`): a held-out file that holds every train prompt, such as the train file itself, is allowed."""
         if self._train is not None:
             return self.summary
         cfg = self.cfg
@@ -292,7 +293,7 @@ class FileDataset(Task):
             heldout = [p for k, p in rows if k in held]
             train = [p for k, p in rows if k not in held]
             how = f"{len(held)} of {len(keys)} distinct prompts (fraction {cfg.heldout.fraction}, seed {cfg.heldout.seed})"
-        if not train:
+        if not train and need_train:
             raise DatasetError(path, "no train rows left: every prompt of the file is in the held-out split")
         self._train, self._heldout = train, heldout
         self.summary = f"dataset {cfg.name}: {len(train)} train rows, {len(heldout)} held out ({how})"

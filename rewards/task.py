@@ -172,10 +172,11 @@ class Task(Protocol):
         """A forced length for sample j of the problem's group (system benchmarks); None: stop at EOS."""
         return None
 
-    def scan(self) -> str | None:
+    def scan(self, *, need_train: bool = True) -> str | None:
         """Check all of the task's data before the job starts any worker (the job calls it when the task has
         it): raise a `DatasetError` (rewards/dataset_io.py: one line naming the file, row and field; `rl train`
-        prints it and exits 2); return a one-line summary for the console, or None. Default: nothing to check."""
+        prints it and exits 2); return a one-line summary for the console, or None. Default: nothing to check.
+        `rl eval` passes need_train=False (only held-out problems are needed) when the method takes it."""
         return None
 
 

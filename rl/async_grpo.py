@@ -312,6 +312,7 @@ class AsyncGRPO:
             "dispatch/dropped_stale_groups": disp.stats.dropped_stale_groups,
             "dispatch/lag_waits": disp.stats.lag_waits,
             "dispatch/frac_waits": disp.stats.frac_waits,
+            "dispatch/capacity_waits": disp.stats.capacity_waits,
             "train/policy_version": version,
             "config/version": self.live.version,
             "time/rollout_s": clock.rollout_s,

@@ -44,7 +44,7 @@ plain JSON: no class names, so renaming a Python class never breaks a resume.
   Group       {ticket {prompt_id, dataset, group_size, version}, done [{sample_id, prompt_id, num_tokens,
                min_version}], discarded: bool}
   Stats       {dispatched_prompts, dispatched_samples, cap_skips, discarded_samples, dropped_stale_groups,
-               lag_waits, frac_waits}
+               lag_waits, frac_waits, capacity_waits}
   Prompt      {prompt_id, dataset, text, tokens [int], answer, group_size, policy_version, config_version}
   Problem     the task's problem, field by field (ckpt_records.problem_to_record: the one place to adapt)
   Clock       {concurrency [float], interrupt_s [float], interrupt_late_steps [int], rollout_s, train_s,

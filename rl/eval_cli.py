@@ -6,6 +6,7 @@ included), in-process, through the same evaluation loop and sampler seeds as the
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from pathlib import Path
 
@@ -19,6 +20,8 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the run's latest)")
     p.add_argument("--max-problems", type=_positive_int, default=None,
                    help="held-out problems per dataset (default: the recipe's)")
+    p.add_argument("--responses", type=Path, default=None, metavar="FILE",
+                   help="also write every evaluated problem's response and verdict here, one JSON object per line")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a field of the run's recipe for this evaluation, e.g. "
                         "datasets.0.heldout.path=train.jsonl (score the training problems)")
@@ -38,6 +41,19 @@ def _positive_int(text: str) -> int:
 def _fail(msg: str) -> int:
     print(f"rl eval: {msg}", file=sys.stderr)
     return EXIT_BAD_INPUT
+
+
+def _write_jsonl(path: Path, records: list[dict]) -> None:
+    """Whole lines only: written to a temporary file, then renamed over `path`."""
+    import json
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+    os.replace(tmp, path)
 
 
 def parse_efforts(text: str | None) -> list[int | None]:
@@ -89,7 +105,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:  # dataset files are read again (they may have changed since training): a bad row is one line
         for task in tasks.values():
             if callable(getattr(task, "scan", None)):
-                task.scan()
+                takes = "need_train" in inspect.signature(task.scan).parameters
+                task.scan(**({"need_train": False} if takes else {}))
     except DatasetError as e:
         return _fail(str(e))
     from rl.tool_turns import ToolTurns
@@ -112,16 +129,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         generate = engine_generate(load_checkpoint(ckpt, device).eval(), recipe.engine, tok.eos_id, tok.eos_ids,
                                    tools=tools)
+        records: list[dict] | None = [] if args.responses is not None else None
         print(f"checkpoint {ckpt}")
         print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
         for b in efforts:
             m = evaluate(generate, renderer, tasks, max_new_tokens=recipe.max_response_tokens, temperature=recipe.eval.temperature,
-                         max_problems=args.max_problems or recipe.eval.max_problems, effort=b)
+                         max_problems=args.max_problems or recipe.eval.max_problems, effort=b, records=records)
             for name in tasks:
                 e = {k.rsplit("/", 1)[1]: v for k, v in m.items() if k.startswith(f"eval/{name}/")}
                 label = "-" if b is None else str(b)
                 print(f"{label:>7} {name:<10} {e['accuracy']:>9.3f} {e['response_len']:>9.1f} "
                       f"{e['reasoning_tokens']:>10.1f} {int(e['num_problems']):>9}")
+        if records is not None:
+            _write_jsonl(args.responses, records)
+            print(f"responses: {len(records)} written to {args.responses}")
     finally:
         if tools is not None:
             tools.shutdown()

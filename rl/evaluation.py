@@ -28,13 +28,15 @@ Generate = Callable[[Sequence[GenerationRequest]], list[Generation]]
 
 def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], *, max_new_tokens: int,
              temperature: float = 0.0, max_problems: int | None = None, effort: int | None = None,
-             verify_ctx: VerifyContext = VerifyContext()) -> dict[str, float]:
+             verify_ctx: VerifyContext = VerifyContext(), records: list[dict] | None = None) -> dict[str, float]:
     """`eval/<dataset>/{accuracy, answered, truncated, response_len, reasoning_tokens, num_problems,
     prompts_too_long}` per dataset and their means `eval/{accuracy, answered, truncated}` (greedy at
     temperature 0). `answered`: share of responses from which the verifier read a final answer, right or
     wrong (nan when the verifier does not say, Verdict.answered); `truncated`: share that hit
     `max_new_tokens`. Problems whose prompt is longer than the renderer's `max_prompt_tokens` are left
-    out and counted; a dataset with none left scores nan."""
+    out and counted; a dataset with none left scores nan. `records`: a list that receives one dict per
+    evaluated problem (dataset, problem id, effort, response, reference answer, verdict, finish reason, response
+    tokens, the row number in a file dataset's held-out file): what `rl eval --responses` writes."""
     metrics: dict[str, float] = {}
     means: dict[str, list[float]] = {"accuracy": [], "answered": [], "truncated": []}
     for name, task in tasks.items():
@@ -63,6 +65,12 @@ def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], 
         metrics[f"eval/{name}/reasoning_tokens"] = sum(renderer.reasoning_tokens(name, t.response)
                                                        for t in trajectories) / len(trajectories)
         metrics[f"eval/{name}/num_problems"] = len(problems)
+        if records is not None:
+            records.extend({"dataset": name, "problem_id": p.problem_id, "effort": effort, "response": t.response,
+                            "answer": p.answer, "correct": bool(v.correct), "answered": v.answered, "reason": v.reason,
+                            "finish_reason": g.finish_reason, "response_tokens": len(g.response_tokens),
+                            "row_number": p.metadata.get("row_number")}
+                           for p, t, v, g in zip(problems, trajectories, verdicts, gens))
         for key, values in means.items():
             if not math.isnan(metrics[f"eval/{name}/{key}"]):
                 values.append(metrics[f"eval/{name}/{key}"])

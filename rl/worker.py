@@ -78,9 +78,12 @@ def initial_weights(recipe: Recipe) -> Path | None:
 
 
 def _node_ip() -> str | None:
-    """This worker's node address as Ray knows it (None outside Ray)."""
-    import ray
-
+    """This worker's node address as Ray knows it (None outside Ray: the in-process runtime runs without Ray
+    installed)."""
+    try:
+        import ray
+    except ImportError:
+        return None
     return ray.util.get_node_ip_address() if ray.is_initialized() else None
 
 

@@ -43,6 +43,9 @@ class EngineConfig(StrictConfig):
     overlap_steps: bool | None = None
     """Launch each step before reading the tokens of the one before, so the device never waits on the host
     (rollout/engine.py); finished samples come back one step later. None: on CUDA. Dense paged models only."""
+    sample_in_graph: bool = True
+    """A decode step whose rows all sample at top_p = 1 draws its tokens inside the decode graph (rollout/graphs.py)
+    instead of with ~40 eagerly launched sampler kernels after the replay; same tokens. False: always after."""
     paged_decode_kernel: bool = True
     """In graphed decode, attend through the paged Triton kernel, which reads the cache in its storage
     format (bf16, fp8, fp4) with no gathered copy; False: gather a fixed-length context, then SDPA."""

@@ -144,6 +144,8 @@ class EngineStats:
     prefill_calls: int = 0
     prefill_tokens: int = 0
     decode_steps: int = 0
+    graph_sampled_steps: int = 0
+    """Decode steps whose tokens the decode graph sampled (no eager sampler after the replay)."""
     generated_tokens: int = 0
     resumed_tokens: int = 0
     """Tokens whose KV came back from a RolloutState instead of being recomputed."""
@@ -282,14 +284,17 @@ class Engine:
         cuda = self.device.type == "cuda"
         at = {id(s): j for j, s in enumerate(prev.seqs)} if prev is not None else {}
         # one copy in: sampling seeds and counters, and each decode row's known token or its row in `prev`
-        ints = torch.tensor([[s.request.seed for s in seqs], [s.num_response + s.inflight for s in seqs],
-                             [s.tokens[-1] if not s.inflight else 0 for s in seqs],
+        seeds, counters = [s.request.seed for s in seqs], [s.num_response + s.inflight for s in seqs]
+        ints = torch.tensor([seeds, counters, [s.tokens[-1] if not s.inflight else 0 for s in seqs],
                              [at[id(s)] if s.inflight else -1 for s in seqs]], dtype=torch.long)
-        floats = torch.tensor([[s.request.temperature for s in seqs], [s.request.top_p for s in seqs]], dtype=torch.float32)
+        nucleus = any(s.request.top_p < 1 for s in seqs)
+        # a step of decode rows only at top_p = 1 is sampled inside the decode graph (rollout/graphs.py)
+        in_graph = (seeds, counters, [s.request.temperature for s in seqs]) if (
+            self.graphs is not None and self.cfg.sample_in_graph and not fresh and not extending and not nucleus) else None
         if cuda:  # pinned: the copies are truly asynchronous
-            ints, floats = ints.pin_memory(), floats.pin_memory()
-        ints, floats = ints.to(self.device, non_blocking=True), floats.to(self.device, non_blocking=True)
-        logits_parts = []
+            ints = ints.pin_memory()
+        ints = ints.to(self.device, non_blocking=True)
+        logits_parts, sampled = [], None
         if fresh:
             logits_parts.append(self._forward_csa2(fresh, prefill=True) if self.sparse else self._prefill(fresh))
         for src, dst in self._copies:  # shared prompts' last partly filled blocks, now that their owners ran
@@ -302,13 +307,21 @@ class Engine:
             ids, row = ints[2, -n:], ints[3, -n:]
             if any(s.inflight for s in decoding):
                 ids = torch.where(row >= 0, prev.out[0, row.clamp(min=0)].long(), ids)
-            logits_parts.append(self._forward_csa2(decoding, prefill=False) if self.sparse else self._decode(decoding, ids))
+            if self.sparse:
+                logits_parts.append(self._forward_csa2(decoding, prefill=False))
+            else:
+                logits, sampled = self._decode(decoding, ids, in_graph)
+                logits_parts.append(logits)
         for s in seqs:
             s.cached = len(s.tokens) + s.inflight
             s.inflight += 1
-        nucleus = any(s.request.top_p < 1 for s in seqs)
-        tokens, logprobs = sample_tokens(torch.cat(logits_parts), floats[0], floats[1], ints[0], ints[1], nucleus=nucleus)
-        out = torch.stack([tokens.double(), logprobs.double()])  # token ids < 2^53: exact in float64
+        if sampled is not None:
+            out = sampled
+        else:
+            floats = torch.tensor([[s.request.temperature for s in seqs], [s.request.top_p for s in seqs]], dtype=torch.float32)
+            floats = (floats.pin_memory() if cuda else floats).to(self.device, non_blocking=True)
+            tokens, logprobs = sample_tokens(torch.cat(logits_parts), floats[0], floats[1], ints[0], ints[1], nucleus=nucleus)
+            out = torch.stack([tokens.double(), logprobs.double()])  # token ids < 2^53: exact in float64
         host, done = out, None
         if cuda:  # the step's one read: into pinned memory, waited on with an event (not a device-wide sync)
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
@@ -550,20 +563,24 @@ class Engine:
         self.stats.prefill_logit_rows += logits.shape[0]
         return logits
 
-    def _decode(self, seqs: list[_Seq], ids: torch.Tensor) -> torch.Tensor:
-        """Feed each sequence's last sampled token (`ids` [B] on the device); returns next-token logits [B, V]."""
+    def _decode(self, seqs: list[_Seq], ids: torch.Tensor, sampling=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed each sequence's last sampled token (`ids` [B] on the device); returns (next-token logits [B, V],
+        the tokens and logprobs [2, B] the decode graph sampled with `sampling` = (seeds, counters, temperatures),
+        or None: sample the logits)."""
         if self.graphs is not None:
-            logits = self.graphs.run(ids, [s.cached for s in seqs], [s.blocks for s in seqs])
-            if logits is not None:
+            got = self.graphs.run(ids, [s.cached for s in seqs], [s.blocks for s in seqs], sampling)
+            if got is not None:
                 self.stats.decode_steps += 1
                 self.stats.graph_steps += 1
                 if not self.graphs.paged_kernel:
                     self.stats.kv_gather_bytes += self._gather_bytes(self.graphs.bucket(len(seqs)),
                                                                      self.graphs.max_blocks * self.cache.block_size)
-                return logits
+                if sampling is not None:
+                    self.stats.graph_sampled_steps += 1
+                return got[0], got[1] if sampling is not None else None
         logits = self._forward_cached(seqs, ids[:, None])
         self.stats.decode_steps += 1
-        return logits
+        return logits, None
 
     def _forward_cached(self, seqs: list[_Seq], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed each sequence's pending tokens (one at decode; the last sampled token and the appended ones

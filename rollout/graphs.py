@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import torch
 
+import numpy as np
+
 from model import fused
 from model.kv_cache import PagedBatch, PagedKVCache
+from rollout.sampling import sample_tokens
 
-_COLS = 3
-"""Leading columns of the input buffer: token id, position, valid (1) or padding (0)."""
+_COLS = 6
+"""Leading columns of the input buffer: token id, position, valid (1) or padding (0), then the sampling inputs of
+the row: seed, counter, temperature (its float32 bits)."""
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -52,8 +56,8 @@ class DecodeGraphs:
         self.model, self.cache, self.max_blocks = model, cache, max_blocks
         self.buckets = batch_buckets(max_batch_size)
         self.device = cache.k.device
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = {}
-        """bucket -> (graph, device input buffer, device logits, two pinned host input buffers used in turn)."""
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[torch.Tensor]]] = {}
+        """bucket -> (graph, device input buffer, device (logits, sampled), two pinned host input buffers used in turn)."""
         self._pool = None
         self.disabled_reason: str | None = None
         d = model.config.head_dim
@@ -72,8 +76,10 @@ class DecodeGraphs:
         entry = self._graphs.get(self.bucket(batch))
         return None if entry is None else entry[0]
 
-    def _forward(self, buf: torch.Tensor) -> torch.Tensor:
-        """The captured computation: input buffer [b, 3 + max_blocks] -> next-token logits [b, V]."""
+    def _forward(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The captured computation: input buffer [b, _COLS + max_blocks] -> (next-token logits [b, V], the rows'
+        tokens and logprobs sampled from them [2, b] float64, as `rollout/sampling.sample_tokens` draws them for
+        top_p = 1: the sampler runs inside the graph, ~40 small kernels that no longer launch one by one)."""
         bs, S = self.cache.block_size, self.max_blocks * self.cache.block_size
         ids, pos, valid, tables = buf[:, 0:1], buf[:, 1:2], buf[:, 2:3], buf[:, _COLS:]
         slot = tables.gather(1, pos // bs) * bs + pos % bs
@@ -86,9 +92,12 @@ class DecodeGraphs:
             mask = (torch.arange(S, device=buf.device)[None, :] <= pos)[:, None, None, :]
             batch = PagedBatch(self.cache, False, slot, ctx, mask)
         logits, _ = self.model(ids, pos, batch=batch)
-        return logits[:, 0]
+        logits = logits[:, 0]
+        temperature = buf[:, 5].to(torch.int32).view(torch.float32)
+        tokens, logprobs = sample_tokens(logits, temperature, torch.ones_like(temperature), buf[:, 3], buf[:, 4], nucleus=False)
+        return logits, torch.stack([tokens.double(), logprobs.double()])
 
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    def _capture(self, b: int):
         buf = torch.zeros(b, _COLS + self.max_blocks, dtype=torch.long, device=self.device)  # all padding
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -103,9 +112,12 @@ class DecodeGraphs:
             out = self._forward(buf)
         return graph, buf, out, [torch.zeros(buf.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
 
-    def run(self, ids: torch.Tensor, positions: list[int], tables: list[list[int]]) -> torch.Tensor | None:
-        """Next-token logits [B, V] of one decode step, or None when graphs are off (decode eagerly). `ids` [B]
-        on the device (the rows' last tokens, possibly sampled by a step whose output the host has not read)."""
+    def run(self, ids: torch.Tensor, positions: list[int], tables: list[list[int]],
+            sampling: tuple[list[int], list[int], list[float]] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(next-token logits [B, V], sampled [2, B]) of one decode step, or None when graphs are off (decode
+        eagerly). `ids` [B] on the device (the rows' last tokens, possibly sampled by a step whose output the host
+        has not read). `sampling` = the rows' (seeds, counters, temperatures): `sampled` holds their tokens and
+        logprobs drawn at top_p = 1 (without it, temperature 0 rows: ignore `sampled`)."""
         if self.disabled_reason is not None:
             return None
         B = len(positions)
@@ -125,6 +137,9 @@ class DecodeGraphs:
         h = host.numpy()
         h[:] = 0
         h[:B, 1], h[:B, 2] = positions, 1
+        if sampling is not None:
+            h[:B, 3], h[:B, 4] = sampling[0], sampling[1]
+            h[:B, 5] = np.asarray(sampling[2], dtype=np.float32).view(np.int32)
         for i, t in enumerate(tables):
             n = min(len(t), self.max_blocks)
             h[i, _COLS:_COLS + n] = t[:n]
@@ -132,4 +147,4 @@ class DecodeGraphs:
         buf[:B, 0].copy_(ids)
         graph.replay()
         self.replays += 1
-        return out[:B]
+        return out[0][:B], out[1][:, :B]

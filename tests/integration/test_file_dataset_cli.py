@@ -109,5 +109,18 @@ def test_a_jsonl_dataset_trains_end_to_end(tmp_path):
         answer = str(eval(user[:-1]))
         last = response.strip().splitlines()[-1].strip() if response.strip() else ""
         assert reward == float(last == answer) and reason.startswith("answer" if response.strip() else "empty")
+    # the training problems scored greedily (the train file as the held-out file), every response written out
+    out = tmp_path / "responses.jsonl"
+    ev = _cli("eval", str(run_dir), "--set", "datasets.0.heldout.fraction=null", "--set", f"datasets.0.heldout.path={data}",
+              "--max-problems", "12", "--responses", str(out))
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["row_number"] for r in records] == list(range(1, 13))  # the train file's first rows (1-based), in order
+    for r, row in zip(records, ROWS):
+        assert r["answer"] == row["a"]
+        last = r["response"].strip().splitlines()[-1].strip() if r["response"].strip() else ""
+        assert r["correct"] == (last == r["answer"]) and r["response_tokens"] > 0 and r["dataset"] == "add"
+    printed = next(line.split() for line in ev.stdout.splitlines() if line.split()[:2] == ["-", "add"])
+    assert float(printed[2]) == round(sum(r["correct"] for r in records) / 12, 3) and printed[-1] == "12"
     _jsonl(tmp_path / "d.jsonl", [*ROWS[:50], {"q": "x"}, *ROWS[50:]])  # the file changed since: `rl eval` says where
     _one_line_exit_2(_cli("eval", str(run_dir)), f"rl eval: {data}: row 51: field 'a': missing")

@@ -45,10 +45,15 @@ def test_graph_decode_equals_eager_decode(kv):
     for graphs in (False, True):
         eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, cuda_graphs=graphs), eos_id=EOS,
                      device="cuda")
-        reqs = _requests(11, max_new=20) + [GenerationRequest("t", (1, 5, 6), 20, seed=7, temperature=1.0)]
+        reqs = _requests(11, max_new=20) + [GenerationRequest(f"u{i}", (1, 9, 10 + i), 20, seed=50 + i, temperature=1.0)
+                                             for i in range(4)] + [
+            GenerationRequest("t", (1, 5, 6), 20, seed=7, temperature=0.7),
+            GenerationRequest("np", (1, 5, 7), 6, seed=8, temperature=1.0, top_p=0.9)]  # nucleus: sampled after the graph
         out[graphs] = eng.generate(reqs)
         if graphs:
             assert eng.graphs.disabled_reason is None and eng.stats.graph_steps == eng.stats.decode_steps > 0
+            # steps of decode rows at top_p = 1 sample inside the graph; those with a nucleus row or a prefill do not
+            assert 0 < eng.stats.graph_sampled_steps < eng.stats.graph_steps
     for a, b in zip(out[False], out[True]):
         assert a.response_tokens == b.response_tokens, a.sample_id
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4

@@ -94,7 +94,7 @@ def test_unknown_dataset_in_dispatch_config_is_refused():
 
 def test_max_version_lag_waits_for_inflight_and_drops_stale_groups():
     d = make("sample", max_inflight=16, per_step=1, max_version_lag=1)
-    t1, t2, t3, t4 = d.dispatch()
+    t1, t2 = d.dispatch()  # K + 1 = 2 batches of one group: the pipeline is full
     for j in range(4):
         finish(d, t1, j)
     d.version = 1  # one train step happened elsewhere
@@ -106,6 +106,24 @@ def test_max_version_lag_waits_for_inflight_and_drops_stale_groups():
     for j in range(4):
         finish(d, t2, j, min_version=0)  # lag 3 > 1: dropped, never trained
     assert d.take_batch([], lambda pid: (40, 0)) is None and d.stats.dropped_stale_groups == 1
+
+
+def test_max_version_lag_bounds_the_pipeline_and_the_batch_takes_the_oldest_groups_first():
+    """Dispatch stops at K + 1 batches of open and ready groups (more would only go stale), and a slow group
+    (older tokens) is trained before younger groups that completed before it."""
+    d = make("sample", max_inflight=64, per_step=2, max_version_lag=1)
+    t1, t2, t3, t4 = d.dispatch()  # (K + 1) x 2 groups, not max_inflight / G = 16
+    assert d.total_inflight == 16 and d.stats.capacity_waits == 1 and d.dispatch() == []
+    d.version = 1
+    for t, v in ((t3, 1), (t4, 1), (t1, 0)):  # t1 started before the last train step and completes last
+        for j in range(4):
+            finish(d, t, j, min_version=v)
+    assert d.take_batch([1], lambda pid: (40, 0)) == [t1.prompt_id, t3.prompt_id]  # completion order: t3, t4, t1
+    assert len(d.dispatch()) == 2  # t2 open and t4 ready: room for two more
+    d.on_train_step()  # version 2: t4 (oldest token at version 1) is still within lag 1 for the next batch
+    for j in range(4):
+        finish(d, t2, j, min_version=2)
+    assert d.take_batch([], lambda pid: (40, 0)) == [t4.prompt_id, t2.prompt_id] and d.stats.dropped_stale_groups == 0
 
 
 def test_stale_token_fraction_bound_skips_stale_groups():
