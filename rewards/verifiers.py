@@ -9,6 +9,10 @@ A recipe picks one per dataset with `verifier:`, a string or a mapping:
   "answer is"/"answer:" phrase first, else a \\boxed{} or $...$ expression, else the last number or
   expression), is mathematically equal to the answer. Any clear final answer counts: "The answer is
   42.", "**42**", "\\boxed{42}", "42 apples". math-verify's own timeouts bound parsing and comparing.
+  When the reference is a number, the final answer must be written as one (`literal_numbers`, default
+  true): "42", "42.0", "1,000", and for a non-integer reference "3/4" or "\\frac{3}{4}"; an expression that
+  evaluates to it ("84/2", "21 / 9 + 96 / 9") is not an answer. math-verify evaluates expressions, and a
+  policy learns to exploit that: GRPO on SmolLM2 learned to reply "21 / 9 + 96 / 9 = N" and scored 1.0.
 - `regex` (`{type: regex, pattern, compare: exact | math, ignore_case}`): the pattern's last match in
   the response (its group `answer`, else its group 1, else the whole match) compared with the answer.
 - `python:pkg.module:fn` (`{type: python, function: "pkg.module:fn", correct_at, timeout_s}`): a function of
@@ -118,7 +122,24 @@ def _shown(parsed: list) -> str:
     return _short(parsed[-1].strip("*$ ") if isinstance(parsed[-1], str) else "an expression")
 
 
-def _math_verdict_here(response: str, answer: str, timeout_s: int) -> Verdict:
+_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_FRACTION = re.compile(r"[+-]?(?:\d+\s*/\s*\d+|\\[dt]?frac\{\d+\}\{\d+\})")
+
+
+def _written_as_number(shown: str, gold: tuple) -> bool:
+    """Whether math-verify's extracted answer text is a number as a person writes one: an integer or decimal
+    (with thousands separators), or, when the reference is not an integer, a plain fraction. True when the
+    reference is not a number (an expression, a set, an interval: nothing to hold the answer to)."""
+    numbers = [g for g in gold if getattr(g, "is_Float", False) or (getattr(g, "is_number", False) and g.is_rational)]
+    if not numbers:  # includes irrational references (\sqrt{2}, 2\pi): written as expressions anyway
+        return True
+    text = shown.strip().strip("*$").strip().rstrip(".").strip()
+    if _NUMBER.fullmatch(text):
+        return True
+    return not all(g.is_integer for g in numbers) and bool(_FRACTION.fullmatch(text))
+
+
+def _math_verdict_here(response: str, answer: str, timeout_s: int, literal_numbers: bool = True) -> Verdict:
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
 
@@ -134,6 +155,9 @@ def _math_verdict_here(response: str, answer: str, timeout_s: int) -> Verdict:
     if not pred:
         return Verdict(0.0, False, "no answer found", answered=False)
     shown = _shown(pred)
+    if literal_numbers and isinstance(pred[-1], str) and not _written_as_number(pred[-1], gold):
+        return Verdict(0.0, False, f"parsed {shown}: an expression, not a number (the reference is {_short(answer)})",
+                       answered=False)
     for g in gold:
         for p in pred:
             try:
@@ -175,18 +199,19 @@ def _in_child(fn: Callable[..., Verdict], args: tuple, wait_s: float, timed_out:
         return Verdict(0.0, False, timed_out)
 
 
-def _math_verdict_in_child(response: str, answer: str, timeout_s: int) -> Verdict:
+def _math_verdict_in_child(response: str, answer: str, timeout_s: int, literal_numbers: bool = True) -> Verdict:
     """Off the main thread math-verify's SIGALRM timeouts cannot run: the child does the work with them."""
-    return _in_child(_math_verdict_here, (response, answer, timeout_s), 4 * timeout_s,
+    return _in_child(_math_verdict_here, (response, answer, timeout_s, literal_numbers), 4 * timeout_s,
                      f"math verification timed out in its child process ({timeout_s} s limits)", start_allowance=True)
 
 
-def math_verdict(response: str, answer: str, timeout_s: int = 2) -> Verdict:
-    """Reward 1 iff math-verify finds a final answer in `response` equal to `answer`; never raises or hangs:
-    parsing and each comparison stop after `timeout_s` (a timeout scores 0, with the reason)."""
+def math_verdict(response: str, answer: str, timeout_s: int = 2, literal_numbers: bool = True) -> Verdict:
+    """Reward 1 iff math-verify finds a final answer in `response` equal to `answer` (written as a number when
+    the answer is a number, with `literal_numbers`); never raises or hangs: parsing and each comparison stop
+    after `timeout_s` (a timeout scores 0, with the reason)."""
     if threading.current_thread() is threading.main_thread():
-        return _math_verdict_here(response, answer, timeout_s)
-    return _math_verdict_in_child(response, answer, timeout_s)
+        return _math_verdict_here(response, answer, timeout_s, literal_numbers)
+    return _math_verdict_in_child(response, answer, timeout_s, literal_numbers)
 
 
 class MathVerifierConfig(StrictConfig):
@@ -197,9 +222,13 @@ class MathVerifierConfig(StrictConfig):
     timeout_s: int = Field(2, ge=1, le=60)
     """math-verify's limit, whole seconds (SIGALRM), on parsing the response and on each comparison; a
     verdict takes at most about twice this."""
+    literal_numbers: bool = True
+    """When the reference is a number, the final answer must be written as a number ("42", "1,000", "3/4" for a
+    non-integer), not as an expression that evaluates to it ("84/2"): a reward a policy cannot get by leaving
+    the arithmetic to math-verify. False: any expression equal to the answer counts."""
 
     def build(self) -> Verifier:
-        return partial(_on_response, math_verdict, timeout_s=self.timeout_s)
+        return partial(_on_response, math_verdict, timeout_s=self.timeout_s, literal_numbers=self.literal_numbers)
 
 
 # ---- regex -------------------------------------------------------------------------------------------
@@ -244,8 +273,8 @@ class RegexVerifierConfig(StrictConfig):
         got = self.extract(response)
         if got is None:
             return Verdict(0.0, False, "no match of the pattern", answered=False)
-        if self.compare == "math":
-            return math_verdict(got, answer, self.timeout_s)
+        if self.compare == "math":  # the pattern says where the answer is: whatever it holds is compared as math
+            return math_verdict(got, answer, self.timeout_s, literal_numbers=False)
         return exact_verdict(got, answer, compare="whole", case_sensitive=not self.ignore_case)
 
     def build(self) -> Verifier:

@@ -51,6 +51,16 @@ def test_math_rejects_wrong_or_missing_answers_and_says_what_it_read(response, r
     assert V.math_verdict(response, "42") == Verdict(0.0, False, reason, answered=answered)
 
 
+@pytest.mark.parametrize("response, reference", [
+    ("21 / 9 + 96 / 9 = N", "13"),  # what GRPO on SmolLM2 learned to write: math-verify evaluated it to 13
+    ("63 + 10 = N", "73"), ("The answer is 84/2.", "42"), (r"\boxed{6 \cdot 7}", "42"), ("The answer is 2*21", "42"), ("The answer is 1/4 + 1/4", "1/2"),
+])
+def test_math_wants_a_number_written_as_one_when_the_reference_is_a_number(response, reference):
+    v = V.math_verdict(response, reference)
+    assert not v.correct and v.answered is False and "an expression, not a number" in v.reason, v
+    assert V.math_verdict(response, reference, literal_numbers=False).correct  # math-verify alone evaluates it
+
+
 def test_math_references_as_written_or_as_latex():
     assert V.math_verdict("It costs 1000 dollars.", "1,000").correct
     assert V.math_verdict(r"So the result is \frac{1}{2}.", "0.5").correct
@@ -63,7 +73,7 @@ def test_math_references_as_written_or_as_latex():
 
 def test_math_times_out_on_a_pathological_answer_instead_of_hanging():
     t0 = time.monotonic()
-    v = V.math_verdict(r"The answer is \boxed{9^{9^{9^{9}}}}", "42", timeout_s=1)
+    v = V.math_verdict(r"The answer is \boxed{9^{9^{9^{9}}}}", "42", timeout_s=1, literal_numbers=False)
     assert time.monotonic() - t0 < 10
     assert (v.correct, v.reason) == (False, "parsed 9^{9^{9^{9}}}, comparing with 42 timed out (1 s)")
 
@@ -75,7 +85,8 @@ def test_math_off_the_main_thread_runs_in_a_child_process_that_is_killed_when_it
     worker.join(120)
     assert out == [Verdict(1.0, True, "parsed 42", answered=True)]
     monkeypatch.setattr(V, "_CHILD_START_S", -3.95)  # the parent waits 0.05 s: the child overruns, is killed
-    worker = threading.Thread(target=lambda: out.append(V.math_verdict(r"\boxed{9^{9^{9^{9}}}}", "42", timeout_s=1)))
+    worker = threading.Thread(target=lambda: out.append(V.math_verdict(r"\boxed{9^{9^{9^{9}}}}", "42", timeout_s=1,
+                                                                          literal_numbers=False)))
     worker.start()
     worker.join(60)
     assert out[1] == Verdict(0.0, False, "math verification timed out in its child process (1 s limits)")
