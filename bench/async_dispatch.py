@@ -28,8 +28,9 @@ from rl.job import open_job
 POLICIES = ("sync", "batch", "prompt", "sample")
 
 
-def recipe_for(policy: str, a) -> Recipe:
+def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True) -> Recipe:
     inflight = a.prompts * a.group
+    ray = a.ray if ray is None else ray
     return Recipe.model_validate({
         "run": {"name": f"bench-{policy}", "seed": 0, "device": a.device, "num_threads": a.threads},
         "model": {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": a.heads, "num_kv_heads": max(1, a.heads // 2),
@@ -37,17 +38,17 @@ def recipe_for(policy: str, a) -> Recipe:
                   "ffn": {"type": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": a.hidden}},
         "datasets": [{"type": "longtail", "median_tokens": a.median, "sigma": a.sigma, "max_tokens": a.max_tokens}],
         "engine": {"max_batch_size": inflight, "block_size": 16, "max_seq_len": a.max_tokens + 16},
-        "runtime": {"ray": a.ray, "num_workers": 1, "num_cpus": 2} if a.ray else {"ray": False},
+        "runtime": {"ray": True, "num_workers": 1, "num_cpus": 2} if ray else {"ray": False},
         "stages": [{"type": "grpo", "max_steps": a.steps, "prompts_per_step": a.prompts, "group_size": a.group,
-                    "micro_batch_size": a.micro_batch, "optim": {"lr": 1e-5},
+                    "micro_batch_size": a.micro_batch, "optim": {"lr": 1e-5}, "pipelined_calls": pipelined,
                     "dispatch": {"policy": policy, "max_inflight": inflight, "batch_prefill": 2}}],
         "logging": {"wandb": False, "progress_bar": False},
     })
 
 
-def run(policy: str, a, out: Path) -> dict:
-    recipe = recipe_for(policy, a)
-    run_dir = out / policy
+def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = True, tag: str = "") -> dict:
+    recipe = recipe_for(policy, a, ray, pipelined)
+    run_dir = out / (tag or policy)
     run_dir.mkdir(parents=True)
     with open_job(recipe, run_dir, checkpoints=False) as job:
         t0 = time.perf_counter()
@@ -90,10 +91,15 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
+    ap.add_argument("--actor-vs-inprocess", action="store_true",
+                    help="only `sample` dispatch, in-process and as a Ray actor with and without pipelined rollout calls")
     a = ap.parse_args()
     if a.quick:
         a.hidden, a.layers, a.prompts, a.group, a.steps, a.median, a.max_tokens = 64, 2, 16, 4, 6, 8, 160
     out = Path(tempfile.mkdtemp(prefix="async_dispatch_"))
+    if a.actor_vs_inprocess:
+        actor_vs_inprocess(a, out)
+        return
     rows = [run(p, a, out) for p in POLICIES]
     cols = ["policy", "trained_samples_per_s", "gen_tokens_per_s", "concurrency_mean", "concurrency_std",
             "concurrency_held", "idle_frac", "reprefill_tokens", "interrupt_p99_steps", "rollout_s", "train_s"]
@@ -108,6 +114,22 @@ def main() -> None:
     print(f"RESULT speedup_sample_vs_sync={by['sample']['trained_samples_per_s'] / by['sync']['trained_samples_per_s']:.2f} "
           f"concurrency_held={by['sample']['concurrency_held']:.3f} reprefill_tokens={by['sample']['reprefill_tokens']} "
           f"interrupt_p99_steps={by['sample']['interrupt_p99_steps']}")
+
+
+def actor_vs_inprocess(a, out: Path) -> None:
+    """Rollout tokens/s of `sample` dispatch with the PolicyWorker in-process and as a Ray actor, with and without
+    pipelined rollout calls (GRPOStage.pipelined_calls), in turn in one process; interrupt latency in steps."""
+    rows = {"inprocess": run("sample", a, out, ray=False, tag="inprocess"),
+            "actor_pipelined": run("sample", a, out, ray=True, tag="actor_pipelined"),
+            "actor_unpipelined": run("sample", a, out, ray=True, pipelined=False, tag="actor_unpipelined")}
+    for name, r in rows.items():
+        print(f"{name:<18} rollout {r['gen_tokens_per_s']:>9.0f} tok/s  trained {r['trained_samples_per_s']:>7.1f} samples/s  "
+              f"interrupt p99 {r['interrupt_p99_steps']} steps  rollout {r['rollout_s']:.1f} s  train {r['train_s']:.1f} s")
+    base = rows["inprocess"]["gen_tokens_per_s"]
+    print(f"RESULT ray_over_inprocess_tok_s={rows['actor_pipelined']['gen_tokens_per_s'] / base:.3f} "
+          f"unpipelined_ray_over_inprocess_tok_s={rows['actor_unpipelined']['gen_tokens_per_s'] / base:.3f} "
+          f"ray_interrupt_p99_steps={rows['actor_pipelined']['interrupt_p99_steps']} "
+          f"unpipelined_ray_interrupt_p99_steps={rows['actor_unpipelined']['interrupt_p99_steps']}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@ The algorithm, per train step:
   ROLLOUT   every engine advances each of its sequences by `steps_per_call` tokens; finished samples
             go to the reward workers and the store; the dispatcher releases new prompts by its policy
             (`sample`: as soon as the samples finished since the last release reach the next prompt's
-            group size), keeping `max_inflight` samples generating.
+            group size), keeping `max_inflight` samples generating. With Ray workers the next call is
+            queued before this one's results are read (`pipelined_calls`): the engines never wait for
+            the controller's round trip.
   WAIT      until the dispatcher's train-batch condition holds: `prompts_per_step` complete groups
             within the off-policy bounds (exact definitions in rl/dispatch.py).
   INTERRUPT every engine stops at the current token boundary; in-flight `RolloutState`s (KV cache,
@@ -68,6 +70,9 @@ class AsyncGRPO:
         self.pending_rewards: list[tuple[object, list[Generation]]] = []
         self.effort_of: dict[str, int | None] = {}  # sample_id -> effort level, while in flight
         self.clock = RolloutClock()
+        self.pipelined = self.policy.remote and stage.pipelined_calls
+        self._ahead: list | None = None  # a rollout call queued on the workers, its results not read yet
+        self._adds: list = []  # add_requests queued on the workers, not read yet
         self.step = 0  # train steps of this stage so far
         opd = stage.teachers if isinstance(stage, OPDStage) else None
         self.live = reconfigure.LiveConfig(
@@ -136,7 +141,10 @@ class AsyncGRPO:
                     sid, toks, forced or job.recipe.max_response_tokens, seed=job.renderer.sample_seed(sid),
                     temperature=sampling.temperature, top_p=sampling.top_p, ignore_eos=forced is not None,
                     tool_calls=job.recipe.tools is not None))
-        self.policy.add_requests(dict(per_worker))
+        if self.pipelined:  # queued behind the call now running, ahead of the next: no wait for the worker
+            self._adds += self.policy.submit_requests(dict(per_worker))
+        else:
+            self.policy.add_requests(dict(per_worker))
 
     def collect_rewards(self, block: bool) -> None:
         rewards = self.job.rewards
@@ -206,6 +214,7 @@ class AsyncGRPO:
     def checkpoint_point(self) -> None:
         """A token boundary where the job may checkpoint (periodically, or on SIGTERM: then exit)."""
         if self.job.checkpointer.wanted(self.job.state.global_step):
+            self.drain()  # a queued call's finished samples belong in the checkpoint's controller state
             self.policy.interrupt()
             self.collect_rewards(block=True)
             self.job.checkpointer.save(self.job, self.stage_idx, self.state_dict())  # raises Preempted after a SIGTERM
@@ -213,26 +222,15 @@ class AsyncGRPO:
 
     def rollout_until_batch(self) -> list[str]:
         """ROLLOUT until the dispatcher's train-batch condition holds; returns the batch's prompt ids."""
-        disp, policy, clock, stage = self.disp, self.policy, self.clock, self.stage
+        disp, clock, stage = self.disp, self.clock, self.stage
+        before: list[Ticket] = []  # released in the previous round: pipelined, not yet seen in the results read
         while True:
             self.poll_control()
             self.checkpoint_point()
             tickets = disp.dispatch()
             self.release(tickets)
-            results = policy.rollout(stage.steps_per_call)
-            gens = [g for r in results for g in r.finished]
-            for w, r in enumerate(results):
-                self.load[w] -= len(r.finished)
-            clock.concurrency.append(sum(r.generated / max(r.steps, 1) for r in results))
-            clock.generated_tokens += sum(r.generated for r in results)
-            self.job.progress.generated(sum(r.generated for r in results), self.job.state.global_step)
-            for g in gens:
-                disp.on_finished(FinishedMeta(g.sample_id, prompt_id_of(g.sample_id), len(g.response_tokens),
-                                              min(g.policy_versions)))
-            if gens:
-                items = [self.job.renderer.trajectory(self.prompts[prompt_id_of(g.sample_id)][1], g) for g in gens]
-                self.pending_rewards.append((self.job.rewards.submit(items), gens))
-            self.collect_rewards(block=False)
+            results = self.rollout_call()
+            self.absorb(results)
             batch = None
             if disp.num_ready_groups >= stage.prompts_per_step:
                 self.collect_rewards(block=True)  # a ready group's rewards must be in before it trains
@@ -244,11 +242,59 @@ class AsyncGRPO:
                 ready_at = max((i for r in results for g, i in zip(r.finished, r.finish_step)
                                 if prompt_id_of(g.sample_id) in chosen), default=-1)
                 steps_run = max(r.steps for r in results)
-                clock.interrupt_late_steps.append(max(0, steps_run - 1 - ready_at) if ready_at >= 0 else 0)
+                late = self.drain()  # a call queued behind this one ran too: its samples wait for later batches
+                clock.interrupt_late_steps.append((max(0, steps_run - 1 - ready_at) if ready_at >= 0 else 0) + late)
                 return batch
-            if not tickets and not any(r.active or r.waiting for r in results):
+            unseen = before if self.pipelined else []
+            before = tickets
+            if not tickets and not unseen and not any(r.active or r.waiting for r in results):
                 raise RuntimeError(f"rollout stalled at step {self.step}: nothing in flight, the dispatcher releases nothing "
                                    f"and no batch fits the off-policy bounds ({disp.stats})")
+
+    def rollout_call(self):
+        """One rollout call's results. Pipelined (Ray workers, `pipelined_calls`): the next call is queued on the
+        workers first, behind the new requests, so they run it while this controller reads and handles these
+        results; the prompts released now join at that next call (one call later than without pipelining)."""
+        if not self.pipelined:
+            return self.policy.rollout(self.stage.steps_per_call)
+        if self._ahead is None:
+            self._ahead = self.policy.submit_rollout(self.stage.steps_per_call)
+        ahead, self._ahead = self._ahead, self.policy.submit_rollout(self.stage.steps_per_call)
+        self.clock.pipelined_calls += 1
+        results = self.policy.results(ahead)
+        self.policy.results(self._adds)  # done by now (queued before the next call): surfaces their errors
+        self._adds = []
+        return results
+
+    def drain(self) -> int:
+        """Read and handle the rollout call still queued on the workers (before an interrupt, a checkpoint or a
+        train step: its finished samples must reach the dispatcher and the store); returns its engine steps."""
+        if not self._ahead and not self._adds:
+            return 0
+        ahead, self._ahead = self._ahead, None
+        results = self.policy.results(ahead) if ahead else []
+        self.policy.results(self._adds)
+        self._adds = []
+        self.absorb(results)
+        return max((r.steps for r in results), default=0)
+
+    def absorb(self, results) -> None:
+        """A rollout call's results: finished samples to the dispatcher and to the reward workers."""
+        disp, clock = self.disp, self.clock
+        gens = [g for r in results for g in r.finished]
+        for w, r in enumerate(results):
+            self.load[w] -= len(r.finished)
+        if results:
+            clock.concurrency.append(sum(r.generated / max(r.steps, 1) for r in results))
+        clock.generated_tokens += sum(r.generated for r in results)
+        self.job.progress.generated(sum(r.generated for r in results), self.job.state.global_step)
+        for g in gens:
+            disp.on_finished(FinishedMeta(g.sample_id, prompt_id_of(g.sample_id), len(g.response_tokens),
+                                          min(g.policy_versions)))
+        if gens:
+            items = [self.job.renderer.trajectory(self.prompts[prompt_id_of(g.sample_id)][1], g) for g in gens]
+            self.pending_rewards.append((self.job.rewards.submit(items), gens))
+        self.collect_rewards(block=False)
 
     def train_step(self, batch: list[str], held: list[dict]) -> dict:
         """TRAIN one optimizer step on whole groups, data-parallel across the workers."""

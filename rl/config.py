@@ -154,6 +154,11 @@ class GRPOStage(StrictConfig):
     """Dispatch policy, in-flight bound, per-dataset caps, off-policy bounds, warm-up discard."""
     steps_per_call: int = Field(1, gt=0)
     """Engine steps per controller round trip; interrupts land within this many steps."""
+    pipelined_calls: bool = True
+    """With Ray workers: the next rollout call is queued on the workers before the controller reads the previous
+    call's results, so an engine never waits for the controller's round trip (rl/async_grpo.py); new prompts and
+    the end of a rollout phase take effect one call later (interrupts land within 2 x steps_per_call steps).
+    In-process workers ignore it: their calls have no round trip."""
     max_staleness: int | None = Field(None, ge=0)
     """Tokens generated more than this many versions before the trained weights leave the loss;
     the normaliser keeps them (seed §5.2.2). None: no masking."""

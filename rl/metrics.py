@@ -78,6 +78,8 @@ class RolloutClock:
     """Signal-to-idle time of every interrupt."""
     interrupt_late_steps: list[int] = field(default_factory=list)
     """Engine steps run after the batch became ready and before the engines stopped."""
+    pipelined_calls: int = 0
+    """Rollout calls queued on the workers while the controller read the call before (GRPOStage.pipelined_calls)."""
     rollout_s: float = 0.0
     train_s: float = 0.0
     generated_tokens: int = 0

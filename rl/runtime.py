@@ -202,6 +202,22 @@ class PolicyGroup:
     def rollout(self, num_steps: int) -> list[StepResult]:
         return self._all(PolicyWorker.rollout, num_steps)
 
+    @property
+    def remote(self) -> bool:
+        """Whether the workers are Ray actors (their calls can be queued ahead of their results)."""
+        return self.group.remote
+
+    def submit_requests(self, per_worker: dict[int, list[GenerationRequest]]) -> list:
+        """`add_requests` without waiting: futures for `results` (a worker runs its calls in submission order)."""
+        return [self.group.submit(w, PolicyWorker.add_requests.__name__, reqs) for w, reqs in per_worker.items()]
+
+    def submit_rollout(self, num_steps: int) -> list:
+        """`rollout` on every worker without waiting: futures for `results`."""
+        return self.group.submit_all(PolicyWorker.rollout.__name__, num_steps)
+
+    def results(self, futures: list) -> list:
+        return self.group.get(futures) if futures else []
+
     def generate(self, requests: list[GenerationRequest]) -> list[Generation]:
         """Run requests to completion, spread over the workers (rows i, i + n, ...), in request order."""
         n = len(self)
