@@ -9,7 +9,8 @@ Per worker (one device); the trainer's tensors are float32 (`build_policy`), als
     the engine's own copy of the weights with run.dtype bfloat16 (P·2) and under fsdp2 (P·4 or P·2: the
     engine holds full weights, rl/worker.py);
     the engine's KV pool: num_blocks · block_size tokens · num_layers · the format's bytes per token per layer
-    (the unquantised format in the engine's dtype)
+    (the unquantised format in the engine's dtype); with engine.kv_memory_fraction f, f of the device's memory
+    less what is allocated before the engine starts (weights, the engine's copy, the reference, the teachers)
     (model/kv_cache.py; CSA2 models keep per-sequence caches: counted at max_seq_len for each of
     max_batch_size sequences at the compressed rate);
     the OPD teacher pool's device budget (the largest of the stages');
@@ -53,13 +54,19 @@ def estimate(recipe: Recipe) -> dict[str, float]:
         kv = e.pool_blocks * e.block_size * per_token
     reference = any(isinstance(s, GRPOStage) and s.kl_ref_coef > 0 for s in recipe.stages)
     teachers = max((s.teachers.device_memory_mib * 2**20 for s in recipe.stages if isinstance(s, OPDStage)), default=0.0)
+    engine_weights = params * engine_dtype.itemsize if recipe.run.dtype != "float32" or shards > 1 else 0.0
+    if e.kv_memory_fraction is not None and not m.is_sparse:
+        capacity, _ = device_capacity(recipe)
+        if capacity is not None:  # the share of what is free when the engine starts
+            before = params * elem / shards + engine_weights + (params * elem if reference else 0.0) + teachers
+            kv = e.kv_memory_fraction * max(capacity - before, 0.0)
     micro = max((s.micro_batch_size or s.batch_size) if isinstance(s, SFTStage) else s.micro_batch_size
                 for s in recipe.stages)
     logits = 3 * micro * e.max_seq_len * m.vocab_size * 4
     trainer = params * elem / shards
     parts = {"weights": trainer, "gradients": trainer, "adamw": 2 * trainer,
              "reference": params * elem if reference else 0.0,
-             "engine_weights": params * engine_dtype.itemsize if recipe.run.dtype != "float32" or shards > 1 else 0.0,
+             "engine_weights": engine_weights,
              "kv_pool": float(kv), "teachers": float(teachers),
              "logits": float(logits)}
     return {**parts, "total": sum(parts.values()), "parameters": float(params)}

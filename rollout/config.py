@@ -25,6 +25,11 @@ class EngineConfig(StrictConfig):
     """Tokens per KV-cache block."""
     num_blocks: int | None = Field(None, gt=0)
     """KV-cache blocks in the pool; default: enough for max_batch_size sequences of max_seq_len."""
+    kv_memory_fraction: float | None = Field(None, gt=0, lt=1)
+    """Size the KV pool to this share of the device memory free when the engine starts (CUDA: what
+    torch.cuda.mem_get_info reports free; CPU: the host's available RAM), like vLLM's gpu_memory_utilization but
+    of what is free after the weights: leave room for what training allocates later (gradients, AdamW moments,
+    logits). Dense paged models; not with num_blocks. None: num_blocks, or its default."""
     max_seq_len: int = Field(256, gt=0)
     """Longest prompt + response the engine holds; also caps max_new_tokens per request."""
     max_prompt_tokens: int | None = Field(None, gt=0)
@@ -56,6 +61,12 @@ class EngineConfig(StrictConfig):
             raise ValueError(f"num_blocks={self.num_blocks} of block_size={self.block_size} hold "
                              f"{self.num_blocks * self.block_size} tokens, fewer than one sequence of "
                              f"max_seq_len={self.max_seq_len}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> "EngineConfig":
+        if self.num_blocks is not None and self.kv_memory_fraction is not None:
+            raise ValueError("give num_blocks (a count) or kv_memory_fraction (a share of free memory), not both")
         return self
 
     @model_validator(mode="after")

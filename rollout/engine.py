@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 from model.decoder import Decoder
-from model.kv_cache import CacheFullError, PagedBatch, PagedKVCache
+from model.kv_cache import CacheFullError, PagedBatch, PagedKVCache, kv_format
 from model.sparse_attention import CSA2Cache
 from model.sparse_attention import bytes_per_token as csa2_bytes_per_token
 from rollout.config import EngineConfig
@@ -170,6 +170,26 @@ class EngineStats:
     step an interrupt dropped (computed, never read)."""
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes free on `device` now: CUDA's own count, or the host's available RAM for CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def blocks_in_free_memory(cfg: EngineConfig, device: torch.device, block_bytes: float) -> int:
+    """KV blocks that `cfg.kv_memory_fraction` of the free memory holds; ValueError (one line) when that is less
+    than one sequence of max_seq_len."""
+    free = free_memory(device)
+    blocks = int(cfg.kv_memory_fraction * free // block_bytes)
+    if blocks * cfg.block_size < cfg.max_seq_len:
+        raise ValueError(f"engine.kv_memory_fraction={cfg.kv_memory_fraction} of the {free / 2**30:.2f} GiB free on {device} "
+                         f"holds {blocks * cfg.block_size} tokens of KV, fewer than one sequence of max_seq_len={cfg.max_seq_len}")
+    return blocks
+
+
 class Engine:
     def __init__(self, model: Decoder, cfg: EngineConfig, *, eos_id: int, eos_ids: Sequence[int] = (),
                  device: str | torch.device = "cpu"):
@@ -180,8 +200,13 @@ class Engine:
         self.device = torch.device(device)
         mcfg = model.config
         self.sparse = mcfg.is_sparse
+        blocks = cfg.pool_blocks
+        if cfg.kv_memory_fraction is not None and not self.sparse:
+            per_block = cfg.block_size * mcfg.num_layers * kv_format(mcfg.kv_cache.dtype).bytes_per_token_per_layer(
+                mcfg.num_kv_heads, mcfg.head_dim, next(model.parameters()).dtype)
+            blocks = blocks_in_free_memory(cfg, self.device, per_block)
         self.cache = PagedKVCache(  # CSA2: no paged layers, block bookkeeping only (admission budget)
-            num_layers=0 if self.sparse else mcfg.num_layers, num_blocks=cfg.pool_blocks, block_size=cfg.block_size,
+            num_layers=0 if self.sparse else mcfg.num_layers, num_blocks=blocks, block_size=cfg.block_size,
             num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
             dtype=next(model.parameters()).dtype, device=self.device, kv_dtype=mcfg.kv_cache.dtype,
         )

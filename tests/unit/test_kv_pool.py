@@ -63,3 +63,22 @@ def test_parked_samples_count_for_the_lag_bound_while_they_wait_to_be_readmitted
     assert eng.num_active == 0 and eng.oldest_versions() == [0, 0]  # waiting, with tokens of version 0
     eng.step()
     assert eng.num_active == 2 and eng.oldest_versions() == [0, 0]
+
+
+def test_kv_memory_fraction_sizes_the_pool_from_free_memory(dense_model, monkeypatch):
+    """engine.kv_memory_fraction: the pool takes that share of the memory free when the engine starts (here the
+    host's available RAM, read for real, then a fixed figure), and refuses one that cannot hold a sequence."""
+    import rollout.engine as engine_mod
+
+    free = engine_mod.free_memory(engine_mod.torch.device("cpu"))
+    eng = _engine(dense_model, kv_memory_fraction=1e-4)
+    pool = sum(t.numel() * t.element_size() for t in eng.cache._tensors().values())  # noqa: SLF001
+    assert 0.9e-4 * free < pool <= 1.1e-4 * free
+    per_block = pool / (eng.cache.num_blocks + 1 / eng.cache.block_size)  # the scratch slot aside
+    monkeypatch.setattr(engine_mod, "free_memory", lambda device: 64 * per_block)
+    assert _engine(dense_model, kv_memory_fraction=0.5).cache.num_blocks == 32
+    assert _engine(dense_model, kv_memory_fraction=0.25).generate([_request(0)])[0].response_tokens
+    with pytest.raises(ValueError, match="kv_memory_fraction=0.05 .* fewer than one sequence of max_seq_len=32"):
+        _engine(dense_model, kv_memory_fraction=0.05)  # 3 blocks of 4 tokens
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(num_blocks=64, kv_memory_fraction=0.5)

@@ -54,3 +54,13 @@ def test_fsdp2_shards_the_trainer_and_the_engine_keeps_full_weights():
     two = estimate(load_recipe("configs/quickstart.yaml", ["runtime.num_workers=2", "runtime.parallel=fsdp2"]))
     assert [two[k] for k in ("weights", "gradients", "adamw")] == [one[k] / 2 for k in ("weights", "gradients", "adamw")]
     assert two["engine_weights"] == 4 * two["parameters"] and one["engine_weights"] == 0
+
+
+def test_the_estimate_counts_a_kv_pool_sized_by_a_fraction_of_free_memory():
+    """engine.kv_memory_fraction f: the pool is f of the device's memory less what is there before the engine
+    (the weights, here; float32, no reference, no teachers)."""
+    from rl.memory import device_capacity
+
+    recipe = load_recipe("configs/quickstart.yaml", ["engine.kv_memory_fraction=0.1"])
+    parts, (capacity, _) = estimate(recipe), device_capacity(recipe)
+    assert parts["kv_pool"] == pytest.approx(0.1 * (capacity - parts["weights"]))
