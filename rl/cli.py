@@ -87,16 +87,17 @@ def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = F
     from rl.runtime import WorkerFailure
     from rl.sandbox_nodes import SandboxStartError
     from rl.store_db import StoreError
+    from rollout.engine import KVPoolSizeError
 
     try:
         summary = train(recipe, run_dir, resume=resume, overwrite=overwrite, break_lock=break_lock)
     except (CheckpointError, CheckpointFormatError, ChatTemplateError, StoreError, DatasetError, RunDirError,
-            SandboxStartError, PlacementError) as e:
-        print(f"{prefix}: {e}", file=sys.stderr)
+            SandboxStartError, PlacementError, KVPoolSizeError) as e:
+        print(f"{prefix}: {str(e).strip().splitlines()[-1]}", file=sys.stderr)  # a worker's: its own last line
         return EXIT_BAD_INPUT
     except WorkerFailure as e:
-        print(f"{prefix}: {e}; the newest checkpoint holds: rl resume {run_dir}", file=sys.stderr)
-        return EXIT_WORKER_FAILED
+        print(f"{prefix}: {e}" + ("" if e.at_start else f"; the newest checkpoint holds: rl resume {run_dir}"), file=sys.stderr)
+        return EXIT_BAD_INPUT if e.at_start else EXIT_WORKER_FAILED
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))
     return EXIT_PREEMPTED if summary.get("preempted") else 0
 

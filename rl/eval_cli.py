@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 from pathlib import Path
 
@@ -46,7 +47,6 @@ def _fail(msg: str) -> int:
 def _write_jsonl(path: Path, records: list[dict]) -> None:
     """Whole lines only: written to a temporary file, then renamed over `path`."""
     import json
-    import os
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -77,6 +77,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         efforts = parse_efforts(args.effort)
     except ValueError as e:
         return _fail(str(e))
+    if args.responses is not None:  # before any work: a path that cannot be written is said at once
+        try:
+            args.responses.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return _fail(f"--responses {args.responses}: {e.strerror or e}")
+        if not os.access(args.responses.parent, os.W_OK) or args.responses.is_dir():
+            return _fail(f"--responses {args.responses}: not a writable file path")
     from rl.checkpoint import CheckpointError, CheckpointManager
 
     try:  # the run's newest checkpoint that verifies (rl/checkpoint.py: the one finder)
@@ -141,7 +148,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
                 print(f"{label:>7} {name:<10} {e['accuracy']:>9.3f} {e['response_len']:>9.1f} "
                       f"{e['reasoning_tokens']:>10.1f} {int(e['num_problems']):>9}")
         if records is not None:
-            _write_jsonl(args.responses, records)
+            try:
+                _write_jsonl(args.responses, records)
+            except OSError as e:
+                return _fail(f"--responses {args.responses}: {e.strerror or e}")
             print(f"responses: {len(records)} written to {args.responses}")
     finally:
         if tools is not None:

@@ -74,7 +74,20 @@ class _Done:
 
 
 class WorkerFailure(RuntimeError):
-    """A worker died or stopped answering (one line naming the worker and the phase)."""
+    """A worker died or stopped answering (one line naming the worker and the phase). `at_start`: it died
+    raising in its constructor (a configuration the worker's machine cannot take): no run state was lost."""
+
+    def __init__(self, message: str, at_start: bool = False):
+        super().__init__(message)
+        self.at_start = at_start
+
+
+def _died(label: tuple, error: Exception, name: str) -> tuple[str, bool]:
+    """(what to say of a dead worker, whether it died in its constructor: then with the error's own last line)."""
+    (i, method), text = label, str(error)
+    if "error raised in its creation task" in text:
+        return f"{name} {i} failed to start: {text.strip().splitlines()[-1]}", True
+    return f"{name} {i} died during {method} ({type(error).__name__})", False
 
 
 HEALTH = {"health": 1}
@@ -132,10 +145,11 @@ class Group:
         died = [(labels[f], e) for f, e in errors.items() if isinstance(e, RayActorError)]
         silent = [labels[f] for f in pending if not self._answers_ping(labels[f][0])]
         if died or silent:
-            parts = [f"{self.name} {i} died during {method} ({type(e).__name__})" for (i, method), e in died]
+            said = [_died(label, e, self.name) for label, e in died]
+            parts = [text for text, _ in said]
             parts += [f"{self.name} {i} did not answer {method} within {self.timeout_s:g} s and does not answer a ping "
                       "(hung or stopped)" for i, method in silent]
-            raise WorkerFailure("; ".join(parts))
+            raise WorkerFailure("; ".join(parts), at_start=bool(said) and all(start for _, start in said) and not silent)
         if errors:
             raise next(iter(errors.values()))
         if pending:

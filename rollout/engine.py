@@ -179,13 +179,17 @@ def free_memory(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
+class KVPoolSizeError(ValueError):
+    """engine.kv_memory_fraction leaves less KV than one sequence needs (`rl train` prints it, exit 2)."""
+
+
 def blocks_in_free_memory(cfg: EngineConfig, device: torch.device, block_bytes: float) -> int:
-    """KV blocks that `cfg.kv_memory_fraction` of the free memory holds; ValueError (one line) when that is less
-    than one sequence of max_seq_len."""
+    """KV blocks that `cfg.kv_memory_fraction` of the free memory holds; KVPoolSizeError (one line) when that is
+    less than one sequence of max_seq_len."""
     free = free_memory(device)
     blocks = int(cfg.kv_memory_fraction * free // block_bytes)
     if blocks * cfg.block_size < cfg.max_seq_len:
-        raise ValueError(f"engine.kv_memory_fraction={cfg.kv_memory_fraction} of the {free / 2**30:.2f} GiB free on {device} "
+        raise KVPoolSizeError(f"engine.kv_memory_fraction={cfg.kv_memory_fraction} of the {free / 2**30:.2f} GiB free on {device} "
                          f"holds {blocks * cfg.block_size} tokens of KV, fewer than one sequence of max_seq_len={cfg.max_seq_len}")
     return blocks
 

@@ -27,6 +27,30 @@ def test_usage_errors_are_one_line_exit_2(args, needle):
     assert len(lines) == 1 and needle in lines[0], proc.stderr
 
 
+@pytest.mark.parametrize("ray", ["false", "true"])
+def test_a_kv_memory_fraction_too_small_for_one_sequence_is_one_line_exit_2(tmp_path, ray):
+    """Said by the engine as it starts, in-process or in a Ray worker's constructor (then as the worker's failure
+    to start: no resume hint, nothing was lost)."""
+    proc = subprocess.run([*CLI, "train", "configs/quickstart.yaml", "--run-dir", str(tmp_path / "run"), "--set",
+                           "engine.kv_memory_fraction=1e-12", "--set", f"runtime.ray={ray}", "--set", "logging.wandb=false"],
+                          capture_output=True, text=True, timeout=180)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("rl train")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert "engine.kv_memory_fraction=1e-12" in lines[0] and "fewer than one sequence of max_seq_len=160" in lines[0]
+    assert "rl resume" not in lines[0]
+
+
+def test_rl_eval_responses_to_a_path_that_cannot_be_written_is_one_line_exit_2(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "recipe.yaml").write_text((__import__("pathlib").Path("configs/quickstart.yaml")).read_text())
+    (tmp_path / "file").write_text("")
+    proc = subprocess.run([*CLI, "eval", str(run_dir), "--responses", str(tmp_path / "file" / "r.jsonl")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"rl eval: --responses {tmp_path / 'file' / 'r.jsonl'}: File exists"], proc.stderr  # its folder is a file
+
+
 def test_help_still_prints_the_usage():
     proc = subprocess.run([*CLI, "eval", "-h"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--max-problems" in proc.stdout
