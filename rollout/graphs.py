@@ -14,7 +14,9 @@ false`, or a head_dim the kernel does not take) the graph gathers a fixed contex
 block_size slots, masked beyond each row's position, for SDPA. Either way the shapes never change. Rows
 past the batch are invalid: their K/V go to the cache's scratch slot (`PagedKVCache.write` sends slot −1
 there), they have no context, and their logits are ignored. A
-step is one host-to-device copy of the input buffer, one replay, and the sampling that follows.
+step is one host-to-device copy of the input buffer and one replay; the graph also samples each row's next token
+(the counter-based sampler at top_p = 1, `EngineConfig.sample_in_graph`), which the engine reads when the step
+has no prefill, no tool output and no top_p < 1 row, and otherwise samples the logits after the replay.
 
 The graphs read the model's parameters and the cache's tensors where they are: the trainer updates the
 shared weights in place (rl/worker.py), so new weights need no recapture. The captured forward is the model's
@@ -29,9 +31,8 @@ model whose capture fails (the error is kept in `DecodeGraphs.disabled_reason`).
 
 from __future__ import annotations
 
-import torch
-
 import numpy as np
+import torch
 
 from model import fused
 from model.kv_cache import PagedBatch, PagedKVCache
