@@ -44,11 +44,11 @@ plain JSON: no class names, so renaming a Python class never breaks a resume.
   Group       {ticket {prompt_id, dataset, group_size, version}, done [{sample_id, prompt_id, num_tokens,
                min_version}], discarded: bool}
   Stats       {dispatched_prompts, dispatched_samples, cap_skips, discarded_samples, dropped_stale_groups,
-               lag_waits, frac_waits, capacity_waits}
+               lag_waits, frac_waits, capacity_waits (absent from older checkpoints: 0)}
   Prompt      {prompt_id, dataset, text, tokens [int], answer, group_size, policy_version, config_version}
   Problem     the task's problem, field by field (ckpt_records.problem_to_record: the one place to adapt)
   Clock       {concurrency [float], interrupt_s [float], interrupt_late_steps [int], rollout_s, train_s,
-               generated_tokens, bytes_moved}
+               generated_tokens, bytes_moved, pipelined_calls (absent from older checkpoints: 0)}
   Live        {version, mixture {dataset: float}, caps {dataset: int}, assignment {dataset: teacher},
                teachers {name: {name, checkpoint, datasets}}, history [{version, status, train_step, time, patch}]}
   RandomState [version, [int] * 625, gauss_next | null]          (Python's random.Random.getstate())
