@@ -45,10 +45,9 @@ def _fail(msg: str) -> int:
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
-    """Whole lines only: written to a temporary file, then renamed over `path`."""
+    """Whole lines only: written to a temporary file, then renamed over `path` (its folder exists: cmd_eval)."""
     import json
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
         for r in records:

@@ -211,10 +211,10 @@ class PolicyGroup:
         self._all(PolicyWorker.begin_stage, stage)
 
     def add_requests(self, per_worker: dict[int, list[GenerationRequest]]) -> None:
-        self._each(PolicyWorker.add_requests, {w: (reqs,) for w, reqs in per_worker.items()})
+        self.results(self.submit_requests(per_worker))
 
     def rollout(self, num_steps: int) -> list[StepResult]:
-        return self._all(PolicyWorker.rollout, num_steps)
+        return self.results(self.submit_rollout(num_steps))
 
     @property
     def remote(self) -> bool:
