@@ -23,7 +23,8 @@ is compute-bound. On the 2-core CPU the two workers share the cores the one work
 of 2), so CPU figures show the plumbing, not a speed-up.
 Last line: RESULT workers=1,2 parallel=.. sft_samples_s_1=.. sft_samples_s_2_strong=.. sft_samples_s_2_weak=..
 grpo_samples_s_1=.. grpo_samples_s_2_strong=.. grpo_samples_s_2_weak=.. weak_scaling=.. strong_scaling=..
-max_loss_diff=.. weights_identical=<0|1>
+max_loss_diff=.. weights_identical=<0|1> trainer_state_mib_1=.. trainer_state_mib_2=.. peak_gib_1=.. peak_gib_2=..
+(per worker: the trainer's parameters, gradients and optimizer state, and the peak device memory)
 """
 
 from __future__ import annotations
@@ -80,15 +81,23 @@ def run(name: str, a, workers: int, scale: int, out: Path) -> dict:
         t1 = time.perf_counter()
         run_async_grpo(job, grpo, 1)
         t2 = time.perf_counter()
-        checksums = [i["weights_checksum"] for i in job.policy.info()]
+        infos = job.policy.info()
+        checksums = [i["weights_checksum"] for i in infos]
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     sft_steps = [r for r in logged if "sft/loss" in r]  # every step is logged (log_every 1), with its time
     grpo_steps = [r for r in logged if "rl/loss" in r]
-    return {"run": name, "workers": workers,
+    row = {"run": name, "workers": workers,
             "sft_samples_s": steady_rate(sft_steps, sft.batch_size),
             "grpo_samples_s": steady_rate(grpo_steps, grpo.prompts_per_step * grpo.group_size),
             "sft_s": t1 - t0, "grpo_s": t2 - t1, "sft_loss": [r["sft/loss"] for r in sft_steps],
-            "weights_identical": int(len(set(checksums)) == 1)}
+            "weights_identical": int(len(set(checksums)) == 1),
+            # per worker: the trainer's parameters + gradients + optimizer state (rl/parallel.trainer_state_bytes),
+            # and the peak device memory (engine copy and KV pool included; 0 on CPU)
+            "trainer_state_mib": max(i["trainer_state_bytes"] for i in infos) / 2**20,
+            "peak_gib": max(i["peak_device_bytes"] for i in infos) / 2**30}
+    print(f"[{name}] " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                                  if k != "sft_loss"), flush=True)
+    return row
 
 
 def steady_rate(steps: list[dict], samples_per_step: int) -> float:
@@ -139,7 +148,8 @@ def main() -> None:
     diff = max(abs(x - y) for x, y in zip(by["one"]["sft_loss"], by["strong"]["sft_loss"], strict=True))
     print(f"{a.shape} shape, {a.dtype}, {a.device}, {a.parallel}; long-tail lengths median {a.median}, max {a.max_tokens}; "
           f"1-worker batches: SFT {a.sft_batch} x {a.sft_steps} steps, GRPO {a.prompts}x{a.group} x {a.steps} steps")
-    cols = ["run", "workers", "sft_samples_s", "grpo_samples_s", "sft_s", "grpo_s", "weights_identical"]
+    cols = ["run", "workers", "sft_samples_s", "grpo_samples_s", "sft_s", "grpo_s", "weights_identical",
+            "trainer_state_mib", "peak_gib"]
     print(" | ".join(c.rjust(14) for c in cols))
     for r in rows:
         print(" | ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c])).rjust(14) for c in cols))
@@ -152,7 +162,9 @@ def main() -> None:
           f"grpo_samples_s_2_weak={weak['grpo_samples_s']:.2f} "
           f"weak_scaling={weak['grpo_samples_s'] / one['grpo_samples_s']:.2f} "
           f"strong_scaling={strong['grpo_samples_s'] / one['grpo_samples_s']:.2f} max_loss_diff={diff:.2e} "
-          f"weights_identical={int(strong['weights_identical'] and weak['weights_identical'])}")
+          f"weights_identical={int(strong['weights_identical'] and weak['weights_identical'])} "
+          f"trainer_state_mib_1={one['trainer_state_mib']:.1f} trainer_state_mib_2={strong['trainer_state_mib']:.1f} "
+          f"peak_gib_1={one['peak_gib']:.2f} peak_gib_2={strong['peak_gib']:.2f}")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,21 @@ def _full(t: Any) -> Any:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def trainer_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> int:
+    """Bytes this rank holds of the trainer's parameters, gradients and optimizer state (only the local
+    shard of a DTensor: under FSDP2 about 1/world of a single worker's; DDP and one worker hold it all). A
+    trainable parameter's gradient is counted at its parameter's size, as a step holds it (between steps the
+    gradients are freed)."""
+    def local(t: Any) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+    params = list(model.parameters())
+    states = [v for s in (opt.state.values() if opt is not None else ()) for v in s.values()]
+    return sum(local(p) * (2 if p.requires_grad else 1) for p in params) + sum(local(v) for v in states)
+
+
 def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`full` laid out as `like`: this rank's shard when `like` is a DTensor (every rank holds `full`, so it
     slices locally: no communication), else `full` on like's device and dtype."""

@@ -29,7 +29,7 @@ from model.pretrained import build_decoder, load_pretrained_into
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.faults import fault_point
 from rl.objectives import build_objective
-from rl.parallel import Single, build_data_parallel
+from rl.parallel import Single, build_data_parallel, trainer_state_bytes
 from rl.tool_turns import ToolTurns, generate_with_tools
 from rl.trainer import StepMetrics, TrainBatch, Trainer
 from rollout.engine import Engine
@@ -369,4 +369,6 @@ class PolicyWorker:
                 "reprefill_tokens": self.engine.stats.reprefill_tokens,
                 "free_blocks": self.engine.cache.num_free_blocks,
                 "weights_checksum": float(sum(p.detach().double().sum() for p in self._full_weights().parameters())),
-                "node_ip": _node_ip()}
+                "node_ip": _node_ip(),
+                "trainer_state_bytes": trainer_state_bytes(self.model, self.trainer.opt if self.trainer else None),
+                "peak_device_bytes": torch.cuda.max_memory_allocated() if self.recipe.run.device == "cuda" else 0}

@@ -2,7 +2,8 @@
 Ray workers training data-parallel over gloo, a fail point (rl/faults.py) stops or kills rank 1 in a train
 step or a rollout slice; the job exits 4 within runtime.worker_timeout_s (plus a ping's grace) with one line
 naming the worker and the phase, leaves no Ray process behind, and `rl resume` with one worker continues from
-the newest checkpoint: nothing trained twice, no prompt left open."""
+the newest checkpoint: nothing trained twice, no prompt left open. With ASYNCRL_TEST_DEVICE=cuda (a machine with two
+GPUs) the same runs train over NCCL, one GPU per worker."""
 
 import os
 import subprocess
@@ -19,6 +20,7 @@ CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"
 TIMEOUT_S = 8
 TWO_WORKERS = ["runtime.ray=true", "runtime.num_workers=2", "runtime.num_cpus=2", "runtime.cpus_per_worker=0.5",
                f"runtime.worker_timeout_s={TIMEOUT_S}", "stages.0.max_steps=5"]
+DEVICE = [f"run.device={os.environ.get('ASYNCRL_TEST_DEVICE', 'cpu')}"]
 
 
 def _cli(args: list[str], sets: list[str], fault: str | None = None) -> tuple[subprocess.CompletedProcess, float]:
@@ -45,7 +47,7 @@ def _ray_processes() -> list[str]:
 def test_a_hung_or_dead_worker_ends_the_job_with_one_line_and_resume_continues(tmp_path, fault, line):
     run = tmp_path / "run"
     before = set(_ray_processes())
-    proc, seconds = _cli(["train", "configs/tiny_grpo.yaml", "--run-dir", str(run)], TWO_WORKERS, fault)
+    proc, seconds = _cli(["train", "configs/tiny_grpo.yaml", "--run-dir", str(run)], TWO_WORKERS + DEVICE, fault)
     assert proc.returncode == 4, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
     ours = [s for s in proc.stderr.splitlines() if s.startswith("rl train: ")]
     assert ours == [f"rl train: {line}; the newest checkpoint holds: rl resume {run}"], proc.stderr[-3000:]
@@ -53,7 +55,7 @@ def test_a_hung_or_dead_worker_ends_the_job_with_one_line_and_resume_continues(t
     assert seconds < 120  # bounded: the timeout, a ping's grace, Ray's start and teardown
     assert set(_ray_processes()) <= before  # the stopped worker was killed with the others
 
-    proc, _ = _cli(["resume", str(run)], ["runtime.num_workers=1"])
+    proc, _ = _cli(["resume", str(run)], ["runtime.num_workers=1", *DEVICE])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "stage 0 (grpo): 5 steps so far" in proc.stdout
     audit = TrajectoryStore.for_run_dir(run).audit()

@@ -115,7 +115,7 @@ def _full(model) -> dict[str, torch.Tensor]:
 def _rank_main(rank: int, port: int, out: str) -> None:
     import rl.parallel as parallel
     from rl.checkpoint import open_tree
-    from rl.parallel import DDP, FSDP2, build_data_parallel
+    from rl.parallel import DDP, FSDP2, build_data_parallel, trainer_state_bytes
     from rl.worker import PolicyWorker
 
     torch.set_num_threads(1)
@@ -140,7 +140,8 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         trainer = Trainer(model, OptimConfig(), parallel=dp)
         batches = [_shards(_groups(3, seed=s), 2)[rank] for s in range(STEPS)]
         res[name] = {"metrics": _grpo_steps(trainer, batches), "weights": _full(model),
-                     "micro": [-(-len(b) // MICRO) for b in batches]}
+                     "micro": [-(-len(b) // MICRO) for b in batches],
+                     "state_bytes": trainer_state_bytes(model, trainer.opt)}
     res["ddp"]["hooks"] = len(hooks)
 
     # PolicyWorker, FSDP2 float32: engine copy, then a checkpoint round trip
@@ -283,6 +284,19 @@ def test_two_ranks_take_the_one_rank_steps_and_hold_identical_weights(ranks, kin
         merged = merge_step_metrics([r0["metrics"][step], r1["metrics"][step]])
         for k in ("rl/loss", "train/grad_norm"):
             assert merged[k] == pytest.approx(alone[step][k], rel=1e-5, abs=1e-7), (step, k)
+
+
+def test_fsdp2_ranks_hold_about_half_the_trainer_state_ddp_ranks_hold_all(ranks):
+    from rl.parallel import trainer_state_bytes
+
+    one = _one_rank_trainer()
+    _grpo_steps(one, [_groups(3, seed=0)])
+    full = trainer_state_bytes(one.model, one.opt)  # weights, gradients, AdamW's two moments and step counters
+    params = list(one.model.parameters())
+    assert 4 * sum(p.numel() * 4 for p in params) < full <= 4 * sum(p.numel() * 4 for p in params) + 8 * len(params)
+    assert ranks[0]["ddp"]["state_bytes"] == ranks[1]["ddp"]["state_bytes"] == full
+    shards = [ranks[r]["fsdp2"]["state_bytes"] for r in range(2)]
+    assert sum(shards) >= full and all(0.45 <= b / full <= 0.55 for b in shards), (shards, full)
 
 
 def test_ddp_reduces_once_per_step_not_per_micro_batch(ranks):
