@@ -126,11 +126,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return logp.gather(-1, targets[..., None]).squeeze(-1)
 
 
-def sft_loss(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
-             num_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+def sft_loss(logprobs: torch.Tensor, mask: torch.Tensor, num_tokens: float | None = None
+             ) -> tuple[torch.Tensor, dict[str, float]]:
     """Cross-entropy summed over response tokens ÷ num_tokens (default: this batch's response tokens;
-    data-parallel callers pass the global count). logits [B, T, V]; targets, mask [B, T]."""
-    nll = -token_logprobs(logits, targets) * mask
+    data-parallel callers pass the global count). logprobs (of the targets), mask [B, T]."""
+    nll = -logprobs * mask
     n = float(mask.sum().clamp_min(1.0)) if num_tokens is None else num_tokens
     loss = nll.sum() / n
     return loss, {"sft/loss": float(loss.detach())}

@@ -29,13 +29,23 @@ from rl.losses import PolicyLossInputs, grpo_loss, reference_kl, sft_loss, stale
 from rl.trainer import LossTerms, PackedBatch, StepMetrics, TrainBatch
 
 
-def _forward_logits(model: Decoder, b: PackedBatch, routing: torch.Tensor | None = None,
+def _forward_hidden(model: Decoder, b: PackedBatch, routing: torch.Tensor | None = None,
                     checkpoint_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (logits [B, T, V] float32, the CSA2 indexer KL over real tokens, or None for dense attention)."""
+    """-> (final hidden states [B, T, hidden], the CSA2 indexer KL over real tokens, or None for dense attention)."""
     sparse = model.config.is_sparse
     out = model.forward_hidden(b.input_ids, routing_replay=routing, checkpoint_layers=checkpoint_layers,
                                compute_indexer_loss=sparse, indexer_query_mask=b.token_mask() if sparse else None)
-    return model.logits(out.hidden), out.indexer_loss
+    return out.hidden, out.indexer_loss
+
+
+def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) at the targets, [B, T] float32, on the trained response positions
+    (b.mask > 0) and 0 elsewhere. The output head and the log-softmax run on those positions alone, not on
+    prompts and padding: the [B, T, vocab] float32 logits were most of a small model's step (bench/train_step.py);
+    every loss term here is masked to these positions, so no value changes."""
+    idx = (b.mask > 0).nonzero(as_tuple=True)
+    lp = token_logprobs(model.logits(hidden[idx]), b.targets[idx], temperature)
+    return torch.zeros(b.targets.shape, dtype=lp.dtype, device=lp.device).index_put(idx, lp)
 
 
 class SFTObjective:
@@ -47,8 +57,8 @@ class SFTObjective:
         self.micro_batch_size = stage.micro_batch_size
 
     def __call__(self, model: Decoder, b: PackedBatch, rows: TrainBatch, upcoming: TrainBatch | None) -> LossTerms:
-        logits, indexer_kl = _forward_logits(model, b)
-        loss, metrics = sft_loss(logits, b.targets, b.mask, rows.num_tokens)
+        hidden, indexer_kl = _forward_hidden(model, b)
+        loss, metrics = sft_loss(response_logprobs(model, hidden, b), b.mask, rows.num_tokens)
         return LossTerms(loss, sums=metrics, indexer_kl=indexer_kl)
 
     def step_metrics(self) -> StepMetrics:
@@ -72,18 +82,20 @@ class GRPOObjective:
         s = self.stage
         return staleness_keep(b.versions, b.mask, self.current_version, s.max_staleness, s.max_sample_stale_frac)
 
-    def policy_terms(self, logits: torch.Tensor, b: PackedBatch, rows: TrainBatch, keep: torch.Tensor) -> LossTerms:
+    def policy_terms(self, model: Decoder, hidden: torch.Tensor, b: PackedBatch, rows: TrainBatch,
+                     keep: torch.Tensor) -> LossTerms:
         s = self.stage
         x = PolicyLossInputs(
-            logprobs=token_logprobs(logits, b.targets, self.temperature), behavior_logprobs=b.behavior_logprobs,
+            logprobs=response_logprobs(model, hidden, b, self.temperature), behavior_logprobs=b.behavior_logprobs,
             advantages=torch.tensor(list(rows.advantages_B), dtype=torch.float32, device=b.input_ids.device),
             mask=b.mask, num_tokens=rows.num_tokens, keep=keep)
         loss, metrics = grpo_loss(x, clip_low=s.clip_low, clip_high=s.clip_high, ratio=s.importance.ratio,
                                   tis_cap=s.importance.tis_cap)
         if s.kl_ref_coef > 0:
             with torch.no_grad():
-                ref_logits = self.reference(b.input_ids, routing_replay=b.routing)[0]
-            k3 = reference_kl(x.logprobs, token_logprobs(ref_logits, b.targets, self.temperature)) * b.mask
+                ref_hidden = self.reference.forward_hidden(b.input_ids, routing_replay=b.routing).hidden
+                ref_logprobs = response_logprobs(self.reference, ref_hidden, b, self.temperature)
+            k3 = reference_kl(x.logprobs, ref_logprobs) * b.mask
             loss = loss + s.kl_ref_coef * (k3 * keep).sum() / rows.num_tokens
             metrics["rl/kl_ref"] = float(k3.detach().sum() / b.mask.sum().clamp_min(1.0))
         return LossTerms(loss, sums={"rl/loss": float(loss.detach())}, means=metrics)
@@ -91,8 +103,8 @@ class GRPOObjective:
     def __call__(self, model: Decoder, b: PackedBatch, rows: TrainBatch, upcoming: TrainBatch | None) -> LossTerms:
         if self.routing_replay and b.routing is None:
             raise ValueError("routing_replay is on but the samples carry no routing trace")
-        logits, indexer_kl = _forward_logits(model, b, b.routing, self.stage.activation_checkpointing)
-        terms = self.policy_terms(logits, b, rows, self.keep(b))
+        hidden, indexer_kl = _forward_hidden(model, b, b.routing, self.stage.activation_checkpointing)
+        terms = self.policy_terms(model, hidden, b, rows, self.keep(b))
         terms.indexer_kl = indexer_kl
         return terms
 
@@ -122,7 +134,7 @@ class OPDObjective(GRPOObjective):
             terms.loss = terms.loss + s.kl_weight * kl
             terms.sums["opd/kl_loss"] = float(kl.detach())
         if s.rl_weight > 0:
-            rl = self.policy_terms(model.logits(out.hidden), b, rows, keep)
+            rl = self.policy_terms(model, out.hidden, b, rows, keep)
             terms.loss = terms.loss + s.rl_weight * rl.loss
             terms.sums.update(rl.sums)
             terms.means.update(rl.means)

@@ -54,7 +54,7 @@ def test_pack_and_sft_loss_mask_only_response():
     assert b.targets.tolist() == [[5, 6, 8, 9, 2], [7, 2, 0, 0, 0]]
     assert b.mask.tolist() == [[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]]
     logits = torch.zeros(2, 5, 12, requires_grad=True)
-    loss, _ = sft_loss(logits, b.targets, b.mask)
+    loss, _ = sft_loss(token_logprobs(logits, b.targets), b.mask)
     assert loss.item() == pytest.approx(math.log(12))
     loss.backward()
     assert logits.grad[0, :2].abs().sum() == 0 and logits.grad[1, 2:].abs().sum() == 0

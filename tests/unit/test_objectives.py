@@ -59,3 +59,46 @@ def test_opd_objective_is_the_full_vocabulary_reverse_kl_to_each_rows_teacher(de
     assert m["opd/kl_tokens"] == response_tokens and m["opd/teachers_in_step"] == 2
     assert m["opd/kl_per_token"] == pytest.approx(expected * rows.num_tokens / response_tokens, rel=2e-3)
     pool.close()
+
+
+def _full_logits_loss(model: Decoder, reference: Decoder, rows: TrainBatch, stage, kind: str) -> torch.Tensor:
+    """The loss as computed before response_logprobs: logits at every position of the padded batch."""
+    from rl.losses import PolicyLossInputs, grpo_loss, reference_kl, sft_loss, token_logprobs
+
+    b = rows.pack("cpu")
+    lp = token_logprobs(model(b.input_ids)[0], b.targets, 0.7 if kind == "grpo" else 1.0)
+    if kind == "sft":
+        return sft_loss(lp, b.mask, rows.num_tokens)[0]
+    x = PolicyLossInputs(logprobs=lp, behavior_logprobs=b.behavior_logprobs, advantages=torch.tensor(rows.advantages_B),
+                         mask=b.mask, num_tokens=rows.num_tokens, keep=torch.ones_like(b.mask))
+    loss, _ = grpo_loss(x, clip_low=stage.clip_low, clip_high=stage.clip_high, ratio=stage.importance.ratio,
+                        tis_cap=stage.importance.tis_cap)
+    with torch.no_grad():
+        ref = token_logprobs(reference(b.input_ids)[0], b.targets, 0.7)
+    return loss + stage.kl_ref_coef * (reference_kl(lp, ref) * b.mask).sum() / rows.num_tokens
+
+
+@pytest.mark.parametrize("kind", ["grpo", "sft"])
+def test_logits_on_response_positions_only_give_the_full_logits_loss_and_gradient(kind):
+    from rl.config import GRPOStage, SFTStage
+    from rl.objectives import build_objective
+
+    torch.manual_seed(0)
+    model, reference = Decoder(debug_config(moe=False)), Decoder(debug_config(moe=False))
+    g = torch.Generator().manual_seed(2)
+    rows = _rows(["t"] * 5)  # prompts of 3-5 tokens, responses of 2-5: padding and prompt positions in the batch
+    rows = TrainBatch(rows.prompts_B, rows.responses_B, rows.num_tokens,
+                      [tuple((-torch.rand(len(r), generator=g)).tolist()) for r in rows.responses_B], rows.versions_B,
+                      None, torch.randn(5, generator=g).tolist())
+    stage = GRPOStage(kl_ref_coef=0.1) if kind == "grpo" else SFTStage()
+    objective = build_objective(stage, model=model, temperature=0.7 if kind == "grpo" else 1.0, current_version=0,
+                                reference=reference)
+    b = rows.pack("cpu")
+    assert (b.mask == 0).any()  # prompt and padding positions the head no longer sees
+    loss = objective(model, b, rows, None).loss
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    expected = _full_logits_loss(model, reference, rows, stage, kind)
+    expected_grads = torch.autograd.grad(expected, list(model.parameters()))
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
