@@ -92,6 +92,10 @@ class SFTStage(StrictConfig):
     """Demonstrations per optimizer step."""
     micro_batch_size: int | None = Field(None, gt=0)
     """Demonstrations per forward/backward (gradients accumulate over a step); None: a worker's whole share."""
+    micro_batch_tokens: int | None = Field(None, gt=0)
+    """Padded tokens per forward/backward at most (rows × the longest row's tokens; verl's dynamic batch size):
+    micro-batches are cut by tokens instead of rows, so short rows share a forward and long ones get their own
+    (a row longer than this goes alone). Set, it replaces micro_batch_size."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """Optimizer of this stage."""
     effort_prefix_frac: float = Field(1.0, ge=0, le=1)
@@ -144,6 +148,10 @@ class GRPOStage(StrictConfig):
     """Divide group-centred advantages by the group's reward std (GRPO) or not (Dr. GRPO)."""
     micro_batch_size: int = Field(64, gt=0)
     """Samples per forward/backward; gradients accumulate over a step."""
+    micro_batch_tokens: int | None = Field(None, gt=0)
+    """Padded tokens per forward/backward at most (rows × the longest row's tokens; verl's dynamic batch size):
+    micro-batches are cut by tokens instead of rows, so short samples share a forward and long ones get their
+    own (a sample longer than this goes alone). Set, it replaces micro_batch_size."""
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
     """Optimizer of this stage."""
     log_every: int = Field(1, gt=0)

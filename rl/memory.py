@@ -14,9 +14,11 @@ Per worker (one device); the trainer's tensors are float32 (`build_policy`), als
     (model/kv_cache.py; CSA2 models keep per-sequence caches: counted at max_seq_len for each of
     max_batch_size sequences at the compressed rate);
     the OPD teacher pool's device budget (the largest of the stages');
-    the training step's logits: one micro-batch (the largest of the stages'; SFT without one: its batch)
-    of engine.max_seq_len tokens (the longest a sample can be) × vocab_size, float32, three times (the logits, their log-softmax, and
-    the gradient of either; rl/losses.py), the activation that dominates at a real vocabulary.
+    the training step's logits: one micro-batch (the largest of the stages'; SFT without one: its batch;
+    micro_batch_tokens where set) of trained positions (the output head runs on response tokens only, rl/objectives.py: engine.max_new_tokens
+    per rollout; engine.max_seq_len per SFT demonstration or with tool turns) × vocab_size, float32, three times
+    (the logits, their log-softmax, and the gradient of either; rl/losses.py), the activation that dominates at a
+    real vocabulary.
 Other activations and the allocator's slack are not counted: the estimate is a floor. The device's memory:
 the first CUDA device's total where there is one, `run.device_memory_gib` where the recipe states it (a
 host without that device), else the host's RAM for CPU runs; with none of these the estimate is printed only.
@@ -60,9 +62,7 @@ def estimate(recipe: Recipe) -> dict[str, float]:
         if capacity is not None:  # the share of what is free when the engine starts
             before = params * elem / shards + engine_weights + (params * elem if reference else 0.0) + teachers
             kv = e.kv_memory_fraction * max(capacity - before, 0.0)
-    micro = max((s.micro_batch_size or s.batch_size) if isinstance(s, SFTStage) else s.micro_batch_size
-                for s in recipe.stages)
-    logits = 3 * micro * e.max_seq_len * m.vocab_size * 4
+    logits = max(3 * _trained_positions(recipe, s) * m.vocab_size * 4 for s in recipe.stages)
     trainer = params * elem / shards
     parts = {"weights": trainer, "gradients": trainer, "adamw": 2 * trainer,
              "reference": params * elem if reference else 0.0,
@@ -70,6 +70,19 @@ def estimate(recipe: Recipe) -> dict[str, float]:
              "kv_pool": float(kv), "teachers": float(teachers),
              "logits": float(logits)}
     return {**parts, "total": sum(parts.values()), "parameters": float(params)}
+
+
+def _trained_positions(recipe: Recipe, stage) -> int:
+    """Positions of one micro-batch the output head runs on (rl/objectives.response_logprobs: the trained
+    response tokens): micro_batch_tokens where set, else its rows × a response's most tokens (a rollout's:
+    engine.max_new_tokens; with tool turns, whose outputs join the response, and for SFT demonstrations:
+    engine.max_seq_len)."""
+    e = recipe.engine
+    if stage.micro_batch_tokens is not None:
+        return stage.micro_batch_tokens
+    if isinstance(stage, SFTStage):
+        return (stage.micro_batch_size or stage.batch_size) * e.max_seq_len
+    return stage.micro_batch_size * (e.max_seq_len if recipe.tools is not None else min(e.max_new_tokens, e.max_seq_len))
 
 
 def device_capacity(recipe: Recipe) -> tuple[float | None, str]:

@@ -54,7 +54,7 @@ class SFTObjective:
     routing_replay = False
 
     def __init__(self, stage: SFTStage, **_handles):
-        self.micro_batch_size = stage.micro_batch_size
+        self.micro_batch_size, self.micro_batch_tokens = stage.micro_batch_size, stage.micro_batch_tokens
 
     def __call__(self, model: Decoder, b: PackedBatch, rows: TrainBatch, upcoming: TrainBatch | None) -> LossTerms:
         hidden, indexer_kl = _forward_hidden(model, b)
@@ -71,7 +71,7 @@ class GRPOObjective:
     def __init__(self, stage: GRPOStage, *, model: Decoder, temperature: float, current_version: int,
                  reference: Decoder | None = None, **_handles):
         self.stage, self.temperature, self.current_version = stage, temperature, current_version
-        self.micro_batch_size = stage.micro_batch_size
+        self.micro_batch_size, self.micro_batch_tokens = stage.micro_batch_size, stage.micro_batch_tokens
         self.routing_replay = stage.routing_replay and model.config.is_moe
         self.reference = reference
         """The run's initial policy (frozen), when the stage penalises the KL to it."""

@@ -159,6 +159,8 @@ class Objective(Protocol):
 
     micro_batch_size: int | None
     """Rows per forward/backward; None: the whole shard at once."""
+    micro_batch_tokens: int | None
+    """Padded tokens per forward/backward at most; set, it replaces micro_batch_size (`micro_batches`)."""
     routing_replay: bool
     """Pack the rows' recorded routing traces for the forward to replay (MoE, seed §5.2.1)."""
 
@@ -242,6 +244,23 @@ def by_length(batch: TrainBatch) -> list[int]:
     return sorted(range(len(batch)), key=lambda i: len(batch.prompts_B[i]) + len(batch.responses_B[i]))
 
 
+def micro_batches(batch: TrainBatch, rows: int | None, tokens: int | None) -> list[list[int]]:
+    """The rows of each micro-batch, shortest first: `rows` at a time (None: all), or with `tokens`, as many
+    consecutive rows as keep rows × the longest one's tokens (its padded size) within `tokens` (at least one)."""
+    order = by_length(batch)
+    if tokens is None:
+        size = rows or max(len(order), 1)
+        return [order[lo : lo + size] for lo in range(0, len(order), size)]
+    out: list[list[int]] = []
+    for i in order:  # ascending lengths: the row joining a micro-batch is its longest
+        length = len(batch.prompts_B[i]) + len(batch.responses_B[i]) - 1  # the packed row (rl/trainer.pack)
+        if out and (len(out[-1]) + 1) * length <= tokens:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
 class Trainer:
     def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu", total_steps: int | None = None,
                  autocast: torch.dtype | None = None, parallel: Single | None = None):
@@ -264,9 +283,8 @@ class Trainer:
         once the last micro-batch's backward is done). Every rank runs as many micro-batches as the rank with
         the most; the extra ones are zero-weight (`idle_loss`, rl/parallel.py says why)."""
         self.model.train()
-        order = by_length(batch)
-        size = objective.micro_batch_size or max(len(order), 1)
-        micro = [batch.select(order[lo : lo + size]) for lo in range(0, len(order), size)]
+        micro = [batch.select(rows) for rows in micro_batches(batch, objective.micro_batch_size,
+                                                              getattr(objective, "micro_batch_tokens", None))]
         count = self.parallel.micro_batches(len(micro))
         metrics = StepMetrics()
         aux_weight = self.model.config.sparse_attention.aux_loss_weight if self.model.config.is_sparse else 0.0

@@ -20,6 +20,7 @@ CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"
     ("configs/effort.yaml", ["model.kv_cache.dtype=fp4"]),
     ("configs/quickstart.yaml", ["engine.num_blocks=200", "model.kv_cache.dtype=fp8", "stages.1.kl_ref_coef=0.1"]),
     ("configs/quickstart.yaml", ["run.dtype=bfloat16"]),
+    ("configs/quickstart.yaml", ["stages.1.micro_batch_tokens=100000"]),
 ])
 def test_the_estimate_counts_what_the_worker_allocates(config, sets):
     recipe = load_recipe(config, sets)
@@ -34,8 +35,10 @@ def test_the_estimate_counts_what_the_worker_allocates(config, sets):
     pool = sum(t.numel() * t.element_size() for t in cache._tensors().values())  # noqa: SLF001 - what it holds
     slots = cache.k.shape[1]
     assert parts["kv_pool"] == pytest.approx(pool * (slots - 1) / slots)  # the scratch slot aside
-    micro = max(getattr(s, "micro_batch_size", None) or s.batch_size for s in recipe.stages)
-    assert parts["logits"] == 3 * micro * recipe.engine.max_seq_len * recipe.model.vocab_size * 4
+    e = recipe.engine  # the output head runs on response positions: max_new_tokens per rollout, max_seq_len per demonstration
+    positions = [s.micro_batch_tokens or (s.micro_batch_size or s.batch_size if s.type == "sft" else s.micro_batch_size)
+                 * (e.max_seq_len if s.type == "sft" else e.max_new_tokens) for s in recipe.stages]
+    assert parts["logits"] == max(3 * n * recipe.model.vocab_size * 4 for n in positions)
     assert parts["total"] == sum(parts[k] for k in PARTS)
 
 

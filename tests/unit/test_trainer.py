@@ -10,7 +10,7 @@ from model.decoder import Decoder
 from rl.config import GRPOStage, OptimConfig, SFTStage
 from rl.losses import group_advantages
 from rl.objectives import GRPOObjective, SFTObjective
-from rl.trainer import StepMetrics, TrainBatch, Trainer, merge_step_metrics
+from rl.trainer import StepMetrics, TrainBatch, Trainer, merge_step_metrics, micro_batches
 from tests.conftest import debug_config
 
 
@@ -67,6 +67,39 @@ def test_two_ranks_with_the_global_normaliser_take_the_one_rank_step(objective):
     shard = rows.select(range(8, 12))
     local.accumulate(TrainBatch(**{**shard.__dict__, "num_tokens": shard.response_tokens}), make(local.model))
     assert not all(torch.allclose(a.grad, b.grad) for a, b in zip(local.model.parameters(), one.model.parameters()))
+
+
+def test_micro_batches_by_tokens_keep_each_padded_size_within_the_budget():
+    rows = _rows(40, seed=3)
+    length = [len(p) + len(r) - 1 for p, r in zip(rows.prompts_B, rows.responses_B)]  # packed row lengths
+    for budget in (1, 12, 25, 60, 10_000):
+        parts = micro_batches(rows, 7, budget)  # rows=7 is ignored once a token budget is set
+        assert sorted(i for p in parts for i in p) == list(range(40))  # every row once
+        flat = [i for p in parts for i in p]
+        assert [length[i] for i in flat] == sorted(length)  # shortest first, so a micro-batch pads to its last row
+        for p in parts:
+            assert len(p) == 1 or len(p) * max(length[i] for i in p) <= budget, (budget, p)
+        for a, b in zip(parts, parts[1:]):  # greedy: the next row would not have fitted
+            assert (len(a) + 1) * length[b[0]] > budget
+    assert len(micro_batches(rows, None, 10_000)) == 1 and len(micro_batches(rows, None, 1)) == 40
+    assert [len(p) for p in micro_batches(rows, 16, None)] == [16, 16, 8]
+
+
+@pytest.mark.parametrize("objective", ["sft", "grpo"])
+def test_a_token_budget_takes_the_same_step_as_whole_batches(objective):
+    torch.manual_seed(0)
+    model, rows = Decoder(debug_config(moe=False)).float(), _rows(12)
+    grads = []
+    for extra in ({}, {"micro_batch_tokens": 20}):
+        stage = SFTStage(**extra) if objective == "sft" else GRPOStage(group_size=4, micro_batch_size=12, **extra)
+        trainer = Trainer(copy.deepcopy(model), OptimConfig())
+        made = (SFTObjective(stage) if objective == "sft"
+                else GRPOObjective(stage, model=trainer.model, temperature=1.0, current_version=0))
+        trainer.accumulate(rows, made)
+        grads.append([p.grad for p in trainer.model.parameters()])
+    assert len(micro_batches(rows, None, 20)) > 3  # the budget did split the step
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_a_step_leaves_no_gradient_behind_for_the_next():
