@@ -230,7 +230,17 @@ class ExpertBank(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, d, f))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, d]; expert_ids, weights [N, k] -> Σ_j weights[:, j] · expert_{ids[:, j]}(x)."""
+        """x [N, d]; expert_ids, weights [N, k] -> Σ_j weights[:, j] · expert_{ids[:, j]}(x). Without autograd
+        on the kernels' device (the rollout path), with `fused.GROUPED_EXPERTS`, the grouped Triton kernels of
+        model/kernels/moe.py run it: no loop over experts and no host read; else `loop`."""
+        if fused.GROUPED_EXPERTS and fused.use_kernels(x) and not torch.is_grad_enabled():
+            from model.kernels.moe import moe_experts
+
+            return moe_experts(x, expert_ids, weights, self.gate_proj, self.up_proj, self.down_proj)
+        return self.loop(x, expert_ids, weights)
+
+    def loop(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The reference: one GEMM pair per expert that has tokens (reads the counts on the host), with autograd."""
         N, k = expert_ids.shape
         flat_ids = expert_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)

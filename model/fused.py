@@ -55,6 +55,12 @@ ENABLED = True
 """Decoders with rollout fusion on take the fused path outside autograd (benches set False to compare)."""
 
 
+GROUPED_EXPERTS = False
+"""MoE layers outside autograd run their routed experts through the grouped kernels of model/kernels/moe.py
+(no loop over experts, no host read) where `use_kernels` holds. Off until a GPU run has checked and timed them
+(their parity tests pass interpreted on CPU); tests/unit/test_moe_kernel.py turns it on through a decoder."""
+
+
 def use_kernels(x: torch.Tensor) -> bool:
     """Whether the fused path runs the Triton kernels (compiled, CUDA) or their eager references. The tests
     replace this to run the kernels interpreted on CPU (TRITON_INTERPRET=1) through the whole decoder."""
