@@ -24,7 +24,8 @@ of 2), so CPU figures show the plumbing, not a speed-up.
 Last line: RESULT workers=1,2 parallel=.. sft_samples_s_1=.. sft_samples_s_2_strong=.. sft_samples_s_2_weak=..
 grpo_samples_s_1=.. grpo_samples_s_2_strong=.. grpo_samples_s_2_weak=.. weak_scaling=.. strong_scaling=..
 max_loss_diff=.. weights_identical=<0|1> trainer_state_mib_1=.. trainer_state_mib_2=.. peak_gib_1=.. peak_gib_2=..
-(per worker: the trainer's parameters, gradients and optimizer state, and the peak device memory)
+allreduce_gbps=.. (per worker: the trainer's parameters, gradients and optimizer state, and the peak device
+memory; and the 2-rank all-reduce bandwidth of the link, measured first)
 """
 
 from __future__ import annotations
@@ -108,6 +109,50 @@ def steady_rate(steps: list[dict], samples_per_step: int) -> float:
     return (len(steps) - 1) * samples_per_step / (steps[-1]["time"] - steps[0]["time"])
 
 
+def _allreduce_rank(rank: int, port: int, device: str, nbytes: int, iters: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=f"cuda:{rank}" if device == "cuda" else "cpu")
+    dist.all_reduce(x)  # warm-up (NCCL builds its communicator here)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    sync()
+    seconds = (time.perf_counter() - t0) / iters
+    if rank == 0:
+        out.put(nbytes / seconds / 1e9)  # algorithm bandwidth; a 2-rank ring moves 2·(n-1)/n = 1x of it per rank
+    dist.destroy_process_group()
+
+
+def allreduce_gbps(device: str, nbytes: int, iters: int = 10) -> float:
+    """GB/s of a 2-rank all-reduce of `nbytes` float32 (NCCL between GPUs 0 and 1, gloo on CPU): how fast
+    the link the gradient all-reduce takes is (a DDP step all-reduces the trainer's fp32 gradients once)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, port, device, nbytes, iters, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    value = q.get(timeout=300)
+    for p in procs:
+        p.join(60)
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes; under a minute on a 2-core CPU")
@@ -135,6 +180,10 @@ def main() -> None:
     if a.quick:
         a.prompts, a.group, a.steps, a.sft_batch, a.sft_steps, a.micro_batch = 4, 4, 5, 16, 5, 8
         a.median, a.max_tokens, a.cpus_per_worker = 8, 32, 0.5
+
+    link = allreduce_gbps(a.device, (16 if a.quick else 1024) * 2**20)
+    print(f"all-reduce of {16 if a.quick else 1024} MiB between 2 ranks ({'NCCL' if a.device == 'cuda' else 'gloo'}): "
+          f"{link:.1f} GB/s", flush=True)
 
     import ray
 
@@ -164,7 +213,7 @@ def main() -> None:
           f"strong_scaling={strong['grpo_samples_s'] / one['grpo_samples_s']:.2f} max_loss_diff={diff:.2e} "
           f"weights_identical={int(strong['weights_identical'] and weak['weights_identical'])} "
           f"trainer_state_mib_1={one['trainer_state_mib']:.1f} trainer_state_mib_2={strong['trainer_state_mib']:.1f} "
-          f"peak_gib_1={one['peak_gib']:.2f} peak_gib_2={strong['peak_gib']:.2f}")
+          f"peak_gib_1={one['peak_gib']:.2f} peak_gib_2={strong['peak_gib']:.2f} allreduce_gbps={link:.1f}")
 
 
 if __name__ == "__main__":
