@@ -49,14 +49,20 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 @triton.jit
+def _block_pairs(pairs_ptr, pid_m, NK, BLOCK_M: tl.constexpr):
+    """The (token, slot) pairs of block pid_m and which of them are real (padding holds NK)."""
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return pair, pair < NK
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, g_ptr, u_ptr, pairs_ptr, block_expert_ptr, h_ptr, NK, TOP_K, D, F, E,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
     if e < E:
-        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = pair < NK
+        pair, valid = _block_pairs(pairs_ptr, pid_m, NK, BLOCK_M)
         tok = tl.where(valid, pair // TOP_K, 0)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < F
@@ -83,12 +89,11 @@ def _gate_up_kernel(x_ptr, g_ptr, u_ptr, pairs_ptr, block_expert_ptr, h_ptr, NK,
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, weights_ptr, o_ptr, NK, F, D, E,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
     if e < E:
-        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = pair < NK
+        pair, valid = _block_pairs(pairs_ptr, pid_m, NK, BLOCK_M)
         row = tl.where(valid, pair, 0)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < D
