@@ -286,6 +286,9 @@ class AsyncGRPO:
             self.load[w] -= len(r.finished)
         if results:
             clock.concurrency.append(sum(r.generated / max(r.steps, 1) for r in results))
+            clock.engine_s += max(r.seconds for r in results)
+            clock.engine_steps += max(r.steps for r in results)
+            clock.prefill_calls += sum(r.prefill_calls for r in results)
         clock.generated_tokens += sum(r.generated for r in results)
         self.job.progress.generated(sum(r.generated for r in results), self.job.state.global_step)
         for g in gens:
@@ -362,6 +365,9 @@ class AsyncGRPO:
             "train/policy_version": version,
             "config/version": self.live.version,
             "time/rollout_s": clock.rollout_s,
+            "time/engine_s": clock.engine_s,  # of time/rollout_s: the workers' rollout calls; the rest the controller's
+            "rollout/engine_steps_total": clock.engine_steps,
+            "rollout/prefill_calls_total": clock.prefill_calls,
             "time/train_s": clock.train_s,
         })
         metrics.update(rollout_breakdown(samples))

@@ -84,3 +84,10 @@ class RolloutClock:
     train_s: float = 0.0
     generated_tokens: int = 0
     bytes_moved: int = 0
+    engine_s: float = 0.0
+    """Seconds of rollout calls on the workers (the slowest worker's, per call): rollout_s less this is the
+    controller's share (dispatch, rewards, the store) and the round trips (with pipelined calls they overlap)."""
+    engine_steps: int = 0
+    """Engine steps (the most any worker ran, per call)."""
+    prefill_calls: int = 0
+    """Prefill forwards, summed over the workers."""

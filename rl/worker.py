@@ -53,6 +53,11 @@ class StepResult:
     """For each finished sequence, the index (within this call) of the engine step that finished it."""
     oldest_versions: list[int] = field(default_factory=list)
     """Version of the oldest generated token of every active sequence that has one."""
+    seconds: float = 0.0
+    """Wall time of the call on the worker (its engine steps, tool service): the rest of a rollout phase is
+    the controller's (dispatch, rewards, the store) and the round trip."""
+    prefill_calls: int = 0
+    """Prefill forwards the engine ran in this call (one per admission of new prompts)."""
 
 
 def build_policy(recipe: Recipe, read_weights: bool = True) -> Decoder:
@@ -201,6 +206,7 @@ class PolicyWorker:
         """Advance every active sequence by up to `num_steps` tokens (a token boundary after each)."""
         fault_point("worker_rollout", self.rank)
         self.rollout_model.eval()
+        t0, prefills = time.perf_counter(), self.engine.stats.prefill_calls
         finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
         for i in range(num_steps):
             if self.tools is not None:  # start calls of new pauses, append finished calls' outputs
@@ -220,7 +226,8 @@ class PolicyWorker:
             steps += 1
         # samples paused at a tool call are in flight too (the controller must not see a stall)
         return StepResult(finished, self.engine.num_active + self.engine.num_paused, self.engine.num_waiting, steps,
-                          self.engine.stats.generated_tokens - before, finish_step, self.engine.oldest_versions())
+                          self.engine.stats.generated_tokens - before, finish_step, self.engine.oldest_versions(),
+                          time.perf_counter() - t0, self.engine.stats.prefill_calls - prefills)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """Run requests to completion (evaluation); in-flight samples are parked meanwhile and

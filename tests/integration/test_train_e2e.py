@@ -78,6 +78,10 @@ def test_metrics_logged_to_jsonl_and_wandb_offline(tiny_run):
     assert len(grpo) == 3
     for key in ("rollout/reward", "rollout/accuracy", "rollout/response_len", "rl/kl_behavior", "rollout/tokens_per_s"):
         assert key in grpo[0]
+    for before, r in zip(grpo, grpo[1:]):  # the rollout's time split: the engines' calls within the phase
+        assert 0 < r["time/engine_s"] - before["time/engine_s"] <= r["time/rollout_s"] - before["time/rollout_s"]
+        steps = r["rollout/engine_steps_total"] - before["rollout/engine_steps_total"]
+        assert steps > 0 and 0 < r["rollout/prefill_calls_total"] - before["rollout/prefill_calls_total"] <= steps
     assert any("eval/accuracy" in r for r in records)
     pytest.importorskip("wandb")
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run directory missing"
