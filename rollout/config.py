@@ -48,6 +48,13 @@ class EngineConfig(StrictConfig):
     overlap_steps: bool | None = None
     """Launch each step before reading the tokens of the one before, so the device never waits on the host
     (rollout/engine.py); finished samples come back one step later. None: on CUDA. Dense paged models only."""
+    prefill_interval: int = Field(1, gt=0)
+    """New prompts are admitted (prefilled) at most every this many engine steps while other sequences decode;
+    an idle engine admits at once, and resumed or paused states (no prefill) join at once. A step with a
+    prefill runs the prompts' forward eagerly and samples after it, so under sample-level dispatch, where a
+    group is released whenever one finishes, 1 (the default) can make most steps prefill steps; larger values
+    gather releases into fewer, larger prefills at up to that many steps of delay. Tokens are unchanged
+    (counter-based sampling per sample)."""
     sample_in_graph: bool = True
     """A decode step whose rows all sample at top_p = 1 draws its tokens inside the decode graph (rollout/graphs.py)
     instead of with ~40 eagerly launched sampler kernels after the replay; same tokens. False: always after."""

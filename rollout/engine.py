@@ -230,6 +230,7 @@ class Engine:
         self._waiting: list[RolloutState] = []
         self._active: list[_Seq] = []
         self._ready: list[_Seq] = []  # appended to after a pause: rejoin the batch at the next step
+        self._since_prefill = 0  # engine steps since new prompts were last admitted (`prefill_interval`)
         self._paused: dict[str, _Seq] = {}
         self._new_pauses: list[ToolCallPause] = []
         self._done: list[Generation] = []  # finished outside step() (an append that filled the budget)
@@ -512,8 +513,14 @@ class Engine:
     def _admit(self) -> None:
         while self._ready and len(self._active) < self.cfg.max_batch_size:
             self._active.append(self._ready.pop(0))
+        self._since_prefill += 1
+        prefill_now = self._since_prefill >= self.cfg.prefill_interval or not self._active
         while self._waiting and (self._waiting[0].paused or len(self._active) < self.cfg.max_batch_size):
             st = self._waiting[0]
+            if not (st.has_kv or st.paused):  # a new prompt: prefilled in this step
+                if not prefill_now:
+                    break
+                self._since_prefill = 0
             need = self.cache.blocks_for(len(st.request.prompt_tokens) + self._max_new(st.request))
             entry = self._prompts.get(st.request.prompt_tokens) if self._shareable(st) else None
             full = (len(st.request.prompt_tokens) - 1) // self.cache.block_size if entry is not None else 0
