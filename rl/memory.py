@@ -15,10 +15,10 @@ Per worker (one device); the trainer's tensors are float32 (`build_policy`), als
     max_batch_size sequences at the compressed rate);
     the OPD teacher pool's device budget (the largest of the stages');
     the training step's logits: one micro-batch (the largest of the stages'; SFT without one: its batch;
-    micro_batch_tokens where set) of trained positions (the output head runs on response tokens only, rl/objectives.py: engine.max_new_tokens
-    per rollout; engine.max_seq_len per SFT demonstration or with tool turns) × vocab_size, float32, three times
-    (the logits, their log-softmax, and the gradient of either; rl/losses.py), the activation that dominates at a
-    real vocabulary.
+    micro_batch_tokens where set) of trained positions (the output head runs on response tokens only,
+    rl/objectives.py: engine.max_new_tokens per rollout; engine.max_seq_len per SFT demonstration or with
+    tool turns) × vocab_size, float32, three times (the logits, their log-softmax, and the gradient of
+    either; rl/losses.py), the activation that dominates at a real vocabulary.
 Other activations and the allocator's slack are not counted: the estimate is a floor. The device's memory:
 the first CUDA device's total where there is one, `run.device_memory_gib` where the recipe states it (a
 host without that device), else the host's RAM for CPU runs; with none of these the estimate is printed only.

@@ -284,7 +284,7 @@ class Trainer:
         the most; the extra ones are zero-weight (`idle_loss`, rl/parallel.py says why)."""
         self.model.train()
         micro = [batch.select(rows) for rows in micro_batches(batch, objective.micro_batch_size,
-                                                              getattr(objective, "micro_batch_tokens", None))]
+                                                              objective.micro_batch_tokens)]
         count = self.parallel.micro_batches(len(micro))
         metrics = StepMetrics()
         aux_weight = self.model.config.sparse_attention.aux_loss_weight if self.model.config.is_sparse else 0.0

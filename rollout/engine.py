@@ -517,10 +517,9 @@ class Engine:
         prefill_now = self._since_prefill >= self.cfg.prefill_interval or not self._active
         while self._waiting and (self._waiting[0].paused or len(self._active) < self.cfg.max_batch_size):
             st = self._waiting[0]
-            if not (st.has_kv or st.paused):  # a new prompt: prefilled in this step
-                if not prefill_now:
-                    break
-                self._since_prefill = 0
+            fresh = not (st.has_kv or st.paused)  # a new prompt: prefilled in this step
+            if fresh and not prefill_now:
+                break
             need = self.cache.blocks_for(len(st.request.prompt_tokens) + self._max_new(st.request))
             entry = self._prompts.get(st.request.prompt_tokens) if self._shareable(st) else None
             full = (len(st.request.prompt_tokens) - 1) // self.cache.block_size if entry is not None else 0
@@ -529,6 +528,8 @@ class Engine:
                     raise CacheFullError(f"{st.request.sample_id} needs {need} KV blocks; the pool has {self.cache.num_free_blocks} free")
                 break
             self._waiting.pop(0)
+            if fresh:
+                self._since_prefill = 0
             blocks = self.cache.share(entry.blocks[:full]) + self.cache.allocate(need - full) if entry else self.cache.allocate(need)
             seq = _Seq(st.request, list(st.tokens), blocks, list(st.logprobs), list(st.policy_versions),
                        generate_s=st.generate_s, cached=st.cached, appended=list(st.appended_spans),

@@ -58,7 +58,7 @@ def _block_pairs(pairs_ptr, pid_m, NK, BLOCK_M: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, g_ptr, u_ptr, pairs_ptr, block_expert_ptr, h_ptr, NK, TOP_K, D, F, E,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
     if e < E:
@@ -136,5 +136,5 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     grid = (block_expert.numel(), triton.cdiv(D, block_n))
     _down_kernel[grid](h, down.contiguous(), pairs, block_expert, weights.reshape(-1).float().contiguous(), o,
                        nk, F, D, E, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
-                          UPCAST=upcast)
+                       UPCAST=upcast)
     return o.view(N, k, D).sum(1, dtype=torch.float32).to(x.dtype)
