@@ -9,6 +9,9 @@ samples/s (whole wall time, training included), generated tokens/s during rollou
 concurrency (mean, std, share of engine steps within 5% of max_inflight), idle fraction (unused
 engine slots over the rollout steps), re-prefilled tokens, interrupt latency in engine steps (p99).
 Last line: RESULT speedup_sample_vs_sync=.. concurrency_held=.. reprefill_tokens=.. interrupt_p99_steps=..
+`--actor-vs-inprocess` and `--prefill-intervals 1,4` compare the `sample` policy's runs instead (their own RESULT
+lines); each run also reports the engine's share of the rollout time (the rest: the controller and round trips)
+and the share of engine steps that carried a prefill.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from rl.job import open_job
 POLICIES = ("sync", "batch", "prompt", "sample")
 
 
-def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True) -> Recipe:
+def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, prefill_interval: int = 1) -> Recipe:
     inflight = a.prompts * a.group
     ray = a.ray if ray is None else ray
     return Recipe.model_validate({
@@ -37,7 +40,8 @@ def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True) 
                   "head_dim": a.hidden // a.heads, "max_position_embeddings": a.max_tokens + 16,
                   "ffn": {"type": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": a.hidden}},
         "datasets": [{"type": "longtail", "median_tokens": a.median, "sigma": a.sigma, "max_tokens": a.max_tokens}],
-        "engine": {"max_batch_size": inflight, "block_size": 16, "max_seq_len": a.max_tokens + 16},
+        "engine": {"max_batch_size": inflight, "block_size": 16, "max_seq_len": a.max_tokens + 16,
+                   "prefill_interval": prefill_interval},
         "runtime": {"ray": True, "num_workers": 1, "num_cpus": 2} if ray else {"ray": False},
         "stages": [{"type": "grpo", "max_steps": a.steps, "prompts_per_step": a.prompts, "group_size": a.group,
                     "micro_batch_size": a.micro_batch, "optim": {"lr": 1e-5}, "pipelined_calls": pipelined,
@@ -46,8 +50,9 @@ def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True) 
     })
 
 
-def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = True, tag: str = "") -> dict:
-    recipe = recipe_for(policy, a, ray, pipelined)
+def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = True, tag: str = "",
+        prefill_interval: int = 1) -> dict:
+    recipe = recipe_for(policy, a, ray, pipelined, prefill_interval)
     run_dir = out / (tag or policy)
     run_dir.mkdir(parents=True)
     with open_job(recipe, run_dir, checkpoints=False) as job:
@@ -71,6 +76,8 @@ def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = Tr
         "rollout_s": clock.rollout_s,
         "train_s": clock.train_s,
         "wall_s": wall,
+        "engine_share": clock.engine_s / max(clock.rollout_s, 1e-9),  # the rest: controller and round trips
+        "prefill_step_frac": clock.prefill_calls / max(clock.engine_steps, 1),
     }
 
 
@@ -93,12 +100,17 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     ap.add_argument("--actor-vs-inprocess", action="store_true",
                     help="only `sample` dispatch, in-process and as a Ray actor with and without pipelined rollout calls")
+    ap.add_argument("--prefill-intervals", help="only `sample` dispatch in-process at each engine.prefill_interval "
+                    "given (comma-separated, e.g. 1,4)")
     a = ap.parse_args()
     if a.quick:
         a.hidden, a.layers, a.prompts, a.group, a.steps, a.median, a.max_tokens = 64, 2, 16, 4, 6, 8, 160
     out = Path(tempfile.mkdtemp(prefix="async_dispatch_"))
     if a.actor_vs_inprocess:
         actor_vs_inprocess(a, out)
+        return
+    if a.prefill_intervals:
+        prefill_interval_sweep(a, out, [int(k) for k in a.prefill_intervals.split(",")])
         return
     rows = [run(p, a, out) for p in POLICIES]
     cols = ["policy", "trained_samples_per_s", "gen_tokens_per_s", "concurrency_mean", "concurrency_std",
@@ -122,14 +134,29 @@ def actor_vs_inprocess(a, out: Path) -> None:
     rows = {"inprocess": run("sample", a, out, ray=False, tag="inprocess"),
             "actor_pipelined": run("sample", a, out, ray=True, tag="actor_pipelined"),
             "actor_unpipelined": run("sample", a, out, ray=True, pipelined=False, tag="actor_unpipelined")}
-    for name, r in rows.items():
-        print(f"{name:<18} rollout {r['gen_tokens_per_s']:>9.0f} tok/s  trained {r['trained_samples_per_s']:>7.1f} samples/s  "
-              f"interrupt p99 {r['interrupt_p99_steps']} steps  rollout {r['rollout_s']:.1f} s  train {r['train_s']:.1f} s")
+    _print_rows(rows)
     base = rows["inprocess"]["gen_tokens_per_s"]
     print(f"RESULT ray_over_inprocess_tok_s={rows['actor_pipelined']['gen_tokens_per_s'] / base:.3f} "
           f"unpipelined_ray_over_inprocess_tok_s={rows['actor_unpipelined']['gen_tokens_per_s'] / base:.3f} "
           f"ray_interrupt_p99_steps={rows['actor_pipelined']['interrupt_p99_steps']} "
-          f"unpipelined_ray_interrupt_p99_steps={rows['actor_unpipelined']['interrupt_p99_steps']}")
+          f"unpipelined_ray_interrupt_p99_steps={rows['actor_unpipelined']['interrupt_p99_steps']} "
+          f"inprocess_engine_share={rows['inprocess']['engine_share']:.3f} "
+          f"ray_engine_share={rows['actor_pipelined']['engine_share']:.3f}")
+
+
+def prefill_interval_sweep(a, out: Path, intervals: list[int]) -> None:
+    """`sample` dispatch in-process at each engine.prefill_interval, in turn in one process."""
+    rows = {f"interval_{k}": run("sample", a, out, ray=False, tag=f"interval_{k}", prefill_interval=k) for k in intervals}
+    _print_rows(rows)
+    print("RESULT " + " ".join(f"{name}_tok_s={r['gen_tokens_per_s']:.0f} {name}_prefill_step_frac={r['prefill_step_frac']:.3f} "
+                               f"{name}_interrupt_p99_steps={r['interrupt_p99_steps']}" for name, r in rows.items()))
+
+
+def _print_rows(rows: dict[str, dict]) -> None:
+    for name, r in rows.items():
+        print(f"{name:<18} rollout {r['gen_tokens_per_s']:>9.0f} tok/s  trained {r['trained_samples_per_s']:>7.1f} samples/s  "
+              f"interrupt p99 {r['interrupt_p99_steps']} steps  rollout {r['rollout_s']:.1f} s (engine share "
+              f"{r['engine_share']:.2f}; prefills in {r['prefill_step_frac']:.2f} of steps)  train {r['train_s']:.1f} s")
 
 
 if __name__ == "__main__":
