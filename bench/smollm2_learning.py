@@ -264,6 +264,7 @@ def main() -> None:
     if args.phase in ("opd", "all"):
         minutes = args.minutes or (0.5 if args.quick else 6.0)
         _wait({"opd": _launch("opd", out, minutes, args.quick, 0 if gpus else None, extra["opd"])}, out)
+        responses_evals(out, ["opd"], gpus, args.quick)  # the student's per-kind table and `rl eval` score too
     print(report(out, arms), flush=True)
 
 
