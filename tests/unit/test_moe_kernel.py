@@ -25,7 +25,7 @@ def _bank(E: int, d: int, f: int, dtype) -> ExpertBank:
     (5, 2, 8, None),                  # random routing, several experts empty
     (1, 4, 16, None),                 # one token (batch-1 decode)
     (40, 2, 4, None),                 # runs longer than one block
-    (9, 2, 6, "one"),                 # every pair on one expert
+    (9, 2, 6, "one"),                 # all pairs on two experts (long runs, the rest empty)
     (12, 3, 32, None),                # more experts than pairs
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
