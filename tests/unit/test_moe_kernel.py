@@ -1,6 +1,6 @@
 """Routed experts without a loop over experts (model/kernels/moe.py, issue #15): the grouped kernels give
 `ExpertBank.forward`'s loop (the reference) for every routing shape a step can hold (experts with no pair,
-every pair on one expert, one token, rows beyond one block), in fp32 and bf16, and the alignment puts every
+all pairs on two experts, one token, rows beyond one block), in fp32 and bf16, and the alignment puts every
 pair exactly once in its expert's blocks. On CPU the kernels run interpreted (TRITON_INTERPRET=1,
 tests/conftest.py)."""
 
