@@ -35,10 +35,12 @@ def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, 
     inflight = a.prompts * a.group
     ray = a.ray if ray is None else ray
     return Recipe.model_validate({
-        "run": {"name": f"bench-{policy}", "seed": 0, "device": a.device, "num_threads": a.threads},
+        "run": {"name": f"bench-{policy}", "seed": 0, "device": a.device, "num_threads": a.threads,
+                **({"dtype": a.dtype} if a.dtype else {})},
         "model": {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": a.heads, "num_kv_heads": max(1, a.heads // 2),
                   "head_dim": a.hidden // a.heads, "max_position_embeddings": a.max_tokens + 16,
-                  "ffn": {"type": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": a.hidden}},
+                  "ffn": {"type": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": a.hidden}
+                  if a.ffn == "moe" else {"type": "dense", "intermediate_size": 4 * a.hidden}},
         "datasets": [{"type": "longtail", "median_tokens": a.median, "sigma": a.sigma, "max_tokens": a.max_tokens}],
         "engine": {"max_batch_size": inflight, "block_size": 16, "max_seq_len": a.max_tokens + 16,
                    "prefill_interval": prefill_interval},
@@ -90,6 +92,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ffn", choices=["moe", "dense"], default="moe",
+                    help="MoE 4 experts top-2 (default) or a dense MLP (the engine captures dense decode in CUDA graphs)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="run.dtype (default: the recipe's, float32)")
     ap.add_argument("--prompts", type=int, default=32, help="groups per train step")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)

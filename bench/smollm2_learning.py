@@ -236,6 +236,8 @@ def main() -> None:
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=BASE",
                     help="one more arm run at once with the others, from BASE's recipe (grpo or sft) and its own --set "
                          "overrides, e.g. --arm grpo_std=grpo --set grpo_std:stages.0.std_normalize=true")
+    ap.add_argument("--only", action="append", default=[], metavar="ARM",
+                    help="run only this arm in the arms phase (repeatable); the report still reads every run under --out")
     args = ap.parse_args()
     arms = {arm: arm for arm in RECIPES}
     for item in args.arm:
@@ -256,7 +258,7 @@ def main() -> None:
     gpus = torch.cuda.device_count() if not args.quick else 0
     if args.phase in ("arms", "all"):
         minutes = args.minutes or (0.5 if args.quick else 7.0)
-        at_once = [a for a in arms if a != "opd"]
+        at_once = [a for a in arms if a != "opd" and (not args.only or a in args.only)]
         procs = {arm: _launch(arm, out, minutes, args.quick, (i % gpus) if gpus else None, extra[arm], arms[arm])
                  for i, arm in enumerate(at_once)}
         _wait(procs, out)

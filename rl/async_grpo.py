@@ -82,6 +82,9 @@ class AsyncGRPO:
         self.teacher_of: dict[str, str | None] = {}  # prompt_id -> teacher assigned at dispatch
         self.prompts_too_long = 0  # problems skipped because their prompt exceeds engine.prompt_limit (since start/resume)
         self.on_failure = recipe.tools.on_failure if recipe.tools is not None else None
+        self.skips_uniform = (stage.skip_uniform_groups and type(stage) is GRPOStage and stage.kl_ref_coef == 0
+                              and not recipe.model.is_sparse)
+        """Groups whose advantages are all 0 leave the trainer's step (GRPOStage.skip_uniform_groups)."""
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -311,6 +314,11 @@ class AsyncGRPO:
         adv = dict(zip((s.sample_id for s in samples), group_advantages(
             [s.reward for s in samples], [s.group_id for s in samples], std_normalize=stage.std_normalize)))
         num_tokens = float(sum(s.num_trained_tokens for s in samples))  # tool-output tokens are not trained
+        if self.skips_uniform:  # every loss term is x advantage: these groups' gradient is exactly 0 (GRPOStage)
+            uniform = [i for i, g in enumerate(groups) if all(adv[s.sample_id] == 0.0 for s in g)]
+            left = set(uniform[max(0, self.n_workers - (len(groups) - len(uniform))):])  # each worker keeps >= 1 group
+            groups = [g for i, g in enumerate(groups) if i not in left]  # `samples` keeps them: they are in the step
+            self.clock.uniform_groups_skipped += len(left)
         # whole groups to ranks, balanced by tokens so the ranks finish the step together (rl/parallel.py)
         parts = deal_by_length([sum(len(s.prompt_tokens) + len(s.response_tokens) for s in g) for g in groups], self.n_workers)
         shards = [[s for i in part for s in groups[i]] for part in parts]
@@ -368,6 +376,7 @@ class AsyncGRPO:
             "time/engine_s": clock.engine_s,  # of time/rollout_s: the workers' rollout calls; the rest the controller's
             "rollout/engine_steps_total": clock.engine_steps,
             "rollout/prefill_calls_total": clock.prefill_calls,
+            "train/uniform_groups_skipped_total": clock.uniform_groups_skipped,
             "time/train_s": clock.train_s,
         })
         metrics.update(rollout_breakdown(samples))

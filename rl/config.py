@@ -177,6 +177,12 @@ class GRPOStage(StrictConfig):
     kl_ref_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the run's initial policy (k3 estimator per token, rl/losses.py
     `reference_kl`); 0: no reference model is kept."""
+    skip_uniform_groups: bool = True
+    """Leave groups whose rewards are all equal (every advantage 0) out of the trainer's forward and backward:
+    every term of the GRPO loss is multiplied by the advantage, so they add nothing to the gradient and the
+    step's gradient is the same for less compute (the token normaliser still counts them). Applies only where
+    that holds: a GRPO stage (not OPD) with kl_ref_coef 0 and dense attention (the sparse indexer's loss sees
+    every sample); each worker still trains at least one group. Their rollout metrics still count."""
     routing_replay: bool = True
     """MoE: the training forward uses the expert ids recorded at rollout, concatenated over segments
     (seed §5.2.1); gate weights still come from the current router."""

@@ -91,3 +91,5 @@ class RolloutClock:
     """Engine steps (the most any worker ran, per call)."""
     prefill_calls: int = 0
     """Prefill forwards, summed over the workers."""
+    uniform_groups_skipped: int = 0
+    """Groups left out of train steps because every advantage was 0 (GRPOStage.skip_uniform_groups)."""

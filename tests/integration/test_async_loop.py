@@ -159,3 +159,32 @@ def test_a_crash_after_an_optimizer_step_resumes_to_the_uninterrupted_result_and
     assert store.audit()["trained_twice"] == 0 and store.audit()["prompts_open"] == 0
     store.close()
     assert checkpoints_written(run_dir) == [2, 4, 6]  # the resumed job does not write its step-2 checkpoint again
+
+
+def test_groups_with_equal_rewards_leave_the_train_step_without_changing_it(tmp_path):
+    """skip_uniform_groups: a group whose rewards are all equal has advantage 0 everywhere, so leaving it out of the
+    forward and backward changes no gradient: the run trains the same samples to the same losses as with it in
+    (rewards here are a coin per sample, so both kinds of group occur), and every sample of the step is marked
+    trained either way."""
+    rows = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(6) for b in range(6)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = {"type": "jsonl", "name": "coin", "path": str(tmp_path / "d.jsonl"), "prompt": "q", "answer": "a",
+               "verifier": "python:tests.tasks.reward_fns:first_char_even", "heldout": {"fraction": 0.1}}
+    runs = {}
+    for skip in (True, False):
+        recipe = Recipe.model_validate({**RECIPE, "datasets": [dataset], "checkpoint": {"every_steps": 0},
+                                        "stages": [{**RECIPE["stages"][0], "max_steps": 4, "skip_uniform_groups": skip}]})
+        with open_job(recipe, tmp_path / str(skip), say=lambda m: None) as job:
+            job.state.stage_t0 = time.monotonic()
+            run_async_grpo(job, recipe.stages[0], 0)
+        runs[skip] = trained(tmp_path / str(skip))
+        lines = [json.loads(x) for x in (tmp_path / str(skip) / "metrics.jsonl").read_text().splitlines()]
+        runs[skip] += ([r["train/uniform_groups_skipped_total"] for r in lines if "train/uniform_groups_skipped_total" in r],)
+    (samples, losses, skipped), (samples_all, losses_all, skipped_none) = runs[True], runs[False]
+    assert skipped[-1] > 0 and skipped_none[-1] == 0
+    by_group: dict[str, set[float]] = {}
+    for sid, (_, _, reward, _) in samples.items():
+        by_group.setdefault(sid.rsplit("-", 1)[0], set()).add(reward)
+    assert any(len(r) > 1 for r in by_group.values()), "no group with a reward spread: the check would be vacuous"
+    assert samples == samples_all and len(samples) == 4 * PROMPTS * G
+    assert losses == pytest.approx(losses_all, rel=1e-5, abs=1e-7) and any(abs(v) > 1e-4 for v in losses.values())

@@ -50,3 +50,9 @@ def hangs(trajectory: Trajectory, answer: str, row: dict) -> float:
     """Never returns (a user's bug): the bounded verifier must stop it."""
     while True:
         pass
+
+
+def first_char_even(trajectory: Trajectory, answer: str, row: dict) -> float:
+    """A coin per sample (the parity of the response's first character): groups both split and uniform."""
+    said = trajectory.response
+    return float(bool(said) and ord(said[0]) % 2 == 0)
