@@ -38,8 +38,10 @@ the sequences that finished at the step before the one it launched. A row that f
 tool call in the step being read was launched once more: that token is dropped (`stats.discarded_tokens`;
 its KV write lands in blocks freed after it in stream order, or at the position a paused sample feeds
 again). `interrupt()` drops the launched step the same way: the token boundary is the last step read, and
-the counter-based RNG draws the same tokens again after resume. Dense paged models only (MoE reads its
-routing on the host, CSA2 keeps per-sequence caches): they run each step to its end.
+the counter-based RNG draws the same tokens again after resume. Dense paged models only (an MoE row's expert
+ids are appended to its routing trace in feed order, which a step read late would break; CSA2 keeps
+per-sequence caches): they run each step to its end. MoE decode runs through the CUDA graphs all the same
+(rollout/graphs.py) when its experts run through the grouped kernels: the ids are read with the step's tokens.
 
 Tool calls (multi-turn, issue #16): a request with `tool_calls` pauses when `tool_stop` says its response
 closes a call; it keeps its blocks, leaves the batch, and waits for `append` (the tool output, fed by an
@@ -55,6 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from model import fused
 from model.decoder import Decoder
 from model.kv_cache import CacheFullError, PagedBatch, PagedKVCache, kv_format
 from model.sparse_attention import CSA2Cache
@@ -137,6 +140,10 @@ class _Step:
     t0: float
     dropped: set = field(default_factory=set)
     """Rows whose token here is thrown away (they finished or paused at the step before)."""
+    routed: list[_Seq] = field(default_factory=list)
+    """MoE, decode rows of a graph step: their expert ids are in `routing`, read with the tokens."""
+    routing: torch.Tensor | None = None
+    """[len(routed), num_layers, top_k] (pinned memory on CUDA, filled once `done` fires)."""
 
 
 @dataclass
@@ -215,7 +222,7 @@ class Engine:
             dtype=next(model.parameters()).dtype, device=self.device, kv_dtype=mcfg.kv_cache.dtype,
         )
         self.graphs = None
-        if cfg.cuda_graphs and self.device.type == "cuda" and not self.sparse and not mcfg.is_moe:
+        if cfg.cuda_graphs and self.device.type == "cuda" and not self.sparse and (not mcfg.is_moe or fused.GROUPED_EXPERTS):
             self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch_size, self.cache.blocks_for(cfg.max_seq_len),
                                        paged_kernel=cfg.paged_decode_kernel)
         self.overlap = (self.device.type == "cuda" if cfg.overlap_steps is None else cfg.overlap_steps) \
@@ -324,7 +331,7 @@ class Engine:
         if cuda:  # pinned: the copies are truly asynchronous
             ints = ints.pin_memory()
         ints = ints.to(self.device, non_blocking=True)
-        logits_parts, sampled = [], None
+        logits_parts, sampled, routing = [], None, None
         if fresh:
             logits_parts.append(self._forward_csa2(fresh, prefill=True) if self.sparse else self._prefill(fresh))
         for src, dst in self._copies:  # shared prompts' last partly filled blocks, now that their owners ran
@@ -340,7 +347,7 @@ class Engine:
             if self.sparse:
                 logits_parts.append(self._forward_csa2(decoding, prefill=False))
             else:
-                logits, sampled = self._decode(decoding, ids, in_graph)
+                logits, sampled, routing = self._decode(decoding, ids, in_graph)
                 logits_parts.append(logits)
         for s in seqs:
             s.cached = len(s.tokens) + s.inflight
@@ -356,9 +363,12 @@ class Engine:
         if cuda:  # the step's one read: into pinned memory, waited on with an event (not a device-wide sync)
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             host.copy_(out, non_blocking=True)
+            if routing is not None:  # MoE through the decode graph: expert ids ride with the tokens
+                routing = torch.empty(routing.shape, dtype=routing.dtype, pin_memory=True).copy_(routing, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return _Step(seqs, out, host, done, self.policy_version, t0)
+        return _Step(seqs, out, host, done, self.policy_version, t0,
+                     routed=decoding if routing is not None else [], routing=routing)
 
     def _complete(self, rec: _Step) -> list[Generation]:
         """Read a launched step's tokens (waiting for them) and apply them: append, then stop at EOS or the
@@ -366,6 +376,9 @@ class Engine:
         if rec.done is not None:
             rec.done.synchronize()
         tokens, logprobs = rec.host[0].long().tolist(), rec.host[1].tolist()
+        for j, s in enumerate(rec.routed):  # the fed token's expert ids, as the eager decode appends them
+            if s not in rec.dropped:
+                s.routing.append(rec.routing[j:j + 1])
         dt = time.perf_counter() - rec.t0
         nxt, finished = self._inflight, []
         for s, t, lp in zip(rec.seqs, tokens, logprobs):
@@ -600,10 +613,12 @@ class Engine:
         self.stats.prefill_logit_rows += logits.shape[0]
         return logits
 
-    def _decode(self, seqs: list[_Seq], ids: torch.Tensor, sampling=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _decode(self, seqs: list[_Seq], ids: torch.Tensor, sampling=None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Feed each sequence's last sampled token (`ids` [B] on the device); returns (next-token logits [B, V],
         the tokens and logprobs [2, B] the decode graph sampled with `sampling` = (seeds, counters, temperatures),
-        or None: sample the logits)."""
+        or None: sample the logits; MoE through the graph: the fed tokens' expert ids [B, num_layers, top_k] on the
+        device, for the step to read with its tokens, else None: the eager forward appended them already)."""
         if self.graphs is not None:
             got = self.graphs.run(ids, [s.cached for s in seqs], [s.blocks for s in seqs], sampling)
             if got is not None:
@@ -614,10 +629,10 @@ class Engine:
                                                                      self.graphs.max_blocks * self.cache.block_size)
                 if sampling is not None:
                     self.stats.graph_sampled_steps += 1
-                return got[0], got[1] if sampling is not None else None
+                return got[0], got[1] if sampling is not None else None, got[2]
         logits = self._forward_cached(seqs, ids[:, None])
         self.stats.decode_steps += 1
-        return logits, None
+        return logits, None, None
 
     def _forward_cached(self, seqs: list[_Seq], ids: torch.Tensor | None = None) -> torch.Tensor:
         """Feed each sequence's pending tokens (one at decode; the last sampled token and the appended ones

@@ -24,9 +24,12 @@ rollout path (model/fused.py: q/k/v and gate/up as one GEMM each, fused norm/RoP
 residual-add+norm kernels), turned on here; its concatenated weights are views of the parameters (a frozen
 model, such as the worker's rollout copy) or copies refreshed in place, and every replay first checks them
 against the parameters' version counters (`Decoder.refresh_rollout_weights`), so an in-place update that
-nobody announced is still seen. Models the graph cannot hold
-(MoE: the expert loop reads counts on the host; CSA2: per-sequence caches) decode eagerly, as does any
-model whose capture fails (the error is kept in `DecodeGraphs.disabled_reason`).
+nobody announced is still seen. MoE decode is captured
+when its routed experts run through the grouped kernels (`fused.GROUPED_EXPERTS`, model/kernels/moe.py: no host
+read); the graph then also returns each row's expert ids, which the engine copies to pinned host memory with the
+step's tokens (no read of its own). Models the graph cannot hold (MoE through the expert loop, which reads counts
+on the host; CSA2: per-sequence caches) decode eagerly, as does any model whose capture fails (the error is kept
+in `DecodeGraphs.disabled_reason`).
 """
 
 from __future__ import annotations
@@ -77,10 +80,11 @@ class DecodeGraphs:
         entry = self._graphs.get(self.bucket(batch))
         return None if entry is None else entry[0]
 
-    def _forward(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The captured computation: input buffer [b, _COLS + max_blocks] -> (next-token logits [b, V], the rows'
         tokens and logprobs sampled from them [2, b] float64, as `rollout/sampling.sample_tokens` draws them for
-        top_p = 1: the sampler runs inside the graph, ~40 small kernels that no longer launch one by one)."""
+        top_p = 1: the sampler runs inside the graph, ~40 small kernels that no longer launch one by one; MoE: the
+        expert ids each row's token chose [b, num_layers, top_k], else None)."""
         bs, S = self.cache.block_size, self.max_blocks * self.cache.block_size
         ids, pos, valid, tables = buf[:, 0:1], buf[:, 1:2], buf[:, 2:3], buf[:, _COLS:]
         slot = tables.gather(1, pos // bs) * bs + pos % bs
@@ -92,11 +96,11 @@ class DecodeGraphs:
             ctx = (tables[:, :, None] * bs + torch.arange(bs, device=buf.device)).reshape(buf.shape[0], S)
             mask = (torch.arange(S, device=buf.device)[None, :] <= pos)[:, None, None, :]
             batch = PagedBatch(self.cache, False, slot, ctx, mask)
-        logits, _ = self.model(ids, pos, batch=batch)
+        logits, routing = self.model(ids, pos, batch=batch)
         logits = logits[:, 0]
         temperature = buf[:, 5].to(torch.int32).view(torch.float32)
         tokens, logprobs = sample_tokens(logits, temperature, torch.ones_like(temperature), buf[:, 3], buf[:, 4], nucleus=False)
-        return logits, torch.stack([tokens.double(), logprobs.double()])
+        return logits, torch.stack([tokens.double(), logprobs.double()]), None if routing is None else routing[:, 0]
 
     def _capture(self, b: int):
         buf = torch.zeros(b, _COLS + self.max_blocks, dtype=torch.long, device=self.device)  # all padding
@@ -114,11 +118,13 @@ class DecodeGraphs:
         return graph, buf, out, [torch.zeros(buf.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
 
     def run(self, ids: torch.Tensor, positions: list[int], tables: list[list[int]],
-            sampling: tuple[list[int], list[int], list[float]] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(next-token logits [B, V], sampled [2, B]) of one decode step, or None when graphs are off (decode
-        eagerly). `ids` [B] on the device (the rows' last tokens, possibly sampled by a step whose output the host
-        has not read). `sampling` = the rows' (seeds, counters, temperatures): `sampled` holds their tokens and
-        logprobs drawn at top_p = 1 (without it, temperature 0 rows: ignore `sampled`)."""
+            sampling: tuple[list[int], list[int], list[float]] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(next-token logits [B, V], sampled [2, B], MoE expert ids [B, num_layers, top_k] or None) of one decode
+        step, all on the device, or None when graphs are off (decode eagerly). `ids` [B] on the device (the rows'
+        last tokens, possibly sampled by a step whose output the host has not read). `sampling` = the rows'
+        (seeds, counters, temperatures): `sampled` holds their tokens and logprobs drawn at top_p = 1 (without it,
+        temperature 0 rows: ignore `sampled`)."""
         if self.disabled_reason is not None:
             return None
         B = len(positions)
@@ -148,4 +154,4 @@ class DecodeGraphs:
         buf[:B, 0].copy_(ids)
         graph.replay()
         self.replays += 1
-        return out[0][:B], out[1][:, :B]
+        return out[0][:B], out[1][:, :B], None if out[2] is None else out[2][:B]

@@ -175,3 +175,46 @@ def test_shared_prompts_and_tool_turns_under_graphs_equal_the_eager_engine():
     for sid, g in out[False].items():
         assert out[True][sid].response_tokens == g.response_tokens, sid
         assert max(abs(x - y) for x, y in zip(out[True][sid].logprobs, g.logprobs)) < 1e-4
+
+
+@cuda
+def test_moe_decode_under_graphs_equals_the_eager_engine_with_its_routing_read_with_the_tokens():
+    """MoE through the grouped expert kernels has no host read, so its decode is captured too: tokens, logprobs and
+    routing traces equal the eager engine's (fp32), also across an interrupt and resume, and graph decode steps
+    make no host sync (sync debug mode): the expert ids reach the host with the tokens, in the step's one read."""
+    from model import fused
+    from model.decoder import Decoder
+    from tests.conftest import debug_config
+
+    assert fused.GROUPED_EXPERTS
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=True)).cuda().eval()
+    out = {}
+    for graphs in (False, True):
+        eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, cuda_graphs=graphs), eos_id=EOS,
+                     device="cuda")
+        eng.add(_requests(9, max_new=20) + [GenerationRequest(f"u{i}", (1, 9, 10 + i), 20, seed=50 + i, temperature=1.0)
+                                            for i in range(4)])
+        got = []
+        for _ in range(5):
+            got += eng.step()
+        eng.resume(eng.interrupt())
+        eng.step()  # admission: the resumed KV restored
+        if graphs:
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                got += eng.step() + eng.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        while eng.has_work():
+            got += eng.step()
+        out[graphs] = sorted(got, key=lambda g: g.sample_id)
+        if graphs:
+            assert eng.graphs.disabled_reason is None and eng.stats.graph_steps == eng.stats.decode_steps > 0
+    assert [g.sample_id for g in out[False]] == [g.sample_id for g in out[True]] and len(out[True]) == 13
+    for a, b in zip(out[False], out[True]):
+        assert a.response_tokens == b.response_tokens, a.sample_id
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+        n = len(a.prompt_tokens) + len(a.response_tokens) - 1  # every fed position's experts
+        assert a.routing_trace.shape[0] == b.routing_trace.shape[0] == n, a.sample_id
+        assert (a.routing_trace == b.routing_trace).all(), a.sample_id

@@ -110,11 +110,12 @@ def test_captured_decode_forward_on_the_rollout_path_gives_the_plain_logits(kv, 
     with torch.no_grad():
         fused.ENABLED = False
         try:
-            want, _ = graphs._forward(buf)
+            want, _, _ = graphs._forward(buf)
         finally:
             fused.ENABLED = True
-        got, sampled = graphs._forward(buf)  # writes the same K/V into the same slots again
+        got, sampled, routing = graphs._forward(buf)  # writes the same K/V into the same slots again
     assert _close(got[:3], want[:3], 1e-4) and torch.isfinite(got[3]).all()
+    assert routing is None  # a dense model: no expert ids
     # the sampler inside the captured computation: temperature 0 (the buffer's zero bits) takes the argmax
     assert sampled.shape == (2, 4) and sampled[0, :3].long().tolist() == got[:3].argmax(-1).tolist()
 
