@@ -41,7 +41,8 @@ class EngineConfig(StrictConfig):
     """Default sampling settings of rollouts."""
     cuda_graphs: bool = True
     """On CUDA, replay each decode step from a CUDA graph captured per batch-size bucket (rollout/graphs.py);
-    dense paged models only (MoE and CSA2 models decode eagerly). False: always eager."""
+    paged models (MoE ones when their experts run through the grouped kernels, model/fused.py GROUPED_EXPERTS;
+    CSA2 models decode eagerly). False: always eager."""
     share_prompt_kv: bool = True
     """Samples with the same prompt (a GRPO group) prefill it once: later ones hold its KV blocks
     (reference-counted, the last partly filled block copied) and start decoding at its last token."""
@@ -55,6 +56,13 @@ class EngineConfig(StrictConfig):
     group is released whenever one finishes, 1 (the default) can make most steps prefill steps; larger values
     gather releases into fewer, larger prefills at up to that many steps of delay. Tokens are unchanged
     (counter-based sampling per sample)."""
+    prefill_chunk_tokens: int | None = Field(None, gt=0)
+    """Chunked prefill: a prompt (or a resumed state's uncached tokens, or a tool output) longer than this is fed
+    this many tokens per engine step, each chunk over the KV the chunks before it cached, while the other
+    sequences keep decoding; its first token is sampled after its last chunk. A long prompt then costs every
+    other sample a few bounded steps instead of one long one (interrupts land at step boundaries), and a step's
+    activations stay bounded. Such prompts are not shared within a group (`share_prompt_kv`). Same tokens.
+    None: whole prompts in one step. Paged models only (not CSA2)."""
     sample_in_graph: bool = True
     """A decode step whose rows all sample at top_p = 1 draws its tokens inside the decode graph (rollout/graphs.py)
     instead of with ~40 eagerly launched sampler kernels after the replay; same tokens. False: always after."""

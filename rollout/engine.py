@@ -162,6 +162,8 @@ class EngineStats:
     """Sequences prefilled."""
     prefill_logit_rows: int = 0
     """Rows of logits computed at prefill: one per prefilled sequence (its last prompt position)."""
+    prefill_chunks: int = 0
+    """Chunks fed before a sequence's last one (`prefill_chunk_tokens`): forwards that sampled nothing."""
     graph_steps: int = 0
     """Decode steps replayed from a CUDA graph (rollout/graphs.py)."""
     kv_gather_bytes: int = 0
@@ -221,6 +223,8 @@ class Engine:
             num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
             dtype=next(model.parameters()).dtype, device=self.device, kv_dtype=mcfg.kv_cache.dtype,
         )
+        if cfg.prefill_chunk_tokens is not None and self.sparse:
+            raise ValueError("engine.prefill_chunk_tokens: chunked prefill is for paged models, not CSA2 (sparse_attention)")
         self.graphs = None
         if cfg.cuda_graphs and self.device.type == "cuda" and not self.sparse and (not mcfg.is_moe or fused.GROUPED_EXPERTS):
             self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch_size, self.cache.blocks_for(cfg.max_seq_len),
@@ -312,9 +316,13 @@ class Engine:
         """Queue one step of every active sequence on the device: prefill of new ones, extend after a tool
         output, decode of the rest (a row whose last token is in `prev` takes it on the device)."""
         t0 = time.perf_counter()
+        chunk = self.cfg.prefill_chunk_tokens
+        partial = [s for s in self._active if chunk is not None and s.pending > chunk]  # fed a chunk, sample nothing
+        if partial:
+            self._feed_chunks(partial, chunk)
         fresh = [s for s in self._active if s.cached == 0]
-        decoding = [s for s in self._active if s.cached > 0 and s.pending == 1]
-        extending = [s for s in self._active if s.cached > 0 and s.pending > 1]
+        decoding = [s for s in self._active if s.cached > 0 and s.pending == 1 and s not in partial]
+        extending = [s for s in self._active if s.cached > 0 and s.pending > 1 and s not in partial]
         seqs = fresh + extending + decoding
         if not seqs:
             return None
@@ -520,8 +528,9 @@ class Engine:
 
     def _shareable(self, st: RolloutState) -> bool:
         """A fresh request whose prompt fills at least one block before its last token."""
-        return (self.cfg.share_prompt_kv and not self.sparse and not st.has_kv
-                and len(st.request.prompt_tokens) - 1 >= self.cache.block_size)
+        P, chunk = len(st.request.prompt_tokens), self.cfg.prefill_chunk_tokens
+        return (self.cfg.share_prompt_kv and not self.sparse and not st.has_kv and P - 1 >= self.cache.block_size
+                and (chunk is None or P <= chunk))  # a chunked prompt's KV is complete only steps after admission
 
     def _admit(self) -> None:
         while self._ready and len(self._active) < self.cfg.max_batch_size:
@@ -584,14 +593,27 @@ class Engine:
         self.stats.shared_prompt_tokens += P - 1
         self.stats.shared_prompt_seqs += 1
 
-    def _prefill(self, seqs: list[_Seq]) -> torch.Tensor:
-        """Run the prompts of newly admitted sequences; returns logits at each last prompt token [B, V]."""
-        lens = [len(s.tokens) for s in seqs]
+    def _feed_chunks(self, seqs: list[_Seq], chunk: int) -> None:
+        """Chunked prefill: feed `chunk` more tokens of each sequence (its first chunk as a prefill, later ones over
+        its cached context), computing no logits; the chunk that ends its prompt is fed as usual, and sampled."""
+        first = [s for s in seqs if s.cached == 0]
+        if first:
+            self._prefill(first, chunk)
+        if len(first) < len(seqs):
+            self._forward_cached([s for s in seqs if s.cached > 0], feed=chunk)
+        for s in seqs:
+            s.cached += chunk
+        self.stats.prefill_chunks += len(seqs)
+
+    def _prefill(self, seqs: list[_Seq], chunk: int | None = None) -> torch.Tensor | None:
+        """Run the prompts of newly admitted sequences; returns logits at each last prompt token [B, V]. `chunk`:
+        only each one's first `chunk` tokens, and no logits (chunked prefill)."""
+        lens = [len(s.tokens) if chunk is None else chunk for s in seqs]
         T = max(lens)
         ids = torch.zeros(len(seqs), T, dtype=torch.long)
         slot_map = torch.full((len(seqs), T), -1, dtype=torch.long)
         for i, s in enumerate(seqs):
-            ids[i, : lens[i]] = torch.tensor(s.tokens)
+            ids[i, : lens[i]] = torch.tensor(s.tokens[: lens[i]])
             slot_map[i, : lens[i]] = torch.tensor(self.cache.slots(s.blocks, 0, lens[i]))
         ids, slot_map = ids.to(self.device), slot_map.to(self.device)
         batch = PagedBatch(self.cache, is_prefill=True, slot_mapping=slot_map)
@@ -600,7 +622,6 @@ class Engine:
         self.stats.prefill_tokens += sum(lens)
         self.stats.reprefill_tokens += sum(s.num_response for s in seqs)
         self.stats.prefill_seqs += len(seqs)
-        last = torch.tensor(lens, device=self.device) - 1
         if out.routing is not None:
             for i, s in enumerate(seqs):
                 s.routing.append(out.routing[i, : lens[i]].cpu())
@@ -609,6 +630,9 @@ class Engine:
                     for sib in s.prompt.waiting:
                         sib.routing.insert(0, s.prompt.routing)
                     s.prompt.waiting = []
+        if chunk is not None:
+            return None
+        last = torch.tensor(lens, device=self.device) - 1
         logits = self.model.logits(out.hidden[torch.arange(len(seqs), device=self.device), last])  # last positions only
         self.stats.prefill_logit_rows += logits.shape[0]
         return logits
@@ -634,18 +658,21 @@ class Engine:
         self.stats.decode_steps += 1
         return logits, None, None
 
-    def _forward_cached(self, seqs: list[_Seq], ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward_cached(self, seqs: list[_Seq], ids: torch.Tensor | None = None, feed: int | None = None
+                        ) -> torch.Tensor | None:
         """Feed each sequence's pending tokens (one at decode; the last sampled token and the appended ones
         after a tool call) at positions cached.., attending over its cached context and causally over
         themselves; returns logits at each last fed token [B, V]. Eager: gathers the context. `ids` [B, T]
-        on the device: the fed tokens when the caller has them there (decode)."""
+        on the device: the fed tokens when the caller has them there (decode). `feed`: only the next `feed`
+        tokens of each (a chunk of a chunked prefill), and no logits."""
         B, bs = len(seqs), self.cache.block_size
-        T = max(s.pending for s in seqs)
-        pos = torch.tensor([[s.cached + min(t, s.pending - 1) for t in range(T)] for s in seqs], dtype=torch.long)
-        valid = torch.tensor([[t < s.pending for t in range(T)] for s in seqs])
+        n = [s.pending if feed is None else feed for s in seqs]
+        T = max(n)
+        pos = torch.tensor([[s.cached + min(t, k - 1) for t in range(T)] for s, k in zip(seqs, n)], dtype=torch.long)
+        valid = torch.tensor([[t < k for t in range(T)] for k in n])
         if ids is None:
-            ids = torch.tensor([s.tokens[s.cached:] + [0] * (T - s.pending) for s in seqs], dtype=torch.long)
-        nb = max(self.cache.blocks_for(s.cached + s.pending) for s in seqs)
+            ids = torch.tensor([s.tokens[s.cached:s.cached + k] + [0] * (T - k) for s, k in zip(seqs, n)], dtype=torch.long)
+        nb = max(self.cache.blocks_for(s.cached + k) for s, k in zip(seqs, n))
         tables = torch.tensor([s.blocks[:nb] + [0] * (nb - min(nb, len(s.blocks))) for s in seqs], dtype=torch.long)
         ctx_slots = (tables[:, :, None] * bs + torch.arange(bs)).reshape(B, nb * bs)
         slot = torch.where(valid, ctx_slots.gather(1, pos), torch.full_like(pos, -1))  # padding -> the scratch slot
@@ -655,12 +682,14 @@ class Engine:
         out = self.model.forward_hidden(ids.to(dev), pos.to(dev), batch=batch)
         self.stats.kv_gather_bytes += self._gather_bytes(B, nb * bs)
         if T > 1:
-            self.stats.prefill_tokens += sum(s.pending for s in seqs)
+            self.stats.prefill_tokens += sum(n)
         if out.routing is not None:
             r = out.routing.cpu()
-            for i, s in enumerate(seqs):
-                s.routing.append(r[i, : s.pending])
-        last = torch.tensor([s.pending - 1 for s in seqs], device=dev)
+            for i, (s, k) in enumerate(zip(seqs, n)):
+                s.routing.append(r[i, :k])
+        if feed is not None:
+            return None
+        last = torch.tensor([k - 1 for k in n], device=dev)
         return self.model.logits(out.hidden[torch.arange(B, device=dev), last])
 
     def _gather_bytes(self, rows: int, context: int) -> int:

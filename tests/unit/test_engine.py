@@ -53,6 +53,41 @@ def test_a_prefill_interval_gathers_admissions_and_keeps_every_token(moe_model):
     assert gathered.stats.prefill_seqs == plain.stats.prefill_seqs == 12
 
 
+def test_chunked_prefill_feeds_long_prompts_in_bounded_steps_and_keeps_every_token(moe_model):
+    """prefill_chunk_tokens: prompts longer than the chunk are fed 8 tokens a step (the first chunk as a prefill, the
+    rest over the cached context) while the others decode, also after an interrupt in the middle of a prompt; the
+    tokens, logprobs and routing traces equal the unchunked engine's (a group sharing a long prompt included: there
+    each sample prefills it, since a chunked prompt is not shared)."""
+    long = [GenerationRequest(f"l{i}", tuple([1] + [10 + (5 * i + j) % 60 for j in range(n)]), 10, seed=70 + i)
+            for i, n in enumerate((22, 36, 17))]
+    group = [GenerationRequest(f"g{i}", tuple([1] + [20 + j % 40 for j in range(25)]), 10, seed=90 + i) for i in range(3)]
+    reqs = _requests(5, max_new=10) + long + group
+    want = {g.sample_id: g for g in _engine(moe_model, max_batch_size=6).generate(reqs)}
+    eng = _engine(moe_model, max_batch_size=6, prefill_chunk_tokens=8)
+    fed, forward = [], moe_model.forward_hidden
+
+    def recording(ids, *a, **k):
+        fed.append(ids.shape[1])
+        return forward(ids, *a, **k)
+    eng.model.forward_hidden = recording
+    eng.add(reqs)
+    got = eng.step() + eng.step()  # the first 6 admitted; the long prompts are mid-way
+    states = eng.interrupt()
+    mid = [s for s in states if s.has_kv and s.cached < len(s.tokens) - 1]
+    assert mid and all(len(s.tokens) == len(s.request.prompt_tokens) for s in mid)  # interrupted inside a prompt
+    eng.resume(states)
+    while eng.has_work():
+        got += eng.step()
+    del eng.model.forward_hidden
+    assert sorted(g.sample_id for g in got) == sorted(want)
+    for g in got:
+        w = want[g.sample_id]
+        assert _key(g) == _key(w), g.sample_id
+        assert np.allclose(g.logprobs, w.logprobs, atol=1e-5) and np.array_equal(g.routing_trace, w.routing_trace)
+    assert max(fed) == 8 and eng.stats.prefill_chunks >= 2 + 4 + 2 + 3 * 3  # every forward fed at most one chunk a row
+    assert eng.stats.shared_prompt_seqs == 0
+
+
 def test_stops_on_eos_or_length(moe_model):
     gens = _engine(moe_model, max_batch_size=8).generate(_requests(16, max_new=24))
     reasons = {g.finish_reason for g in gens}
