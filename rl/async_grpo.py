@@ -314,14 +314,16 @@ class AsyncGRPO:
         adv = dict(zip((s.sample_id for s in samples), group_advantages(
             [s.reward for s in samples], [s.group_id for s in samples], std_normalize=stage.std_normalize)))
         num_tokens = float(sum(s.num_trained_tokens for s in samples))  # tool-output tokens are not trained
+        computed = groups  # the groups the forward and backward see; `samples` keeps every one: they are in the step
         if self.skips_uniform:  # every loss term is x advantage: these groups' gradient is exactly 0 (GRPOStage)
-            uniform = [i for i, g in enumerate(groups) if all(adv[s.sample_id] == 0.0 for s in g)]
+            uniform = [i for i, g in enumerate(groups) if g and all(adv[s.sample_id] == 0.0 for s in g)]
             left = set(uniform[max(0, self.n_workers - (len(groups) - len(uniform))):])  # each worker keeps >= 1 group
-            groups = [g for i, g in enumerate(groups) if i not in left]  # `samples` keeps them: they are in the step
+            computed = [g for i, g in enumerate(groups) if i not in left]
             self.clock.uniform_groups_skipped += len(left)
         # whole groups to ranks, balanced by tokens so the ranks finish the step together (rl/parallel.py)
-        parts = deal_by_length([sum(len(s.prompt_tokens) + len(s.response_tokens) for s in g) for g in groups], self.n_workers)
-        shards = [[s for i in part for s in groups[i]] for part in parts]
+        parts = deal_by_length([sum(len(s.prompt_tokens) + len(s.response_tokens) for s in g) for g in computed],
+                               self.n_workers)
+        shards = [[s for i in part for s in computed[i]] for part in parts]
         teacher: dict[str, str] = {}
         if isinstance(stage, OPDStage):  # each sample's teacher; a removed teacher's samples go to the new one
             teacher = {s.sample_id: s.teacher if s.teacher in self.live.active_teachers else self.live.teacher_for(s.dataset)
