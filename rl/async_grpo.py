@@ -132,7 +132,9 @@ class AsyncGRPO:
                             problem.answer, t.group_size, t.version, self.live.version)
             self.teacher_of[t.prompt_id] = self.live.teacher_for(t.dataset)
             self.prompts[t.prompt_id] = (prompt, problem)
+            t_store = time.perf_counter()
             job.store.add_prompts([prompt])
+            self.clock.store_s += time.perf_counter() - t_store
             for j, b in enumerate(levels):  # engines split the in-flight samples, least-loaded first
                 w = min(range(self.n_workers), key=self.load.__getitem__)
                 self.load[w] += 1
@@ -150,17 +152,22 @@ class AsyncGRPO:
             self.policy.add_requests(dict(per_worker))
 
     def collect_rewards(self, block: bool) -> None:
-        rewards = self.job.rewards
+        rewards, clock = self.job.rewards, self.clock
         while self.pending_rewards and (block or rewards.ready(self.pending_rewards[0][0])):
             fut, gens = self.pending_rewards.pop(0)
+            t0 = time.perf_counter()
+            verdicts = rewards.get(fut)
+            clock.verify_s += time.perf_counter() - t0
             samples = [self.job.renderer.to_sample(*self.prompts[prompt_id_of(g.sample_id)], g, verdict,
                                           status="discarded" if self.disp.is_discarded(prompt_id_of(g.sample_id)) else "finished",
                                           effort=self.effort_of.pop(g.sample_id),
                                           teacher=self.teacher_of.get(prompt_id_of(g.sample_id)))
-                       for g, verdict in zip(gens, rewards.get(fut))]
+                       for g, verdict in zip(gens, verdicts)]
             if self.on_failure is not None:  # repercussion of sandbox failures (rl/repercussion.py)
                 samples = [repercussion.settle(s, self.on_failure) for s in samples]
+            t0 = time.perf_counter()
             self.job.store.add_samples(samples)
+            clock.store_s += time.perf_counter() - t0
             for s in samples:
                 if s.status == "finished":
                     self.finished[s.prompt_id].append(s)
@@ -299,7 +306,9 @@ class AsyncGRPO:
                                           min(g.policy_versions)))
         if gens:
             items = [self.job.renderer.trajectory(self.prompts[prompt_id_of(g.sample_id)][1], g) for g in gens]
+            t0 = time.perf_counter()
             self.pending_rewards.append((self.job.rewards.submit(items), gens))
+            clock.verify_s += time.perf_counter() - t0
         self.collect_rewards(block=False)
 
     def train_step(self, batch: list[str], held: list[dict]) -> dict:
@@ -376,6 +385,8 @@ class AsyncGRPO:
             "config/version": self.live.version,
             "time/rollout_s": clock.rollout_s,
             "time/engine_s": clock.engine_s,  # of time/rollout_s: the workers' rollout calls; the rest the controller's
+            "time/verify_s": clock.verify_s,  # of the controller's: submitting to and reading the reward workers
+            "time/store_s": clock.store_s,  # and writing prompts and samples to the store
             "rollout/engine_steps_total": clock.engine_steps,
             "rollout/prefill_calls_total": clock.prefill_calls,
             "train/uniform_groups_skipped_total": clock.uniform_groups_skipped,

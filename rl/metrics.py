@@ -91,5 +91,10 @@ class RolloutClock:
     """Engine steps (the most any worker ran, per call)."""
     prefill_calls: int = 0
     """Prefill forwards, summed over the workers."""
+    verify_s: float = 0.0
+    """Controller seconds in submitting finished samples to the reward workers and reading their verdicts (in-process:
+    the verification itself; on Ray: the calls, and the waits when a batch needs its rewards)."""
+    store_s: float = 0.0
+    """Controller seconds writing dispatched prompts and rewarded samples to the trajectory store."""
     uniform_groups_skipped: int = 0
     """Groups left out of train steps because every advantage was 0 (GRPOStage.skip_uniform_groups)."""
