@@ -237,8 +237,10 @@ class AsyncGRPO:
         while True:
             self.poll_control()
             self.checkpoint_point()
+            t0, store0 = time.perf_counter(), clock.store_s
             tickets = disp.dispatch()
             self.release(tickets)
+            clock.dispatch_s += time.perf_counter() - t0 - (clock.store_s - store0)  # its store writes are in store_s
             results = self.rollout_call()
             self.absorb(results)
             batch = None
@@ -387,6 +389,7 @@ class AsyncGRPO:
             "time/engine_s": clock.engine_s,  # of time/rollout_s: the workers' rollout calls; the rest the controller's
             "time/verify_s": clock.verify_s,  # of the controller's: submitting to and reading the reward workers
             "time/store_s": clock.store_s,  # and writing prompts and samples to the store
+            "time/dispatch_s": clock.dispatch_s,  # and drawing, rendering and tokenising new prompts into requests
             "rollout/engine_steps_total": clock.engine_steps,
             "rollout/prefill_calls_total": clock.prefill_calls,
             "train/uniform_groups_skipped_total": clock.uniform_groups_skipped,

@@ -96,5 +96,8 @@ class RolloutClock:
     the verification itself; on Ray: the calls, and the waits when a batch needs its rewards)."""
     store_s: float = 0.0
     """Controller seconds writing dispatched prompts and rewarded samples to the trajectory store."""
+    dispatch_s: float = 0.0
+    """Controller seconds releasing prompts: drawing problems, rendering and tokenising them, building the requests
+    and queuing them on the workers (not their store writes: store_s)."""
     uniform_groups_skipped: int = 0
     """Groups left out of train steps because every advantage was 0 (GRPOStage.skip_uniform_groups)."""

@@ -82,7 +82,7 @@ def test_metrics_logged_to_jsonl_and_wandb_offline(tiny_run):
         assert 0 < r["time/engine_s"] - before["time/engine_s"] <= r["time/rollout_s"] - before["time/rollout_s"]
         steps = r["rollout/engine_steps_total"] - before["rollout/engine_steps_total"]
         assert steps > 0 and 0 < r["rollout/prefill_calls_total"] - before["rollout/prefill_calls_total"] <= steps
-        for key in ("time/verify_s", "time/store_s"):  # the controller's share: verdicts and the store's writes
+        for key in ("time/verify_s", "time/store_s", "time/dispatch_s"):  # the controller's: verdicts, store, prompts
             assert 0 < r[key] - before[key] < r["time/rollout_s"] - before["time/rollout_s"], key
     assert any("eval/accuracy" in r for r in records)
     pytest.importorskip("wandb")
