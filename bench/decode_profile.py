@@ -8,8 +8,9 @@ Random bf16 weights, 128-token prompts. `replay_ms`: CUDA-event time of `graph.r
 forward); `step_ms`: wall time of `Engine.step()` in steady decode; `host_ms` = step_ms - replay_ms (input
 copies, sampling, the token read, Python bookkeeping). The table lists the eager forward's kernels by
 device time (torch.profiler), the kernel count per step, and the share of the top kernels.
+Then (CUDA) the kernels the decode graph itself holds, at batch 1 and 64, by device time.
 Last line: RESULT replay_ms_b1=.. step_ms_b1=.. host_ms_b1=.. replay_ms_b64=.. step_ms_b64=.. host_ms_b64=..
-kernels_per_step=..
+kernels_per_step=.. (the eager step's) [graph_kernels_b1=.. graph_kernels_b64=..]
 """
 
 from __future__ import annotations
@@ -86,6 +87,33 @@ def kernel_table(model, batch: int, prompt: int, device: str) -> int:
     return len(evs)
 
 
+def graph_kernel_table(model, batch: int, prompt: int) -> int:
+    """The kernels the decode graph holds, by device time: its captured computation (rollout/graphs.py `_forward`,
+    the rollout path: fused projections, the paged decode kernel, the in-graph sampler) run once more eagerly on
+    the graph's own input buffer under the profiler (it rewrites the K/V the last step wrote, with the same values);
+    returns their count. The eager table above is the engine without graphs, a different (unfused) forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = steady_engine(model, batch, prompt, "cuda", graphs=True)
+    with torch.no_grad():
+        eng.graphs.forward_eagerly(batch)  # warm (lazy inits outside the profile)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng.graphs.forward_eagerly(batch)
+            torch.cuda.synchronize()
+    evs = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    by: dict[str, list[float]] = {}
+    for e in evs:
+        by.setdefault(e.name[:90], []).append(e.device_time)
+    total = sum(sum(v) for v in by.values())
+    layers = model.config.num_layers
+    print(f"graph step at batch {batch}: {len(evs)} kernels ({len(evs) / layers:.1f} per layer), {total / 1000:.3f} ms of "
+          f"kernel time run one by one")
+    for name, ts in sorted(by.items(), key=lambda kv: -sum(kv[1]))[:25]:
+        print(f"  {sum(ts) / 1000:8.3f} ms {len(ts):5d}x  {sum(ts) / len(ts):7.1f} us each  {name}")
+    return len(evs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -101,6 +129,9 @@ def main() -> None:
               flush=True)
         result.update({f"{k.removesuffix('_ms')}_ms_b{b}": v for k, v in m.items()})
     result["kernels_per_step"] = kernel_table(model, 64, prompt, device)
+    if device == "cuda":
+        for b in (1, 64):
+            result[f"graph_kernels_b{b}"] = graph_kernel_table(model, b, prompt)
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
 
 

@@ -80,6 +80,12 @@ class DecodeGraphs:
         entry = self._graphs.get(self.bucket(batch))
         return None if entry is None else entry[0]
 
+    def forward_eagerly(self, batch: int):
+        """The captured computation of `batch`'s bucket run once more, eagerly, on the graph's own input buffer (the
+        last step's inputs: it writes the K/V that step wrote again, with the same values): the kernels the graph
+        holds, one launch each, for a profiler (bench/decode_profile.py). The bucket must have been captured."""
+        return self._forward(self._graphs[self.bucket(batch)][1])
+
     def _forward(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The captured computation: input buffer [b, _COLS + max_blocks] -> (next-token logits [b, V], the rows'
         tokens and logprobs sampled from them [2, b] float64, as `rollout/sampling.sample_tokens` draws them for
