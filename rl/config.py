@@ -182,7 +182,9 @@ class GRPOStage(StrictConfig):
     every term of the GRPO loss is multiplied by the advantage, so they add nothing to the gradient and the
     step's gradient is the same for less compute (the token normaliser still counts them). Applies only where
     that holds: a GRPO stage (not OPD) with kl_ref_coef 0 and dense attention (the sparse indexer's loss sees
-    every sample); each worker still trains at least one group. Their rollout metrics still count."""
+    every sample); each worker still trains at least one group. Their rollout/ metrics still count them; the step's
+    rl/ and train/ metrics (clip fraction, ratio, tokens/s) cover the groups it computed. Logged as
+    train/uniform_groups_skipped_total."""
     routing_replay: bool = True
     """MoE: the training forward uses the expert ids recorded at rollout, concatenated over segments
     (seed §5.2.1); gate weights still come from the current router."""
@@ -508,6 +510,9 @@ class Recipe(StrictConfig):
             raise ValueError(
                 f"engine.max_seq_len={self.engine.max_seq_len} exceeds model.max_position_embeddings={self.model.max_position_embeddings}"
             )
+        if self.engine.prefill_chunk_tokens is not None and self.model.is_sparse:
+            raise ValueError("engine.prefill_chunk_tokens: chunked prefill feeds chunks over a paged KV cache; this model "
+                             "attends through CSA2 (model.sparse_attention), whose caches take whole prompts")
         return self
 
     @model_validator(mode="after")

@@ -407,3 +407,15 @@ def test_cli_validate_bad_recipe_is_one_line(tmp_path, text, extra, expected):
     lines = proc.stderr.splitlines()
     assert len(lines) == 1 and proc.stderr.endswith("\n"), proc.stderr
     assert expected in lines[0]
+
+
+def test_chunked_prefill_of_a_csa2_model_is_refused(in_tmp):
+    text = edit("  head_dim: 32\n", "  head_dim: 32\n  sparse_attention: {compress_ratio: 4, topk: 8, window: 8}\n")
+    assert load_recipe_text_ok(text)  # the sparse model alone is a valid recipe
+    msg = error_of(text, ["engine.prefill_chunk_tokens=64"])
+    assert "engine.prefill_chunk_tokens" in msg and "CSA2" in msg, msg
+
+
+def load_recipe_text_ok(text: str) -> bool:
+    Path("r.yaml").write_text(text)
+    return load_recipe("r.yaml").model.is_sparse
