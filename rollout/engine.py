@@ -384,9 +384,11 @@ class Engine:
         if rec.done is not None:
             rec.done.synchronize()
         tokens, logprobs = rec.host[0].long().tolist(), rec.host[1].tolist()
-        for j, s in enumerate(rec.routed):  # the fed token's expert ids, as the eager decode appends them
-            if s not in rec.dropped:
-                s.routing.append(rec.routing[j:j + 1])
+        if rec.routed:  # the fed tokens' expert ids, as the eager decode appends them; int16 (the trace's dtype), off
+            ids = rec.routing.to(torch.int16)  # the pinned buffer, which a row's slice would keep alive
+            for j, s in enumerate(rec.routed):
+                if s not in rec.dropped:
+                    s.routing.append(ids[j:j + 1])
         dt = time.perf_counter() - rec.t0
         nxt, finished = self._inflight, []
         for s, t, lp in zip(rec.seqs, tokens, logprobs):
@@ -684,7 +686,7 @@ class Engine:
         if T > 1:
             self.stats.prefill_tokens += sum(n)
         if out.routing is not None:
-            r = out.routing.cpu()
+            r = out.routing.to(torch.int16).cpu()  # the trace's dtype: a row's slice keeps this step's tensor alive
             for i, (s, k) in enumerate(zip(seqs, n)):
                 s.routing.append(r[i, :k])
         if feed is not None:
