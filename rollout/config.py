@@ -61,8 +61,9 @@ class EngineConfig(StrictConfig):
     this many tokens per engine step, each chunk over the KV the chunks before it cached, while the other
     sequences keep decoding; its first token is sampled after its last chunk. A long prompt then costs every
     other sample a few bounded steps instead of one long one (interrupts land at step boundaries), and a step's
-    activations stay bounded. Such prompts are not shared within a group (`share_prompt_kv`). Same tokens.
-    None: whole prompts in one step. Paged models only (not CSA2)."""
+    activations stay bounded. A group sharing such a prompt (`share_prompt_kv`) holds its blocks from admission and
+    starts decoding once its last chunk has run. Same tokens. None: whole prompts in one step. Paged models only
+    (not CSA2)."""
     sample_in_graph: bool = True
     """A decode step whose rows all sample at top_p = 1 draws its tokens inside the decode graph (rollout/graphs.py)
     instead of with ~40 eagerly launched sampler kernels after the replay; same tokens. False: always after."""

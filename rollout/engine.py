@@ -80,6 +80,13 @@ class _SharedPrompt:
     """MoE: [P - 1, L, k] expert ids of those positions, once the owner's prefill has run."""
     waiting: list = field(default_factory=list)
     """Siblings admitted in the owner's prefill step, still without `routing`."""
+    owner: object = None
+    """The sequence whose prefill computes the blocks (a `_Seq`)."""
+    filled: bool = True
+    """The owner's KV covers positions [0, P - 1). False while a chunked prefill (`prefill_chunk_tokens`) is under way:
+    siblings hold their blocks but do not decode, and their copies of the last partly filled block wait in `copies`."""
+    copies: list = field(default_factory=list)
+    """(src, dst) block copies for siblings, made once the entry is filled."""
 
 
 @dataclass(eq=False)
@@ -247,6 +254,7 @@ class Engine:
         self._done: list[Generation] = []  # finished outside step() (an append that filled the budget)
         self._prompts: dict[tuple[int, ...], _SharedPrompt] = {}
         self._copies: list[tuple[int, int]] = []  # (src, dst) blocks to copy after this step's prefill
+        self._filling: list[_SharedPrompt] = []  # shared prompts whose owner is still fed in chunks
 
     # -- public API ------------------------------------------------------------------------------
     def add(self, requests: list[GenerationRequest]) -> None:
@@ -317,11 +325,14 @@ class Engine:
         output, decode of the rest (a row whose last token is in `prev` takes it on the device)."""
         t0 = time.perf_counter()
         chunk = self.cfg.prefill_chunk_tokens
+        for e in [e for e in self._filling if e.owner.cached >= len(e.key) - 1]:
+            self._filled(e)
         partial = [s for s in self._active if chunk is not None and s.pending > chunk]  # fed a chunk, sample nothing
         if partial:
             self._feed_chunks(partial, chunk)
         fresh = [s for s in self._active if s.cached == 0]
-        decoding = [s for s in self._active if s.cached > 0 and s.pending == 1 and s not in partial]
+        decoding = [s for s in self._active if s.cached > 0 and s.pending == 1 and s not in partial
+                    and (s.prompt is None or s.prompt.filled or s is s.prompt.owner)]  # siblings wait for the owner
         extending = [s for s in self._active if s.cached > 0 and s.pending > 1 and s not in partial]
         seqs = fresh + extending + decoding
         if not seqs:
@@ -484,6 +495,10 @@ class Engine:
         states = []
         paused = set(self._paused)
         for s in [*self._active, *self._ready, *self._paused.values()]:
+            if s.prompt is not None and not s.prompt.filled and s is not s.prompt.owner:  # a sibling whose shared KV
+                states.append(RolloutState(request=s.request, tokens=list(s.tokens)))  # is not computed yet: a fresh
+                self._free(s)  # request again (nothing generated)
+                continue
             routing = torch.cat(s.routing).to(torch.int16).cpu().numpy() if s.routing else None
             extra = dict(paused=s.request.sample_id in paused, appended_spans=list(s.appended), tool_turns=list(s.tool_turns),
                          num_cached=None if s.cached == len(s.tokens) - 1 else s.cached)
@@ -530,9 +545,8 @@ class Engine:
 
     def _shareable(self, st: RolloutState) -> bool:
         """A fresh request whose prompt fills at least one block before its last token."""
-        P, chunk = len(st.request.prompt_tokens), self.cfg.prefill_chunk_tokens
-        return (self.cfg.share_prompt_kv and not self.sparse and not st.has_kv and P - 1 >= self.cache.block_size
-                and (chunk is None or P <= chunk))  # a chunked prompt's KV is complete only steps after admission
+        return (self.cfg.share_prompt_kv and not self.sparse and not st.has_kv
+                and len(st.request.prompt_tokens) - 1 >= self.cache.block_size)
 
     def _admit(self) -> None:
         while self._ready and len(self._active) < self.cfg.max_batch_size:
@@ -563,7 +577,11 @@ class Engine:
             elif self._shareable(st):  # the first of its prompt: its prefill at this step fills the registry's blocks
                 P = len(st.request.prompt_tokens)
                 key = st.request.prompt_tokens
-                seq.prompt = self._prompts[key] = _SharedPrompt(key, self.cache.share(blocks[:self.cache.blocks_for(P - 1)]))
+                chunk = self.cfg.prefill_chunk_tokens
+                seq.prompt = self._prompts[key] = _SharedPrompt(key, self.cache.share(blocks[:self.cache.blocks_for(P - 1)]),
+                                                                owner=seq, filled=chunk is None or P <= chunk)
+                if not seq.prompt.filled:  # fed in chunks over the next steps: siblings wait for the last one
+                    self._filling.append(seq.prompt)
             if st.has_kv:  # resumed: restore KV of every cached token; no prefill
                 n = st.cached
                 if self.sparse:
@@ -585,7 +603,8 @@ class Engine:
         filled one into its own block, and is fed the prompt's last token as a decode row."""
         P = len(seq.request.prompt_tokens)
         if full < len(entry.blocks):  # positions [full·bs, P - 1) live in a block the sibling will write into;
-            self._copies.append((entry.blocks[full], seq.blocks[full]))  # copied once the owner's prefill ran
+            (self._copies if entry.filled else entry.copies).append((entry.blocks[full], seq.blocks[full]))  # copied
+            # once the owner's prefill ran (this step's, or its last chunk's)
         entry.users += 1
         seq.prompt, seq.cached = entry, P - 1
         if entry.routing is not None:
@@ -594,6 +613,19 @@ class Engine:
             entry.waiting.append(seq)
         self.stats.shared_prompt_tokens += P - 1
         self.stats.shared_prompt_seqs += 1
+
+    def _filled(self, e: _SharedPrompt) -> None:
+        """A chunked owner's KV now covers its prompt: the siblings' block copies are queued (made after this step's
+        prefill, before any decode), MoE siblings get the prompt's expert ids, and they decode from this step on."""
+        self._filling.remove(e)
+        e.filled = True
+        self._copies += e.copies
+        e.copies = []
+        if e.owner.routing:
+            e.routing = torch.cat(e.owner.routing)[: len(e.key) - 1]
+            for sib in e.waiting:
+                sib.routing.insert(0, e.routing)
+            e.waiting = []
 
     def _feed_chunks(self, seqs: list[_Seq], chunk: int) -> None:
         """Chunked prefill: feed `chunk` more tokens of each sequence (its first chunk as a prefill, later ones over
@@ -627,7 +659,8 @@ class Engine:
         if out.routing is not None:
             for i, s in enumerate(seqs):
                 s.routing.append(out.routing[i, : lens[i]].cpu())
-                if s.prompt is not None and s.prompt.routing is None:  # the owner: siblings take its prompt's experts
+                if s.prompt is not None and s.prompt.routing is None and chunk is None:  # the owner: siblings take its
+                    # prompt's experts (a chunked owner's are complete after its last chunk: `_filled`)
                     s.prompt.routing = s.routing[-1][: lens[i] - 1]
                     for sib in s.prompt.waiting:
                         sib.routing.insert(0, s.prompt.routing)
@@ -745,6 +778,8 @@ class Engine:
             if e.users == 0:
                 self.cache.free(e.blocks)
                 del self._prompts[e.key]
+                if e in self._filling:
+                    self._filling.remove(e)
             s.prompt = None
 
     def _finish(self, s: _Seq) -> Generation:

@@ -56,8 +56,7 @@ def test_a_prefill_interval_gathers_admissions_and_keeps_every_token(moe_model):
 def test_chunked_prefill_feeds_long_prompts_in_bounded_steps_and_keeps_every_token(moe_model):
     """prefill_chunk_tokens: prompts longer than the chunk are fed 8 tokens a step (the first chunk as a prefill, the
     rest over the cached context) while the others decode, also after an interrupt in the middle of a prompt; the
-    tokens, logprobs and routing traces equal the unchunked engine's (a group sharing a long prompt included: there
-    each sample prefills it, since a chunked prompt is not shared)."""
+    tokens, logprobs and routing traces equal the unchunked engine's (a group sharing a long prompt included)."""
     long = [GenerationRequest(f"l{i}", tuple([1] + [10 + (5 * i + j) % 60 for j in range(n)]), 10, seed=70 + i)
             for i, n in enumerate((22, 36, 17))]
     group = [GenerationRequest(f"g{i}", tuple([1] + [20 + j % 40 for j in range(25)]), 10, seed=90 + i) for i in range(3)]
@@ -84,8 +83,33 @@ def test_chunked_prefill_feeds_long_prompts_in_bounded_steps_and_keeps_every_tok
         w = want[g.sample_id]
         assert _key(g) == _key(w), g.sample_id
         assert np.allclose(g.logprobs, w.logprobs, atol=1e-5) and np.array_equal(g.routing_trace, w.routing_trace)
-    assert max(fed) == 8 and eng.stats.prefill_chunks >= 2 + 4 + 2 + 3 * 3  # every forward fed at most one chunk a row
-    assert eng.stats.shared_prompt_seqs == 0
+    assert max(fed) == 8 and eng.stats.prefill_chunks >= 2 + 4 + 2 + 3  # every forward fed at most one chunk a row
+
+
+def test_a_chunked_prompt_is_shared_by_its_group_once_its_last_chunk_ran(moe_model):
+    """A group's samples share a prompt fed in chunks: the siblings hold its blocks but decode only once the owner's
+    last chunk has run (they take the prompt's expert ids then); interrupted before that, they come back as fresh
+    requests (their shared KV did not exist yet) and the owner with the chunks it has. Tokens, logprobs and routing
+    equal the unchunked, unshared engine's."""
+    prompt = tuple([1] + [20 + j % 40 for j in range(29)])  # 30 tokens: chunks of 8, 8, 8, then 6 with the sampling
+    group = [GenerationRequest(f"g{i}", prompt, 10, seed=90 + i) for i in range(4)]
+    want = {g.sample_id: g for g in _engine(moe_model, share_prompt_kv=False).generate(group)}
+    eng = _engine(moe_model, prefill_chunk_tokens=8)
+    eng.add(group)
+    got = eng.step() + eng.step()  # the owner has two chunks cached; three siblings wait
+    assert eng.stats.shared_prompt_seqs == 3 and eng.stats.decode_steps == 0
+    states = eng.interrupt()
+    assert sorted((s.request.sample_id, s.cached) for s in states if s.has_kv) == [("g0", 16)]
+    assert sum(not s.has_kv for s in states) == 3
+    eng.resume(states)
+    while eng.has_work():
+        got += eng.step()
+    assert eng.stats.shared_prompt_seqs == 3 + 2  # after the resume g1 owns the prompt again, g2 and g3 share it
+    assert sorted(g.sample_id for g in got) == sorted(want)
+    for g in got:
+        w = want[g.sample_id]
+        assert _key(g) == _key(w), g.sample_id
+        assert np.allclose(g.logprobs, w.logprobs, atol=1e-5) and np.array_equal(g.routing_trace, w.routing_trace)
 
 
 def test_stops_on_eos_or_length(moe_model):
