@@ -224,11 +224,13 @@ class AsyncGRPO:
     def checkpoint_point(self) -> None:
         """A token boundary where the job may checkpoint (periodically, or on SIGTERM: then exit)."""
         if self.job.checkpointer.wanted(self.job.state.global_step):
+            t0 = time.perf_counter()
             self.drain()  # a queued call's finished samples belong in the checkpoint's controller state
             self.policy.interrupt()
             self.collect_rewards(block=True)
             self.job.checkpointer.save(self.job, self.stage_idx, self.state_dict())  # raises Preempted after a SIGTERM
             self.policy.resume()
+            self.clock.checkpoint_s += time.perf_counter() - t0
 
     def rollout_until_batch(self) -> list[str]:
         """ROLLOUT until the dispatcher's train-batch condition holds; returns the batch's prompt ids."""
@@ -394,6 +396,7 @@ class AsyncGRPO:
             "rollout/prefill_calls_total": clock.prefill_calls,
             "train/uniform_groups_skipped_total": clock.uniform_groups_skipped,
             "time/train_s": clock.train_s,
+            "time/checkpoint_s": clock.checkpoint_s,  # periodic checkpoints taken at token boundaries (not in rollout_s)
         })
         metrics.update(rollout_breakdown(samples))
         if self.on_failure is not None:
@@ -406,9 +409,9 @@ class AsyncGRPO:
         until the time budget ends), then a stage-end checkpoint with the held-out evaluation."""
         job, stage, policy, clock = self.job, self.stage, self.policy, self.clock
         for step in job.budget(stage, start=self.step):
-            t_roll = time.perf_counter()
+            t_roll, ckpt0 = time.perf_counter(), clock.checkpoint_s
             batch = self.rollout_until_batch()
-            clock.rollout_s += time.perf_counter() - t_roll
+            clock.rollout_s += time.perf_counter() - t_roll - (clock.checkpoint_s - ckpt0)  # periodic checkpoints apart
 
             # INTERRUPT at the token boundary; in-flight states move to host memory.
             t_sig = time.perf_counter()

@@ -81,6 +81,7 @@ class RolloutClock:
     pipelined_calls: int = 0
     """Rollout calls queued on the workers while the controller read the call before (GRPOStage.pipelined_calls)."""
     rollout_s: float = 0.0
+    """Seconds of the rollout phases (generating until a train batch is ready), periodic checkpoints apart."""
     train_s: float = 0.0
     generated_tokens: int = 0
     bytes_moved: int = 0
@@ -99,5 +100,8 @@ class RolloutClock:
     dispatch_s: float = 0.0
     """Controller seconds releasing prompts: drawing problems, rendering and tokenising them, building the requests
     and queuing them on the workers (not their store writes: store_s)."""
+    checkpoint_s: float = 0.0
+    """Seconds of periodic checkpoints taken at token boundaries of the rollout phases (interrupt, the write, resume);
+    not part of rollout_s."""
     uniform_groups_skipped: int = 0
     """Groups left out of train steps because every advantage was 0 (GRPOStage.skip_uniform_groups)."""

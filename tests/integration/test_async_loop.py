@@ -99,6 +99,9 @@ def test_every_group_is_trained_whole_once_at_its_step_and_every_prompt_has_an_o
                              "prompts": len(prompts), "prompts_open": 0}
     store.close()
     assert checkpoints_written(run_dir) == [2, 4, 6]  # periodic at 2 and 4, then the stage end (after the last step)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    ckpt_s = [r["time/checkpoint_s"] for r in lines if "time/checkpoint_s" in r]  # the periodic ones' seconds, taken
+    assert ckpt_s[:2] == [0.0, 0.0] and 0 < ckpt_s[2] <= ckpt_s[-1]  # in step 3's rollout phase, not in rollout_s
 
 
 class StopAtStep:
@@ -182,6 +185,7 @@ def test_groups_with_equal_rewards_leave_the_train_step_without_changing_it(tmp_
         runs[skip] += ([r["train/uniform_groups_skipped_total"] for r in lines if "train/uniform_groups_skipped_total" in r],)
     (samples, losses, skipped), (samples_all, losses_all, skipped_none) = runs[True], runs[False]
     assert skipped[-1] > 0 and skipped_none[-1] == 0
+    assert all(r.get("time/checkpoint_s", 0.0) == 0.0 for r in lines)  # checkpoint.every_steps 0: none periodic
     by_group: dict[str, set[float]] = {}
     for sid, (_, _, reward, _) in samples.items():
         by_group.setdefault(sid.rsplit("-", 1)[0], set()).add(reward)
