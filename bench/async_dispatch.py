@@ -79,6 +79,7 @@ def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = Tr
         "train_s": clock.train_s,
         "wall_s": wall,
         "engine_share": clock.engine_s / max(clock.rollout_s, 1e-9),  # the rest: controller and round trips
+        "controller_share": (clock.verify_s + clock.store_s + clock.dispatch_s) / max(clock.rollout_s, 1e-9),
         "prefill_step_frac": clock.prefill_calls / max(clock.engine_steps, 1),
     }
 
@@ -161,7 +162,8 @@ def _print_rows(rows: dict[str, dict]) -> None:
     for name, r in rows.items():
         print(f"{name:<18} rollout {r['gen_tokens_per_s']:>9.0f} tok/s  trained {r['trained_samples_per_s']:>7.1f} samples/s  "
               f"interrupt p99 {r['interrupt_p99_steps']} steps  rollout {r['rollout_s']:.1f} s (engine share "
-              f"{r['engine_share']:.2f}; prefills in {r['prefill_step_frac']:.2f} of steps)  train {r['train_s']:.1f} s")
+              f"{r['engine_share']:.2f}, verdicts + store + new prompts {r['controller_share']:.2f}; prefills in "
+              f"{r['prefill_step_frac']:.2f} of steps)  train {r['train_s']:.1f} s")
 
 
 if __name__ == "__main__":
