@@ -253,6 +253,9 @@ def main() -> None:
         if not sep or base not in ("grpo", "sft") or not name.isidentifier() or name in arms:
             ap.error(f"--arm {item!r}: expected NAME=BASE with a new NAME and BASE one of grpo, sft")
         arms[name] = base
+    bad = [a for a in args.only if a not in arms or a == "opd"]
+    if bad:
+        ap.error(f"--only {bad[0]!r}: expected an arm of the arms phase ({', '.join(a for a in arms if a != 'opd')})")
     extra: dict[str, list[str]] = {arm: [] for arm in arms}
     for item in args.set:
         arm, sep, override = item.partition(":")
