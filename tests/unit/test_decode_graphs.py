@@ -218,3 +218,34 @@ def test_moe_decode_under_graphs_equals_the_eager_engine_with_its_routing_read_w
         n = len(a.prompt_tokens) + len(a.response_tokens) - 1  # every fed position's experts
         assert a.routing_trace.shape[0] == b.routing_trace.shape[0] == n, a.sample_id
         assert (a.routing_trace == b.routing_trace).all(), a.sample_id
+
+
+@cuda
+def test_chunked_prefill_with_shared_prompts_under_graphs_equals_the_unchunked_eager_engine():
+    """prefill_chunk_tokens on the GPU: long prompts fed in chunks between graph decode steps, a group's siblings
+    waiting on the owner's last chunk, give the unchunked eager engine's tokens (fp32)."""
+    from model.decoder import Decoder
+    from tests.conftest import debug_config
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False)).cuda().eval()
+    out = {}
+    for fast in (False, True):
+        eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, cuda_graphs=fast,
+                                         share_prompt_kv=fast, prefill_chunk_tokens=8 if fast else None),
+                     eos_id=EOS, device="cuda")
+        long_prompt = tuple(1 + (5 * j) % 70 for j in range(27))
+        reqs = _requests(3, max_new=16, temperature=1.0) + [
+            GenerationRequest(f"g{j}", long_prompt, 16, seed=90 + j, temperature=1.0) for j in range(4)]
+        eng.add(reqs[:3])
+        got = eng.step() + eng.step()
+        eng.add(reqs[3:])  # the long group arrives while the short ones decode
+        while eng.has_work():
+            got += eng.step()
+        out[fast] = {g.sample_id: g for g in got}
+        if fast:
+            assert eng.stats.graph_steps > 0 and eng.stats.shared_prompt_seqs == 3 and eng.stats.prefill_chunks > 0
+    assert set(out[False]) == set(out[True]) and len(out[True]) == 7
+    for sid, g in out[False].items():
+        assert out[True][sid].response_tokens == g.response_tokens, sid
+        assert max(abs(x - y) for x, y in zip(out[True][sid].logprobs, g.logprobs)) < 1e-4
