@@ -28,6 +28,7 @@ import torch
 from model.config import DenseFFNConfig, ModelConfig
 from model.decoder import Decoder
 from rollout.config import EngineConfig
+from rollout import sampling
 from rollout.engine import Engine
 from rollout.types import GenerationRequest
 
@@ -172,7 +173,7 @@ def build(shape: str, device: str, kv: str = "bf16", max_pos: int = 4096) -> Dec
 
 def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float]) -> None:
     """ms/step of the engine as configured by default (steps overlapped on CUDA, tokens sampled inside the decode
-    graph), next to the same engine sampling after the replay (`sample_in_graph: false`) and to plain steps (each
+    graph, by one kernel on CUDA), next to the same engine with the sampler's eager ops, sampling after the replay (`sample_in_graph: false`) and to plain steps (each
     read before the next is launched), in turn per batch in one run; tokens dropped per generated token; FP4 KV
     against bf16 at batch 64 (the same weights)."""
     prompt, new = (128, 256) if device == "cuda" else (16, 32)
@@ -190,9 +191,15 @@ def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float
                     continue
                 ms_after = engine_ms_per_step(model, b, prompt, new, device, overlap=True, sample_in_graph=False)[0]
                 ms_off = engine_ms_per_step(model, b, prompt, new, device, overlap=False)[0]
-                print(f"{shape:<9}bf16  batch {b:>4}: {ms_on:.3f} ms/step; sampling after the replay {ms_after:.3f}; "
-                      f"plain steps {ms_off:.3f} ({ms_off / ms_on:.2f}x); graph-sampled steps "
-                      f"{eng.stats.graph_sampled_steps}/{eng.stats.decode_steps}", flush=True)
+                sampling.SAMPLE_KERNEL = False  # the sampler's eager ops (~40 kernels) in place of its one kernel
+                try:
+                    ms_eager_sampler = engine_ms_per_step(model, b, prompt, new, device, overlap=True)[0]
+                finally:
+                    sampling.SAMPLE_KERNEL = True
+                print(f"{shape:<9}bf16  batch {b:>4}: {ms_on:.3f} ms/step; eager sampler ops {ms_eager_sampler:.3f}; "
+                      f"sampling after the replay {ms_after:.3f}; plain steps {ms_off:.3f} ({ms_off / ms_on:.2f}x); "
+                      f"graph-sampled steps {eng.stats.graph_sampled_steps}/{eng.stats.decode_steps}", flush=True)
+                result[f"{shape}_eager_sampler_ms_per_step_b{b}"] = ms_eager_sampler
                 result[f"{shape}_sample_after_ms_per_step_b{b}"] = ms_after
                 result[f"{shape}_plain_ms_per_step_b{b}"] = ms_off
                 result[f"{shape}_discarded_per_token_b{b}"] = eng.stats.discarded_tokens / max(eng.stats.generated_tokens, 1)

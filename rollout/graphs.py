@@ -15,7 +15,7 @@ block_size slots, masked beyond each row's position, for SDPA. Either way the sh
 past the batch are invalid: their K/V go to the cache's scratch slot (`PagedKVCache.write` sends slot −1
 there), they have no context, and their logits are ignored. A
 step is one host-to-device copy of the input buffer and one replay; the graph also samples each row's next token
-(the counter-based sampler at top_p = 1, `EngineConfig.sample_in_graph`), which the engine reads when the step
+(the counter-based sampler at top_p = 1, `EngineConfig.sample_in_graph`; on CUDA one kernel, model/kernels/sampling.py), which the engine reads when the step
 has no prefill, no tool output and no top_p < 1 row, and otherwise samples the logits after the replay.
 
 The graphs read the model's parameters and the cache's tensors where they are: the trainer updates the
@@ -87,9 +87,9 @@ class DecodeGraphs:
         return self._forward(self._graphs[self.bucket(batch)][1])
 
     def _forward(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The captured computation: input buffer [b, _COLS + max_blocks] -> (next-token logits [b, V], the rows'
-        tokens and logprobs sampled from them [2, b] float64, as `rollout/sampling.sample_tokens` draws them for
-        top_p = 1: the sampler runs inside the graph, ~40 small kernels that no longer launch one by one; MoE: the
+        """The captured computation: input buffer [b, _COLS + max_blocks] -> (next-token logits [b, V] in the
+        head's dtype, the rows' tokens and logprobs sampled from them [2, b] float64, as
+        `rollout/sampling.sample_tokens` draws them for top_p = 1 (on CUDA one kernel: model/kernels/sampling.py); MoE: the
         expert ids each row's token chose [b, num_layers, top_k], else None)."""
         bs, S = self.cache.block_size, self.max_blocks * self.cache.block_size
         ids, pos, valid, tables = buf[:, 0:1], buf[:, 1:2], buf[:, 2:3], buf[:, _COLS:]
@@ -102,8 +102,9 @@ class DecodeGraphs:
             ctx = (tables[:, :, None] * bs + torch.arange(bs, device=buf.device)).reshape(buf.shape[0], S)
             mask = (torch.arange(S, device=buf.device)[None, :] <= pos)[:, None, None, :]
             batch = PagedBatch(self.cache, False, slot, ctx, mask)
-        logits, routing = self.model(ids, pos, batch=batch)
-        logits = logits[:, 0]
+        out = self.model.forward_hidden(ids, pos, batch=batch)
+        # the head's own dtype (bf16 under mixed precision): the sampler reads it as is, no float32 copy of [b, V]
+        logits, routing = self.model.lm_head(out.hidden[:, 0]), out.routing
         temperature = buf[:, 5].to(torch.int32).view(torch.float32)
         tokens, logprobs = sample_tokens(logits, temperature, torch.ones_like(temperature), buf[:, 3], buf[:, 4], nucleus=False)
         return logits, torch.stack([tokens.double(), logprobs.double()]), None if routing is None else routing[:, 0]

@@ -3,12 +3,20 @@
 its batch, on when it joined, or on interruptions: batched, one-at-a-time and interrupted-then-resumed
 generation draw the same numbers, and a `RolloutState` needs no RNG blob.
 
-All ops are vectorised over the batch with no host synchronisation.
+All ops are vectorised over the batch with no host synchronisation. On CUDA the rows at top_p = 1 are drawn by
+one Triton kernel (model/kernels/sampling.py) that computes what `sample_tokens` below does, which stays the
+reference and the CPU path.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+SAMPLE_KERNEL = os.environ.get("ASYNCRL_SAMPLE_KERNEL", "1") == "1"
+"""On CUDA, top_p = 1 rows are sampled by model/kernels/sampling.py (one kernel instead of ~40 over float32
+copies of the logits); `ASYNCRL_SAMPLE_KERNEL=0` (or False here, as benches do) keeps the eager ops."""
 
 _M32 = 0xFFFFFFFF
 
@@ -61,7 +69,8 @@ def sample_tokens(
     counters: torch.Tensor,
     nucleus: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] float32; temperature, top_p float [B]; seeds, counters int64 [B].
+    """logits [B, V] float32 (or the head's dtype: read as float32); temperature, top_p float [B]; seeds, counters
+    int64 [B].
 
     Returns (tokens [B] int64, logprobs [B] float32). The logprob is log softmax(logits / T) at the
     chosen token (T = 1 for greedy rows): the behaviour policy before top-p truncation, which is what
@@ -72,6 +81,13 @@ def sample_tokens(
     own logits, settings and (seed, counter), never on its batch mates. `nucleus=False` (the caller
     knows on the host that every row has top_p = 1: no sync) skips the sort for the whole batch.
     """
+    fast = None
+    if SAMPLE_KERNEL and logits.is_cuda:
+        from model.kernels.sampling import sample_top_p1
+
+        fast = sample_top_p1(logits, temperature, seeds, counters)
+        if not nucleus:
+            return fast
     greedy = temperature <= 0
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     logp = torch.log_softmax(logits.float() / t[:, None], dim=-1)
@@ -88,4 +104,8 @@ def sample_tokens(
         pick = torch.searchsorted(cum_sorted, (u * cum_sorted[:, -1])[:, None]).clamp_max(V - 1)
         sampled = torch.where(top_p < 1, order.gather(-1, pick).squeeze(-1), sampled)
     tokens = torch.where(greedy, logits.argmax(-1), sampled)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    logprobs = logp.gather(-1, tokens[:, None]).squeeze(-1)
+    if fast is not None:  # the kernel's draws for the top_p = 1 rows, as steps without a nucleus row take them
+        full = top_p >= 1
+        tokens, logprobs = torch.where(full, fast[0], tokens), torch.where(full, fast[1], logprobs)
+    return tokens, logprobs
