@@ -9,12 +9,7 @@ import torch
 from rollout import sampling
 from rollout.sampling import counter_uniform, sample_tokens
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: TRITON_INTERPRET=1 from tests/conftest.py
 
 
 def _draws_agree(logits, temperature, seeds, counters, got, want) -> int:
@@ -31,17 +26,20 @@ def _draws_agree(logits, temperature, seeds, counters, got, want) -> int:
     return len(bad)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_draws_the_reference_tokens_and_logprobs(device, dtype, interpret):
+@pytest.mark.parametrize("dtype,blocks_per_split", [(torch.float32, 8), (torch.bfloat16, 1)])
+def test_kernel_draws_the_reference_tokens_and_logprobs(dtype, blocks_per_split, monkeypatch):
+    """One split per row (the default at this vocabulary), and three: each split's max, sum and argmax combined."""
+    from model.kernels import sampling as kernel
     from model.kernels.sampling import sample_top_p1
 
+    monkeypatch.setattr(kernel, "BLOCKS_PER_SPLIT", blocks_per_split)
+    device = DEVICE
     g = torch.Generator().manual_seed(0)
     B, V = 48, 3000  # V not a multiple of the 1,024-id block: the last block is partial
     logits = (torch.randn(B, V, generator=g) * 4)
     logits[::7, 11] = 40.0  # peaked rows: the draw lands in the first block
     logits[1::7, V - 5] = 40.0  # ... in the last, partial one
-    logits[4, 100] = logits[4, 50] = 50.0  # a greedy tie (row 4: temperature 0): the first id wins, as torch.argmax
+    logits[4, 2100] = logits[4, 50] = 50.0  # a greedy tie across blocks (row 4: temperature 0): the first id wins, as torch.argmax
     logits = logits.to(dtype).to(device)
     temperature = torch.tensor([0.0, 1.0, 0.6, 1.7] * (B // 4), device=device)
     seeds = torch.randint(-2 ** 62, 2 ** 62, (B,), generator=g).to(device)  # negative seeds too: the hash masks them
@@ -60,7 +58,7 @@ def test_kernel_draws_the_reference_tokens_and_logprobs(device, dtype, interpret
     assert (got_lp[same] - want_lp[same]).abs().max() < 1e-5
 
 
-def test_kernel_draws_follow_the_counter_stream(interpret):
+def test_kernel_draws_follow_the_counter_stream():
     """A flat distribution over V ids puts the draw at floor(u · V): the kernel's hash is counter_uniform's; half
     the rows draw within 1e-3 of the boundary between the two 1,024-id blocks, where the block search decides."""
     from model.kernels.sampling import sample_top_p1
@@ -70,7 +68,9 @@ def test_kernel_draws_follow_the_counter_stream(interpret):
     near = cands[(counter_uniform(cands, torch.zeros_like(cands)) - 0.5).abs() < 1e-3][: B // 2]
     seeds = torch.cat([cands[: B - len(near)], near])
     counters = torch.zeros(B, dtype=torch.int64)
-    got, lp = sample_top_p1(torch.zeros(B, V), torch.ones(B), seeds, counters)
+    got, lp = sample_top_p1(torch.zeros(B, V, device=DEVICE), torch.ones(B, device=DEVICE), seeds.to(DEVICE),
+                            counters.to(DEVICE))
+    got, lp = got.cpu(), lp.cpu()
     u = counter_uniform(seeds, counters)
     assert got.tolist() == (u * V).floor().long().tolist()
     assert torch.allclose(lp, torch.full((B,), -torch.log(torch.tensor(float(V)))), atol=1e-6)
