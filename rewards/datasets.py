@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -316,6 +316,13 @@ class FileDataset(Task):
 
     def verify(self, trajectory: Trajectory, ctx: VerifyContext | None = None) -> Verdict:
         return self._verifier(trajectory, trajectory.problem.answer, trajectory.problem.metadata.get("row", {}))
+
+    def verify_many(self, trajectories: Sequence[Trajectory], ctx: VerifyContext | None = None) -> list[Verdict]:
+        """`verify` of each, through the verifier's batch form where it has one (math: one child call)."""
+        many = getattr(self._verifier, "many", None)
+        if many is None:
+            return [self.verify(t, ctx) for t in trajectories]
+        return many([(t, t.problem.answer, t.problem.metadata.get("row", {})) for t in trajectories])
 
     def demonstration(self, problem: Problem, rng: random.Random, *, direct_answer_rate: float | None = None,
                       reasoning_frac: float | None = None) -> str:

@@ -34,7 +34,8 @@ import multiprocessing
 import re
 import threading
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from typing import Annotated, Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
 
@@ -205,6 +206,25 @@ def _math_verdict_in_child(response: str, answer: str, timeout_s: int, literal_n
                      f"math verification timed out in its child process ({timeout_s} s limits)", start_allowance=True)
 
 
+def _math_verdicts_here(pairs: Sequence[tuple[str, str]], timeout_s: int, literal_numbers: bool) -> list[Verdict]:
+    return [_math_verdict_here(r, a, timeout_s, literal_numbers) for r, a in pairs]
+
+
+def math_verdicts(pairs: Sequence[tuple[str, str]], timeout_s: int = 2, literal_numbers: bool = True) -> list[Verdict]:
+    """`math_verdict` of each (response, answer). Off the main thread the whole batch is one call to the child
+    process (one round trip, not one per sample: 0.70 against 0.32 ms a verdict on a reward actor's thread); its
+    limit is each verdict's bound summed. A batch that overruns it is verified again one by one, so only the
+    sample that hangs scores 0 for it."""
+    if threading.current_thread() is threading.main_thread() or len(pairs) < 2:
+        return [math_verdict(r, a, timeout_s, literal_numbers) for r, a in pairs]
+    timed_out = "math verification timed out in its child process"
+    got = _in_child(_math_verdicts_here, (list(pairs), timeout_s, literal_numbers), (2 * len(pairs) + 2) * timeout_s,
+                    timed_out, start_allowance=True)
+    if isinstance(got, Verdict):  # the batch overran: one by one
+        return [_math_verdict_in_child(r, a, timeout_s, literal_numbers) for r, a in pairs]
+    return got
+
+
 def math_verdict(response: str, answer: str, timeout_s: int = 2, literal_numbers: bool = True) -> Verdict:
     """Reward 1 iff math-verify finds a final answer in `response` equal to `answer` (written as a number when
     the answer is a number, with `literal_numbers`); never raises or hangs: parsing and each comparison stop
@@ -228,7 +248,21 @@ class MathVerifierConfig(StrictConfig):
     the arithmetic to math-verify. False: any expression equal to the answer counts."""
 
     def build(self) -> Verifier:
-        return partial(_on_response, math_verdict, timeout_s=self.timeout_s, literal_numbers=self.literal_numbers)
+        return MathVerifier(self.timeout_s, self.literal_numbers)
+
+
+@dataclass(frozen=True)
+class MathVerifier:
+    """The built math verifier: a `Verifier`, and `many` for a batch (one child call off the main thread)."""
+
+    timeout_s: int
+    literal_numbers: bool
+
+    def __call__(self, trajectory: Trajectory, answer: str, row: Mapping[str, Any]) -> Verdict:
+        return math_verdict(trajectory.response, answer, self.timeout_s, self.literal_numbers)
+
+    def many(self, items: Sequence[tuple[Trajectory, str, Mapping[str, Any]]]) -> list[Verdict]:
+        return math_verdicts([(t.response, answer) for t, answer, _ in items], self.timeout_s, self.literal_numbers)
 
 
 # ---- regex -------------------------------------------------------------------------------------------

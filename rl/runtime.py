@@ -45,7 +45,15 @@ class RewardWorker:
         self.ctx = VerifyContext(code=SandboxCodeRunner(socket_path, self.limits))
 
     def verify(self, trajectories: Sequence[Trajectory]) -> list[Verdict]:
-        return [verify_one(self.tasks[t.problem.dataset], t, self.ctx) for t in trajectories]
+        """Verdicts in order; each dataset's samples in one batch where its task verifies batches (`verify_many`)."""
+        out: list[Verdict | None] = [None] * len(trajectories)
+        by_dataset: dict[str, list[int]] = {}
+        for i, t in enumerate(trajectories):
+            by_dataset.setdefault(t.problem.dataset, []).append(i)
+        for name, idx in by_dataset.items():
+            for i, v in zip(idx, verify_batch(self.tasks[name], [trajectories[i] for i in idx], self.ctx)):
+                out[i] = v
+        return out
 
     def node_ip(self) -> str | None:
         """This worker's node address as Ray knows it (None outside Ray)."""
@@ -53,6 +61,20 @@ class RewardWorker:
 
     def ping(self) -> int:
         return os.getpid()
+
+
+def verify_batch(task, trajectories: list[Trajectory], ctx: VerifyContext) -> list[Verdict]:
+    """`verify_one` of each; through the task's `verify_many` when it has one and there is more than one (a
+    batch that raises is verified again one by one, so the failure stays the sample's)."""
+    many = getattr(task, "verify_many", None)
+    if many is not None and len(trajectories) > 1:
+        try:
+            verdicts = many(trajectories, ctx)
+            if len(verdicts) == len(trajectories):
+                return verdicts
+        except Exception:  # noqa: BLE001 - a user's verifier: retried per sample, where verify_one names the error
+            pass
+    return [verify_one(task, t, ctx) for t in trajectories]
 
 
 def verify_one(task, trajectory: Trajectory, ctx: VerifyContext) -> Verdict:

@@ -93,6 +93,42 @@ def test_math_off_the_main_thread_runs_in_a_child_process_that_is_killed_when_it
     assert V._child_pool is None  # the next call starts a fresh child
 
 
+def test_a_batch_off_the_main_thread_is_one_child_call_with_the_main_threads_verdicts(monkeypatch):
+    """math_verdicts on a reward actor's thread: the batch goes to the child in one call, verdict for verdict what
+    the main thread computes; a batch that overruns its limit is verified again one by one."""
+    pairs = [("The answer is 42.", "42"), ("So 41.", "42"), ("no number here", "42"), ("It is 84/2", "42"),
+             ("Total: 1,000 dollars", "1,000")]
+    want = V.math_verdicts(pairs)  # the main thread: no child
+    assert [v.correct for v in want] == [True, False, False, False, True]
+    calls = []
+    real = V._in_child
+    monkeypatch.setattr(V, "_in_child", lambda fn, args, *a, **k: calls.append(fn.__name__) or real(fn, args, *a, **k))
+    out = []
+    worker = threading.Thread(target=lambda: out.append(V.math_verdicts(pairs)))
+    worker.start()
+    worker.join(120)
+    assert out == [want] and calls == ["_math_verdicts_here"]
+
+    def overrun(fn, args, *a, **k):  # the batch's call times out; the per-sample calls run
+        calls.append(fn.__name__)
+        return Verdict(0.0, False, "timed out") if fn is V._math_verdicts_here else real(fn, args, *a, **k)
+
+    monkeypatch.setattr(V, "_in_child", overrun)
+    calls.clear()
+    worker = threading.Thread(target=lambda: out.append(V.math_verdicts(pairs)))
+    worker.start()
+    worker.join(120)
+    assert out[1] == want and calls == ["_math_verdicts_here"] + ["_math_verdict_here"] * len(pairs)
+
+
+def test_the_built_math_verifier_verifies_a_batch_as_one_by_one():
+    verifier = VERIFIER.validate_python(V.verifier_shorthand("math")).build()
+    items = [(Trajectory.single(Problem(f"d:{i}", "d", "q", a), r), a, {}) for i, (r, a) in
+             enumerate([("The answer is 7.", "7"), ("8", "7"), ("", "7")])]
+    assert verifier.many(items) == [verifier(*item) for item in items]
+    assert [v.correct for v in verifier.many(items)] == [True, False, False]
+
+
 def test_regex_extracts_the_last_match_and_compares_it():
     spec = {"type": "regex", "pattern": r"#### *(\S+)"}
     assert _judge(spec, "#### 7\nwork\n#### 42", "42").correct
