@@ -90,9 +90,9 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
-from model.checkpoint import publish_directory, read_manifest, verify_files, write_safetensors
+from model.checkpoint import publish_directory, read_manifest, verify_files
 from rl.faults import fault_point
 from rollout.types import ROLLOUT_STATE_FORMAT
 
@@ -180,7 +180,7 @@ def unflatten_tree(skeleton, tensors: dict[str, torch.Tensor]):
 
 def save_tree(tree, directory: str | Path, json_name: str = TRAINER_JSON, tensors_name: str = TRAINER_TENSORS) -> None:
     skeleton, tensors = flatten_tree(tree)
-    write_safetensors(tensors, Path(directory) / tensors_name, metadata={"format": str(FORMAT_VERSION)})
+    save_file(tensors, str(Path(directory) / tensors_name), metadata={"format": str(FORMAT_VERSION)})
     (Path(directory) / json_name).write_text(json.dumps({"format": FORMAT_VERSION, "tree": skeleton}))
 
 
