@@ -45,18 +45,25 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish_directory(tmp: Path, final: Path, manifest: dict, before_manifest: Callable[[], None] | None = None) -> Path:
+def synced_entry(path: Path) -> dict:
+    """A file's manifest entry ({"bytes", "blake2b"}), after an fsync of it."""
+    with Path(path).open("rb") as f:
+        os.fsync(f.fileno())
+    return {"bytes": Path(path).stat().st_size, "blake2b": file_digest(path)}
+
+
+def publish_directory(tmp: Path, final: Path, manifest: dict, before_manifest: Callable[[], None] | None = None,
+                      known: dict[str, dict] | None = None) -> Path:
     """Make the filled directory `tmp` appear as `final` (which must not exist), atomically and durably.
 
     Every file of `tmp` is fsynced; then MANIFEST.json = `manifest` plus {"files": {name: {"bytes",
     "blake2b"}}} is written last and fsynced (`before_manifest` runs just before it: rl's fault point);
-    then `os.replace(tmp, final)` and an fsync of the parent make the rename durable."""
+    then `os.replace(tmp, final)` and an fsync of the parent make the rename durable. `known`: entries
+    (`synced_entry`) that the files' writers made already, by file name; the others are made here."""
     tmp, final = Path(tmp), Path(final)
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
-    for p in files:
-        with p.open("rb") as f:
-            os.fsync(f.fileno())
-    body = dict(manifest, files={p.name: {"bytes": p.stat().st_size, "blake2b": file_digest(p)} for p in files})
+    known = known or {}
+    body = dict(manifest, files={p.name: known[p.name] if p.name in known else synced_entry(p) for p in files})
     if before_manifest is not None:
         before_manifest()
     with (tmp / MANIFEST).open("w") as f:

@@ -417,6 +417,7 @@ class AsyncGRPO:
             t_sig = time.perf_counter()
             held = policy.interrupt()
             clock.interrupt_s.append(time.perf_counter() - t_sig)
+            job.checkpointer.poll(job)  # a background checkpoint whose files are written is committed here
 
             metrics = self.train_step(batch, held)
             self.step = step + 1

@@ -272,9 +272,11 @@ class CheckpointManager:
         tmp.mkdir()
         return tmp
 
-    def commit(self, tmp: Path, global_step: int, controller: dict, stage_end: dict | None = None) -> Path:
+    def commit(self, tmp: Path, global_step: int, controller: dict, stage_end: dict | None = None,
+               known: dict[str, dict] | None = None) -> Path:
         """Write the controller record and the manifest, rename into place, prune. `controller` must be a
-        plain record (check_plain); `stage_end` ({stage, type, eval}) marks a stage-end checkpoint."""
+        plain record (check_plain); `stage_end` ({stage, type, eval}) marks a stage-end checkpoint; `known`: the
+        manifest entries the workers made of their files (model/checkpoint.py `publish_directory`)."""
         check_plain(controller, "controller")
         check_plain(stage_end, "stage_end")
         (tmp / CONTROLLER).write_text(json.dumps({"format": FORMAT_VERSION, **controller}))
@@ -282,7 +284,7 @@ class CheckpointManager:
         final = self.root / f"step-{global_step:08d}-{max(taken, default=-1) + 1:03d}"
         manifest = {"format": FORMAT_VERSION, "global_step": global_step, "created_at": time.time(),
                     "rollout_state_format": ROLLOUT_STATE_FORMAT, "stage_end": stage_end}
-        publish_directory(tmp, final, manifest, before_manifest=lambda: fault_point("checkpoint_write"))
+        publish_directory(tmp, final, manifest, before_manifest=lambda: fault_point("checkpoint_write"), known=known)
         self._prune()
         return final
 

@@ -402,6 +402,11 @@ class CheckpointConfig(StrictConfig):
     """Write one every N train steps (counted over all stages); 0: only at stage ends and on SIGTERM."""
     keep_last: int = Field(3, gt=0)
     """Keep the newest K checkpoints, and every stage-end one; the others are deleted after a new one is complete."""
+    background: bool = True
+    """Periodic checkpoints copy the state into host memory at the token boundary and write their files on a thread of
+    each worker while training goes on; the checkpoint is committed (manifest, rename) at the first train step after
+    every write is done, and before the next checkpoint. Stage-end and preemption checkpoints are written in place.
+    A crash before the commit leaves the previous checkpoint as the newest, as a crash inside a write does."""
 
 
 class LoggingConfig(StrictConfig):

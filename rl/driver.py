@@ -59,6 +59,7 @@ def run_sft(job: Job, stage: SFTStage, stage_idx: int) -> StageResult:
         metrics = timed_train_step(policy, [batch.select(part) for part in parts], stage)
         job.advance_version()
         job.record_train_step(stage, step, metrics)
+        job.checkpointer.poll(job)
     return StageResult(job.stage_end_checkpoint(stage_idx, record(step + 1)))  # a longer budget continues from here
 
 

@@ -2,7 +2,8 @@
 makes the process SIGKILL itself (with `:STOP`, SIGSTOP: a hung process; with `:SLEEP<s>`, it sleeps s seconds:
 a slow one) the n-th time it reaches `fault_point("<point>")`; `@<rank>` limits it to the policy worker of that
 rank; several specs are separated by commas. Points: `checkpoint_write` (checkpoint files written, manifest not
-yet), `train` (optimizer step taken, store not yet told), and in the policy workers `worker_init` (a worker is
+yet), `train` (optimizer step taken, store not yet told), and in the policy workers `checkpoint_background` (a
+background checkpoint write begins, on its thread), `worker_init` (a worker is
 being built), `worker_rollout` (a rollout slice begins) and `worker_train` (a train step begins).
 Ray actors get the variable from the driver (rl/runtime.py). Unset, a fail point is one dictionary lookup."""
 

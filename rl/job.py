@@ -220,7 +220,7 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
         yield Job(recipe, run_dir, runtime.policy, runtime.rewards, store, logger,
                   Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
                            tools=recipe.tools.declared() if recipe.tools else None),
-                  Checkpointer(manager, recipe.checkpoint.every_steps, resume_from), progress, state, say)
+                  Checkpointer(manager, recipe.checkpoint.every_steps, resume_from, recipe.checkpoint.background), progress, state, say)
     finally:
         if runtime is not None:
             runtime.shutdown()

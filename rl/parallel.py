@@ -150,6 +150,13 @@ class Single:
         if self.rank == 0:
             write_weights(self.model, directory)
 
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The model's state_dict as full CPU tensors of their own on rank 0 (None elsewhere): a snapshot that training
+        may go on from (a background checkpoint write); every rank must call it."""
+        if self.rank != 0:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
     def load_weights(self, directory: str | Path) -> int | None:
         """The checkpoint's weights into the trainer's module, in place; returns the tensor bytes read when counted."""
         load_weights_into(self.model, directory)

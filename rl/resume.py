@@ -17,6 +17,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,10 +106,13 @@ class Checkpointer:
     """When to write a checkpoint, writing it, and handing a resumed job its state back. Without a
     manager (a test or bench driving one stage) nothing is written or restored."""
 
-    def __init__(self, manager: CheckpointManager | None, every_steps: int = 0, resume_from: ResumePoint | None = None):
+    def __init__(self, manager: CheckpointManager | None, every_steps: int = 0, resume_from: ResumePoint | None = None,
+                 background: bool = False):
         self.manager, self.every_steps, self.resume_from = manager, every_steps, resume_from
+        self.background = background
         self.guard: PreemptionGuard | None = None
         self.last_step = resume_from.global_step if resume_from else -1
+        self.pending: tuple[Path, int, dict, float] | None = None  # a background write: (tmp, step, record, t0)
 
     def wanted(self, global_step: int) -> bool:
         """A checkpoint is due here: every `every_steps` train steps (once per step), or after a signal."""
@@ -121,31 +125,64 @@ class Checkpointer:
     def save(self, job: "Job", stage_idx: int, stage_record: dict, stage_end: dict | None = None) -> Path | None:
         """Write a resumable checkpoint; call with every engine interrupted and rewards collected.
         `stage_end`: the stage-end marker (stage, type, held-out metrics). After a preemption request,
-        raises `Preempted` once it is written."""
+        raises `Preempted` once it is written. A periodic one is written in the background (`background`):
+        returns None then; `poll` or the next `save` commits it."""
         if self.manager is None:
             return None
+        self.finish(job)
         state = job.state
+        preempting = self.guard is not None and self.guard.requested
+        background = self.background and stage_end is None and not preempting
         tmp = self.manager.begin(state.global_step)
         driver = {"stage_idx": stage_idx, "stage_type": job.recipe.stages[stage_idx].type, "global_step": state.global_step,
                   "stage_minutes": state.stage_minutes_before + (time.monotonic() - state.stage_t0) / 60,
                   "watermark": job.store.watermark(state.global_step), "summary": dict(state.summary),
                   "recipe_yaml": recipe_to_yaml(job.recipe), "num_workers": len(job.policy), "stage_end": stage_end}
+        record = controller_to_record(driver, stage_record)
+        t0 = time.monotonic()
+        with self._write_errors(tmp, state.global_step):
+            job.policy.save(str(tmp), background)
+        self.last_step = state.global_step
+        if background:
+            self.pending = (tmp, state.global_step, record, t0)
+            return None
+        with self._write_errors(tmp, state.global_step):
+            path = self.manager.commit(tmp, state.global_step, record, stage_end=stage_end)
+        job.logger.log({"checkpoint/global_step": state.global_step}, step=state.global_step)
+        if preempting:
+            raise Preempted(str(path))
+        return path
+
+    def poll(self, job: "Job") -> None:
+        """Commit a background checkpoint whose files are all written (cheap to call once per train step)."""
+        if self.pending is not None and job.policy.saves_done():
+            self.finish(job)
+
+    def finish(self, job: "Job") -> Path | None:
+        """Wait for the background checkpoint's files and commit it (nothing pending: None)."""
+        if self.pending is None:
+            return None
+        tmp, step, record, t0 = self.pending
+        self.pending = None
+        with self._write_errors(tmp, step):
+            path = self.manager.commit(tmp, step, record, known=job.policy.wait_saved())
+        job.logger.log({"checkpoint/global_step": step, "checkpoint/background_s": time.monotonic() - t0},
+                       step=job.state.global_step)
+        return path
+
+    @contextmanager
+    def _write_errors(self, tmp: Path, global_step: int):
+        """A full disk, a quota (a Ray worker's error too): stop with the previous checkpoint intact, in one line."""
         try:
-            job.policy.save(str(tmp))
-            path = self.manager.commit(tmp, state.global_step, controller_to_record(driver, stage_record), stage_end=stage_end)
-        except OSError as e:  # a full disk, a quota: stop with the previous checkpoint intact (a Ray worker's error too)
+            yield
+        except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             cause = getattr(e, "cause", None) or e
             last = self.manager.latest()
             raise CheckpointError(
-                f"the checkpoint of train step {state.global_step} could not be written ({type(cause).__name__}: "
+                f"the checkpoint of train step {global_step} could not be written ({type(cause).__name__}: "
                 f"{str(cause).splitlines()[0]}); stopping. The run resumes from "
                 + (f"{last.name}" if last is not None else "its start") + " once the disk has room") from None
-        self.last_step = state.global_step
-        job.logger.log({"checkpoint/global_step": state.global_step}, step=state.global_step)
-        if self.guard is not None and self.guard.requested:
-            raise Preempted(str(path))
-        return path
 
     def restore_stage(self, job: "Job") -> dict | None:
         """At a stage's start, once after a resume: the checkpoint's weights, optimizer and RNG go to the

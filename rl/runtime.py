@@ -280,8 +280,15 @@ class PolicyGroup:
     def add_teachers(self, specs: list[TeacherSpec]) -> None:
         self._all(PolicyWorker.add_teachers, specs)
 
-    def save(self, directory: str) -> None:
-        self._all(PolicyWorker.save, directory)
+    def save(self, directory: str, background: bool = False) -> None:
+        self._all(PolicyWorker.save, directory, background)
+
+    def wait_saved(self) -> dict[str, dict]:
+        """Every worker's background checkpoint write is done (its error raised); their files' manifest entries."""
+        return {name: entry for entries in self._all(PolicyWorker.wait_saved) for name, entry in entries.items()}
+
+    def saves_done(self) -> bool:
+        return all(self._all(PolicyWorker.save_done))
 
     def load(self, directory: str) -> None:
         self._all(PolicyWorker.load, directory)

@@ -11,7 +11,9 @@ on every worker, in-process or as Ray actors. Several workers train data-paralle
 
 from __future__ import annotations
 
+import copy
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -23,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 import msgpack
 
-from model.checkpoint import load_weights_into
+from model.checkpoint import load_weights_into, synced_entry, write_weights
 from model.decoder import Decoder
 from model.pretrained import build_decoder, load_pretrained_into
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
@@ -125,6 +127,37 @@ def refresh_rollout_copy(twin: Decoder, model: Decoder) -> None:
         d.copy_(b)
 
 
+def _host_copy(tree):
+    """A state_dict tree with every tensor copied into host memory of its own (the rest deep-copied)."""
+    if torch.is_tensor(tree):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _host_copy(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_host_copy(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
+class _Writer(threading.Thread):
+    """Runs one checkpoint write; `join` raises what it raised."""
+
+    def __init__(self, write):
+        super().__init__(name="checkpoint-writer", daemon=True)
+        self.write, self.error, self.result = write, None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.write()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller of join
+            self.error = e
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
 class PolicyWorker:
     def __init__(self, recipe: Recipe, *, rank: int = 0, world_size: int = 1, num_threads: int | None = None):
         """World size > 1: `join_process_group` before the first train step (rl/runtime.py calls it)."""
@@ -152,6 +185,7 @@ class PolicyWorker:
         self.pool: TeacherPool | None = None  # OPD stages: the teachers (teachers/pool.py)
         self.reference: Decoder | None = None  # the run's initial policy, frozen (stages with kl_ref_coef > 0)
         self._held: list[RolloutState] = []  # in-flight states parked in host memory during TRAIN
+        self._writer: _Writer | None = None  # a background checkpoint write (`save`)
 
     # -- data parallel -------------------------------------------------------------------------------
     def rendezvous_address(self) -> str:
@@ -301,27 +335,64 @@ class PolicyWorker:
         return self.trainer.train_step(batch, objective)
 
     # -- checkpoint (rl/checkpoint.py) ------------------------------------------------------------------
-    def save(self, directory: str) -> int:
+    def save(self, directory: str, background: bool = False) -> int:
         """Rank 0 writes weights and the trainer state (optimizer, LR schedule, RNG: safetensors + JSON,
         rl/checkpoint.py); every rank writes its parked states (with tools, each with its sandbox work directory as
         its pending call found it: rl/tool_turns.py). Call while interrupted. Returns the bytes
-        of in-flight state written by this rank."""
-        from rl.checkpoint import inflight_file, save_tree
+        of in-flight state written by this rank. `background`: the state is copied into host memory here and the
+        files are written by a thread while the worker goes on (`wait_saved` joins it and raises its error)."""
+        from rl.checkpoint import TRAINER_JSON, TRAINER_TENSORS, inflight_file, save_tree
 
-        self.parallel.write_weights(directory)  # full tensors, gathered under FSDP2: every rank takes part
+        self.wait_saved()
+        weights = self.parallel.full_state_dict() if background else None  # host copies (rank 0), or None
         optimizer = self.parallel.full_optimizer_state(self.trainer.opt) if self.trainer else None
+        trainer = None
         if self.rank == 0:
-            save_tree({"optimizer": optimizer,
-                       "scheduler": self.trainer.sched.state_dict() if self.trainer else None,
+            trainer = {"optimizer": _host_copy(optimizer) if background else optimizer,
+                       "scheduler": copy.deepcopy(self.trainer.sched.state_dict()) if self.trainer else None,
                        "torch_rng": torch.get_rng_state(),
-                       "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, directory)
+                       "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         held = self._held
         if self.tools is not None:  # each sample's sandbox files as its pending call found them (rl/tool_turns.py)
             kept = self.tools.workdirs([s.request.sample_id for s in held])
             held = [replace(s, workdir=kept[s.request.sample_id]) for s in held]
         blob = msgpack.packb([s.to_bytes() for s in held])
-        inflight_file(directory, self.rank).write_bytes(blob)
+
+        def write() -> dict[str, dict]:
+            if background:
+                fault_point("checkpoint_background", self.rank)
+                if self.rank == 0:
+                    write_weights(self.parallel.model, directory, state=weights)
+            else:
+                self.parallel.write_weights(directory)  # full tensors, gathered under FSDP2: every rank takes part
+            if trainer is not None:
+                save_tree(trainer, directory)
+            mine = inflight_file(directory, self.rank)
+            mine.write_bytes(blob)
+            if not background:
+                return {}
+            # the manifest's entries of this worker's files, made here (fsync, digest) instead of at the commit
+            names = [mine.name] + (["model.safetensors", "config.json", TRAINER_JSON, TRAINER_TENSORS] if self.rank == 0 else [])
+            return {n: synced_entry(Path(directory) / n) for n in names}
+
+        if not background:
+            write()
+            return len(blob)
+        self._writer = _Writer(write)
         return len(blob)
+
+    def wait_saved(self) -> dict[str, dict]:
+        """Wait for a background checkpoint write (`save(..., background=True)`); raises what it raised, else returns
+        the manifest entries of the files it wrote (model/checkpoint.py `synced_entry`)."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return {}
+        writer.join()
+        return writer.result
+
+    def save_done(self) -> bool:
+        """No background checkpoint write is still running (a finished one is collected by `wait_saved`)."""
+        return self._writer is None or not self._writer.is_alive()
 
     def load(self, directory: str) -> None:
         """Weights, optimizer, LR schedule and RNG from a checkpoint (after `begin_stage`)."""

@@ -22,12 +22,12 @@ def test_a_full_disk_stops_the_job_and_keeps_the_last_checkpoint(tmp_path, monke
     recipe, run = load_recipe(path), tmp_path / "run"
     real, calls = ck.publish_directory, []
 
-    def fills_up(tmp, final, manifest, before_manifest=None):
+    def fills_up(tmp, final, manifest, before_manifest=None, **kwargs):
         calls.append(final.name)
         if len(calls) == 2:  # the second checkpoint: the disk is full
             (tmp / "model.safetensors").write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(tmp, final, manifest, before_manifest)
+        return real(tmp, final, manifest, before_manifest, **kwargs)
 
     monkeypatch.setattr(ck, "publish_directory", fills_up)
     with pytest.raises(CheckpointError) as e:

@@ -14,8 +14,10 @@ import sqlite3
 import subprocess
 import sys
 import time
-
+from dataclasses import replace
 from pathlib import Path
+
+import msgpack
 
 import pytest
 import yaml
@@ -23,6 +25,7 @@ import yaml
 from model.checkpoint import file_digest
 from rl.checkpoint import CheckpointManager, inflight_file
 from rl.store import TrajectoryStore, recorded_train_steps
+from rollout.types import RolloutState
 
 pytestmark = pytest.mark.integration
 
@@ -115,6 +118,41 @@ def test_sigterm_mid_rollout_then_resume_equals_uninterrupted(recipe_file, refer
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "grpo_acc=" in resumed.stdout.splitlines()[-1]
     _assert_same_as_reference(run_dir, reference)
+
+
+def test_background_checkpoints_hold_the_files_a_synchronous_write_makes(recipe_file, reference, tmp_path):
+    """Periodic checkpoints written in the background (`checkpoint.background`, the default; the first write held
+    back 1 s by a fail point while training goes on) hold byte for byte the weights, optimizer, RNG and in-flight
+    samples of a run that writes them in place: the state was copied at the token boundary, not read later."""
+    recipe = yaml.safe_load(recipe_file.read_text())
+    recipe["checkpoint"]["keep_last"] = 100  # every periodic checkpoint kept and compared, the held-back first one too
+    for name, background in (("in_place", False), ("background", True)):
+        recipe["checkpoint"]["background"] = background
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
+        env = {"ASYNCRL_FAULT": "checkpoint_background:1:SLEEP1.0"} if background else None
+        proc = _run("train", str(tmp_path / f"{name}.yaml"), "--run-dir", str(tmp_path / name), env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        _assert_same_as_reference(tmp_path / name, reference)
+
+    def files(run_dir):
+        out = {}
+        for ckpt in CheckpointManager(Path(run_dir) / "checkpoints").complete():
+            manifest = json.loads((ckpt / "MANIFEST.json").read_text())
+            got = {name: entry["blake2b"] for name, entry in manifest["files"].items()
+                   if name not in ("controller.json", "inflight-w0.msgpack")}
+            # in-flight samples whole, but for the seconds each has spent generating (wall time)
+            got["inflight"] = [replace(RolloutState.from_bytes(b), generate_s=0.0).to_bytes()
+                               for b in msgpack.unpackb(inflight_file(ckpt, 0).read_bytes())]
+            out[manifest["global_step"], manifest["stage_end"] is not None] = got
+        return out
+
+    background, in_place = files(tmp_path / "background"), files(tmp_path / "in_place")
+    periodic = [k for k in background if not k[1]]
+    assert periodic and background.keys() == in_place.keys()  # periodic (background) and stage-end checkpoints
+    for key in background:
+        assert background[key] == in_place[key], key
+        assert {"model.safetensors", "trainer.safetensors", "trainer.json"} <= background[key].keys()
+    assert any(background[k]["inflight"] for k in periodic)  # samples were in flight at a background checkpoint
 
 
 @pytest.mark.parametrize("how", ["external", "checkpoint_write", "train"])
