@@ -406,7 +406,8 @@ class CheckpointConfig(StrictConfig):
     """Periodic checkpoints copy the state into host memory at the token boundary and write their files on a thread of
     each worker while training goes on; the checkpoint is committed (manifest, rename) at the first train step after
     every write is done, and before the next checkpoint. Stage-end and preemption checkpoints are written in place.
-    A crash before the commit leaves the previous checkpoint as the newest, as a crash inside a write does."""
+    A crash before the commit leaves the previous checkpoint as the newest, as a crash inside a write does. Costs host
+    memory for one copy of the weights and optimizer state (rank 0) while a write runs."""
 
 
 class LoggingConfig(StrictConfig):
