@@ -173,7 +173,7 @@ def build(shape: str, device: str, kv: str = "bf16", max_pos: int = 4096) -> Dec
 
 def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float]) -> None:
     """ms/step of the engine as configured by default (steps overlapped on CUDA, tokens sampled inside the decode
-    graph, by one kernel on CUDA), next to the same engine with the sampler's eager ops, sampling after the replay (`sample_in_graph: false`) and to plain steps (each
+    graph, by the sampling kernels on CUDA), next to the same engine with the sampler's eager ops, sampling after the replay (`sample_in_graph: false`) and to plain steps (each
     read before the next is launched), in turn per batch in one run; tokens dropped per generated token; FP4 KV
     against bf16 at batch 64 (the same weights)."""
     prompt, new = (128, 256) if device == "cuda" else (16, 32)
@@ -191,7 +191,7 @@ def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float
                     continue
                 ms_after = engine_ms_per_step(model, b, prompt, new, device, overlap=True, sample_in_graph=False)[0]
                 ms_off = engine_ms_per_step(model, b, prompt, new, device, overlap=False)[0]
-                sampling.SAMPLE_KERNEL = False  # the sampler's eager ops (~40 kernels) in place of its one kernel
+                sampling.SAMPLE_KERNEL = False  # the sampler's eager ops (~40 kernels) in place of its three
                 try:
                     ms_eager_sampler = engine_ms_per_step(model, b, prompt, new, device, overlap=True)[0]
                 finally:

@@ -15,7 +15,7 @@ block_size slots, masked beyond each row's position, for SDPA. Either way the sh
 past the batch are invalid: their K/V go to the cache's scratch slot (`PagedKVCache.write` sends slot −1
 there), they have no context, and their logits are ignored. A
 step is one host-to-device copy of the input buffer and one replay; the graph also samples each row's next token
-(the counter-based sampler at top_p = 1, `EngineConfig.sample_in_graph`; on CUDA one kernel, model/kernels/sampling.py), which the engine reads when the step
+(the counter-based sampler at top_p = 1, `EngineConfig.sample_in_graph`; on CUDA three kernels, model/kernels/sampling.py), which the engine reads when the step
 has no prefill, no tool output and no top_p < 1 row, and otherwise samples the logits after the replay.
 
 The graphs read the model's parameters and the cache's tensors where they are: the trainer updates the
@@ -89,7 +89,7 @@ class DecodeGraphs:
     def _forward(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The captured computation: input buffer [b, _COLS + max_blocks] -> (next-token logits [b, V] in the
         head's dtype, the rows' tokens and logprobs sampled from them [2, b] float64, as
-        `rollout/sampling.sample_tokens` draws them for top_p = 1 (on CUDA one kernel: model/kernels/sampling.py); MoE: the
+        `rollout/sampling.sample_tokens` draws them for top_p = 1 (on CUDA three kernels: model/kernels/sampling.py); MoE: the
         expert ids each row's token chose [b, num_layers, top_k], else None)."""
         bs, S = self.cache.block_size, self.max_blocks * self.cache.block_size
         ids, pos, valid, tables = buf[:, 0:1], buf[:, 1:2], buf[:, 2:3], buf[:, _COLS:]

@@ -15,7 +15,7 @@ import os
 import torch
 
 SAMPLE_KERNEL = os.environ.get("ASYNCRL_SAMPLE_KERNEL", "1") == "1"
-"""On CUDA, top_p = 1 rows are sampled by model/kernels/sampling.py (one kernel instead of ~40 over float32
+"""On CUDA, top_p = 1 rows are sampled by model/kernels/sampling.py (three kernels instead of ~40 over float32
 copies of the logits); `ASYNCRL_SAMPLE_KERNEL=0` (or False here, as benches do) keeps the eager ops."""
 
 _M32 = 0xFFFFFFFF
