@@ -31,7 +31,7 @@ from rl.job import open_job
 POLICIES = ("sync", "batch", "prompt", "sample")
 
 
-def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, prefill_interval: int = 1) -> Recipe:
+def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, prefill_interval: int | None = None) -> Recipe:
     inflight = a.prompts * a.group
     ray = a.ray if ray is None else ray
     return Recipe.model_validate({
@@ -53,7 +53,7 @@ def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, 
 
 
 def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = True, tag: str = "",
-        prefill_interval: int = 1) -> dict:
+        prefill_interval: int | None = None) -> dict:
     recipe = recipe_for(policy, a, ray, pipelined, prefill_interval)
     run_dir = out / (tag or policy)
     run_dir.mkdir(parents=True)

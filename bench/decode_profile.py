@@ -118,10 +118,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shape", default="qwen3")
+    ap.add_argument("--kv", default="bf16", choices=["bf16", "fp8", "fp4"], help="the KV cache's storage format")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     shape, prompt, steps = ("tiny", 16, 20) if device == "cpu" else (args.shape, 128, 200)
-    model = build(shape, device)
+    model = build(shape, device, args.kv)
     result = {}
     for b in (1, 64):
         m = measure(model, b, prompt, device, steps)

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from model.kernels import gemv
 from model.config import DenseFFNConfig, ModelConfig
 from model.decoder import Decoder
 from rollout.config import EngineConfig
@@ -196,7 +197,14 @@ def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float
                     ms_eager_sampler = engine_ms_per_step(model, b, prompt, new, device, overlap=True)[0]
                 finally:
                     sampling.SAMPLE_KERNEL = True
-                print(f"{shape:<9}bf16  batch {b:>4}: {ms_on:.3f} ms/step; eager sampler ops {ms_eager_sampler:.3f}; "
+                gemv.GEMV_KERNEL = False  # every linear through cuBLAS (F.linear), none through the skinny kernel
+                try:
+                    ms_cublas = engine_ms_per_step(model, b, prompt, new, device, overlap=True)[0]
+                finally:
+                    gemv.GEMV_KERNEL = True
+                result[f"{shape}_cublas_linear_ms_per_step_b{b}"] = ms_cublas
+                print(f"{shape:<9}bf16  batch {b:>4}: {ms_on:.3f} ms/step; cuBLAS linears {ms_cublas:.3f}; "
+                      f"eager sampler ops {ms_eager_sampler:.3f}; "
                       f"sampling after the replay {ms_after:.3f}; plain steps {ms_off:.3f} ({ms_off / ms_on:.2f}x); "
                       f"graph-sampled steps {eng.stats.graph_sampled_steps}/{eng.stats.decode_steps}", flush=True)
                 result[f"{shape}_eager_sampler_ms_per_step_b{b}"] = ms_eager_sampler
@@ -206,6 +214,10 @@ def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float
             del model
             if device == "cuda":
                 torch.cuda.empty_cache()
+    for (m, n, k, dtype, bias), (chosen, ours, theirs, tile) in sorted(gemv.decisions.items(), key=str):
+        print(f"linear {m}x{k} -> {n} {str(dtype).removeprefix('torch.')}{' +bias' if bias else ''}: skinny kernel "
+              f"{ours:.2f} us (tile {tile}), cuBLAS {theirs:.2f} us in graph replay: {'kernel' if chosen else 'cuBLAS'}",
+              flush=True)
 
 
 def main() -> None:

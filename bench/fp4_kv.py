@@ -150,7 +150,8 @@ def bench_attention(contexts: list[int], B: int, H: int, kvh: int, d: int, page:
             # words or bytes, tokens per tile, warps, split count (None: the default heuristic)
             import model.kernels.decode_attention as da
 
-            for bn, w, splits in [(64, 4, None), (64, 4, 6), (64, 4, 8), (128, 4, None)]:
+            for bn, w, splits in [(64, 4, None), (64, 4, 6), (64, 4, 8), (128, 4, None), (32, 4, None), (64, 2, None),
+                                  (64, 4, 2)]:
                 t16 = _time(lambda: run16(block_n=bn, num_warps=w, num_splits=splits), iters)
                 print(f"  sweep ctx={ctx} bf16 block_n={bn} warps={w} splits={splits}: {t16 * 1e6:.1f} us")
                 res[f"sweep_ctx{ctx}_bf16_bn{bn}_w{w}_s{splits}_us"] = t16 * 1e6
@@ -158,6 +159,8 @@ def bench_attention(contexts: list[int], B: int, H: int, kvh: int, d: int, page:
             for dec, words, bn, w, splits in [
                 (0, False, 128, 4, 5), (2, False, 128, 4, None), (2, False, 128, 4, 4), (2, True, 128, 4, None),
                 (2, True, 128, 4, 5), (2, True, 128, 4, 8), (2, True, 128, 4, 12), (2, True, 64, 4, None),
+                (2, True, 32, 4, None), (2, True, 64, 2, None), (2, True, 64, 4, 2), (2, True, 32, 2, None),
+                (3, True, 64, 4, None), (0, False, 64, 4, None), (2, True, 64, 4, 4),
             ]:
                 da.FP4_SC_WORDS = words
                 o = run4(block_n=bn, num_warps=w, num_splits=splits, fp4_decode=dec)
@@ -190,6 +193,7 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=64, help="KV block size in tokens")
     ap.add_argument("--sweep", action="store_true", help="also time other launch shapes (GPU)")
     ap.add_argument("--sweep-contexts", default=None, help="contexts the attention sweep runs at (comma list)")
+    ap.add_argument("--contexts", default=None, help="GPU: the contexts timed (comma list; default 8K..128K)")
     ap.add_argument("--no-quant", action="store_true", help="skip the quantise / dequantise figures")
     ap.add_argument("--no-attn", action="store_true", help="skip the decode attention figures")
     ap.add_argument("--json", default=None)
@@ -223,6 +227,8 @@ def main() -> None:
 
     if gpu:
         contexts, B, H, kvh, d, page, iters = [8192, 16384, 32768, 65536, 131072], a.batch, a.q_heads, a.kv_heads, a.head_dim, a.page, 20
+        if a.contexts:
+            contexts = [int(c) for c in a.contexts.split(",")]
     else:  # interpreter smoke run: small shapes
         contexts, B, H, kvh, d, page, iters = [128, 512], 2, 8, 2, 64, 16, 1
     sweep_ctx = tuple(int(c) for c in a.sweep_contexts.split(",")) if a.sweep_contexts else (contexts[len(contexts) // 2],)

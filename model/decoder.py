@@ -139,7 +139,7 @@ class Attention(nn.Module):
         """The rollout path (model/fused.py): q/k/v from one GEMM over the fused weights, then qk-norm, RoPE
         and, with a bf16-format cache, the K/V write in one kernel; attention as in `forward` after that."""
         fw = self.rollout_weights
-        qkv = F.linear(x, fw.weight, fw.bias)  # [B, T, (H + 2·KVH)·D]
+        qkv = fused.linear(x, fw.weight, fw.bias)  # [B, T, (H + 2·KVH)·D]
         norm_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         if not fused.use_kernels(qkv):
@@ -172,7 +172,7 @@ class Attention(nn.Module):
             if not written:
                 batch.cache.write(self.layer_idx, batch.slot_mapping, k, v, read_back=False)
             out = batch.cache.attend(self.layer_idx, q[:, 0], batch.block_table, batch.context_lens)  # [B, H, D]
-            return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+            return fused.linear(out.reshape(B, T, self.num_heads * self.head_dim), self.o_proj.weight)
         else:
             # Decode: write this step's K/V, then attend over the sequence's cached context.
             if not written:
@@ -199,11 +199,11 @@ class SwiGLU(nn.Module):
 
     def forward_rollout(self, x: torch.Tensor) -> torch.Tensor:
         """The rollout path (model/fused.py): gate and up as one GEMM, silu(gate)·up as one kernel."""
-        gate_up = F.linear(x, self.rollout_weights.weight)
+        gate_up = fused.linear(x, self.rollout_weights.weight)
         if fused.use_kernels(gate_up):
             from model.kernels import decode_fused
 
-            return self.down_proj(decode_fused.silu_mul(gate_up))
+            return fused.linear(decode_fused.silu_mul(gate_up), self.down_proj.weight)
         return self.down_proj(fused.silu_mul_eager(gate_up))
 
 

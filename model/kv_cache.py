@@ -348,20 +348,37 @@ class PagedKVCache:
         fmt = "dense" if not self.format.quantised else self.format.name
         return decode_attention(q, k, v, block_table, context_lens, self.block_size, kv_format=fmt)
 
-    def export(self, slots: list[int]) -> dict[str, torch.Tensor]:
-        """Copy the given slots of every layer to host memory, in the storage format:
-        {"k", "v"} [L, n, KVH, ...] (+ {"k_scale", "v_scale"} for quantised formats)."""
-        idx = torch.tensor(slots, dtype=torch.long, device=self.k.device)
-        return {n: t[:, idx].to("cpu", copy=True) for n, t in self._tensors().items()}
+    def export(self, slot_lists: list[list[int]], to_host: bool = True) -> list[dict[str, torch.Tensor]]:
+        """Copy each sequence's slots of every layer out of the pool, in the storage format: one gather per pool
+        tensor for all of them, then (`to_host`) one copy to host memory; each sequence gets views of the copy:
+        {"k", "v"} [L, n, KVH, ...] (+ {"k_scale", "v_scale"} for quantised formats). A per-sequence gather and
+        copy (a sync each) cost ~0.1 ms a sequence on an H200, ~60 s of an 8-minute GRPO run (BENCHMARKS.md)."""
+        flat = [i for slots in slot_lists for i in slots]
+        idx = torch.tensor(flat, dtype=torch.long, device=self.k.device)
+        out = {n: t[:, idx] for n, t in self._tensors().items()}
+        if to_host:
+            out = {n: t.to("cpu") for n, t in out.items()}
+        views, start = [], 0
+        for slots in slot_lists:
+            views.append({n: t[:, start:start + len(slots)] for n, t in out.items()})
+            start += len(slots)
+        return views
 
-    def load(self, slots: list[int], tensors: dict[str, torch.Tensor]) -> None:
-        """Inverse of `export`: write stored bytes back into the given slots, untouched."""
+    def load(self, pairs: list[tuple[list[int], dict[str, torch.Tensor]]]) -> None:
+        """Inverse of `export`: write stored bytes back into the given slots, untouched; all pairs (slots,
+        tensors) in one scatter per pool tensor."""
         mine = self._tensors()
-        if tensors.keys() != mine.keys():
-            raise ValueError(f"KV state has {sorted(tensors)}; a {self.format.name} cache stores {sorted(mine)}")
-        idx = torch.tensor(slots, dtype=torch.long, device=self.k.device)
+        for _, tensors in pairs:
+            if tensors.keys() != mine.keys():
+                raise ValueError(f"KV state has {sorted(tensors)}; a {self.format.name} cache stores {sorted(mine)}")
+        if not pairs:
+            return
+        idx = torch.tensor([i for slots, _ in pairs for i in slots], dtype=torch.long, device=self.k.device)
         for n, t in mine.items():
-            t[:, idx] = tensors[n].to(t.device, t.dtype)
+            srcs = [tensors[n] for _, tensors in pairs]
+            if len({x.device for x in srcs}) > 1:  # parked on the device and read from a checkpoint: rare
+                srcs = [x.to(t.device) for x in srcs]
+            t[:, idx] = torch.cat(srcs, dim=1).to(t.device, t.dtype)  # joined where they are, then one copy
 
 
 @dataclass

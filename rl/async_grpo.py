@@ -10,7 +10,8 @@ The algorithm, per train step:
   WAIT      until the dispatcher's train-batch condition holds: `prompts_per_step` complete groups
             within the off-policy bounds (exact definitions in rl/dispatch.py).
   INTERRUPT every engine stops at the current token boundary; in-flight `RolloutState`s (KV cache,
-            routing trace, logprobs, versions) move to host memory.
+            routing trace, logprobs, versions) leave the pool (KV parked on the device or in host memory:
+            `engine.park_kv`).
   TRAIN     one optimizer step, data-parallel over the workers (a group is never split; groups are dealt
             to workers by length so they finish together); the weights change in place; policy_version += 1.
   RESUME    the states go back into the KV pools and generation continues from the exact token with
@@ -413,7 +414,7 @@ class AsyncGRPO:
             batch = self.rollout_until_batch()
             clock.rollout_s += time.perf_counter() - t_roll - (clock.checkpoint_s - ckpt0)  # periodic checkpoints apart
 
-            # INTERRUPT at the token boundary; in-flight states move to host memory.
+            # INTERRUPT at the token boundary; in-flight states leave the KV pool (`engine.park_kv`).
             t_sig = time.perf_counter()
             held = policy.interrupt()
             clock.interrupt_s.append(time.perf_counter() - t_sig)

@@ -1,9 +1,9 @@
 """PolicyWorker: the engine and the trainer of one device, sharing one policy module (seed §5.2.1).
 
 Phases alternate on the same device: ROLLOUT (`add_requests`, `rollout`) → `interrupt` (every in-flight
-sample stops at the token boundary; its `RolloutState` moves to host memory) → TRAIN (`train_step` with
-the stage's objective; the weights change in place) → `update_weights` (version + 1) → `resume` (the
-states go back into the KV pool; no prefill) → ROLLOUT. Checkpoints: `save` / `load` /
+sample stops at the token boundary; its `RolloutState` leaves the pool, its KV parked as `engine.park_kv`
+says) → TRAIN (`train_step` with the stage's objective; the weights change in place) → `update_weights`
+(version + 1) → `resume` (the states go back into the KV pool; no prefill) → ROLLOUT. Checkpoints: `save` / `load` /
 `load_inflight`. The class is plain Python with this small public API; `rl.runtime.PolicyGroup` calls it
 on every worker, in-process or as Ray actors. Several workers train data-parallel through `rl.parallel`
 (DDP or FSDP2, `runtime.parallel`); under FSDP2 the trainer holds shards and the engine its own full copy.
@@ -37,7 +37,7 @@ from rl.trainer import StepMetrics, TrainBatch, Trainer
 from rollout.engine import Engine
 from teachers.config import TeacherSpec
 from teachers.pool import TeacherPool
-from rollout.types import Generation, GenerationRequest, RolloutState, unpack_plain
+from rollout.types import Generation, GenerationRequest, RolloutState, states_on_host, unpack_plain
 
 
 @dataclass
@@ -184,7 +184,7 @@ class PolicyWorker:
         self.trainer: Trainer | None = None
         self.pool: TeacherPool | None = None  # OPD stages: the teachers (teachers/pool.py)
         self.reference: Decoder | None = None  # the run's initial policy, frozen (stages with kl_ref_coef > 0)
-        self._held: list[RolloutState] = []  # in-flight states parked in host memory during TRAIN
+        self._held: list[RolloutState] = []  # in-flight states parked during TRAIN (KV: `engine.park_kv`)
         self._writer: _Writer | None = None  # a background checkpoint write (`save`)
 
     # -- data parallel -------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ class PolicyWorker:
 
     # -- phase switches ------------------------------------------------------------------------------
     def interrupt(self) -> dict[str, float]:
-        """Stop at the token boundary; park every in-flight state in host memory."""
+        """Stop at the token boundary; park every in-flight state (its KV where `engine.park_kv` says)."""
         t0 = time.perf_counter()
         states = self.engine.interrupt()
         self._held.extend(states)
@@ -356,7 +356,7 @@ class PolicyWorker:
         if self.tools is not None:  # each sample's sandbox files as its pending call found them (rl/tool_turns.py)
             kept = self.tools.workdirs([s.request.sample_id for s in held])
             held = [replace(s, workdir=kept[s.request.sample_id]) for s in held]
-        blob = msgpack.packb([s.to_bytes() for s in held])
+        blob = msgpack.packb([s.to_bytes() for s in states_on_host(held)])
 
         def write() -> dict[str, dict]:
             if background:

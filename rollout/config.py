@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from configbase import StrictConfig
@@ -49,13 +51,14 @@ class EngineConfig(StrictConfig):
     overlap_steps: bool | None = None
     """Launch each step before reading the tokens of the one before, so the device never waits on the host
     (rollout/engine.py); finished samples come back one step later. None: on CUDA. Dense paged models only."""
-    prefill_interval: int = Field(1, gt=0)
+    prefill_interval: int | None = Field(None, gt=0)
     """New prompts are admitted (prefilled) at most every this many engine steps while other sequences decode;
     an idle engine admits at once, and resumed or paused states (no prefill) join at once. A step with a
     prefill runs the prompts' forward eagerly and samples after it, so under sample-level dispatch, where a
-    group is released whenever one finishes, 1 (the default) can make most steps prefill steps; larger values
-    gather releases into fewer, larger prefills at up to that many steps of delay. Tokens are unchanged
-    (counter-based sampling per sample)."""
+    group is released whenever one finishes, 1 can make most steps prefill steps; larger values gather releases
+    into fewer, larger prefills at up to that many steps of delay. Tokens are unchanged (counter-based sampling per
+    sample). None: 4 where decode steps replay CUDA graphs (an eager prefill step costs several graph steps there:
+    BENCHMARKS.md, "MoE experts grouped on the GPU"), else 1."""
     prefill_chunk_tokens: int | None = Field(None, gt=0)
     """Chunked prefill: a prompt (or a resumed state's uncached tokens, or a tool output) longer than this is fed
     this many tokens per engine step, each chunk over the KV the chunks before it cached, while the other
@@ -64,6 +67,12 @@ class EngineConfig(StrictConfig):
     activations stay bounded. A group sharing such a prompt (`share_prompt_kv`) holds its blocks from admission and
     starts decoding once its last chunk has run. Same tokens. None: whole prompts in one step. Paged models only
     (not CSA2)."""
+    park_kv: Literal["device", "host"] = "device"
+    """Where an interrupted sample's KV waits during a train step or an evaluation (seed §5.2.3): `device` copies
+    every held sequence's cached rows out of the pool in one gather into a tensor on the engine's device and
+    restores them with one scatter (extra device memory while they wait: the in-flight samples' KV, at most the
+    pool's used share); `host` moves that copy to host memory and back, for a trainer that needs the memory. The
+    same bytes either way; checkpoints write them to disk."""
     sample_in_graph: bool = True
     """A decode step whose rows all sample at top_p = 1 draws its tokens inside the decode graph (rollout/graphs.py)
     instead of with ~40 eagerly launched sampler kernels after the replay; same tokens. False: always after."""

@@ -249,6 +249,7 @@ class Engine:
         self._active: list[_Seq] = []
         self._ready: list[_Seq] = []  # appended to after a pause: rejoin the batch at the next step
         self._since_prefill = 0  # engine steps since new prompts were last admitted (`prefill_interval`)
+        self.prefill_interval = cfg.prefill_interval or (4 if self.graphs is not None else 1)
         self._paused: dict[str, _Seq] = {}
         self._new_pauses: list[ToolCallPause] = []
         self._done: list[Generation] = []  # finished outside step() (an append that filled the budget)
@@ -484,15 +485,16 @@ class Engine:
 
     @torch.no_grad()
     def interrupt(self) -> list[RolloutState]:
-        """Stop at the current token boundary: every held sequence's state (active, paused, appended to)
-        moves to host memory and its blocks are freed; waiting requests are returned too (with no KV)."""
+        """Stop at the current token boundary: every held sequence's state (active, paused, appended to) is
+        copied out of the pool (to host memory, or beside the pool with `park_kv: device`) and its blocks are
+        freed; waiting requests are returned too (with no KV)."""
         rec, self._inflight = self._inflight, None
         if rec is not None:  # the boundary is the last step read: the launched one is dropped (module docstring)
             for s in rec.seqs:
                 if s not in rec.dropped:
                     s.inflight, s.cached = s.inflight - 1, s.cached - 1
                     self.stats.discarded_tokens += 1
-        states = []
+        states, kept = [], []
         paused = set(self._paused)
         for s in [*self._active, *self._ready, *self._paused.values()]:
             if s.prompt is not None and not s.prompt.filled and s is not s.prompt.owner:  # a sibling whose shared KV
@@ -506,12 +508,17 @@ class Engine:
                 csa2 = {n: t.to("cpu", copy=True) for n, t in s.csa2.to_tensors().items()}
                 states.append(RolloutState(s.request, list(s.tokens), list(s.logprobs), list(s.versions), None, None,
                                            routing, s.generate_s, kv_format=self.cache.format.name, csa2=csa2, **extra))
+                self._free(s)
             else:
-                kv = self.cache.export(self.cache.slots(s.blocks, 0, s.cached))
-                states.append(RolloutState(
-                    s.request, list(s.tokens), list(s.logprobs), list(s.versions), kv["k"], kv["v"], routing,
-                    s.generate_s, kv_format=self.cache.format.name, k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale"),
-                    **extra))
+                kept.append((s, routing, extra))
+        # the paged KV of every kept sequence in one gather (and one copy to host memory unless `park_kv: device`)
+        exported = self.cache.export([self.cache.slots(s.blocks, 0, s.cached) for s, _, _ in kept],
+                                     to_host=self.cfg.park_kv == "host")
+        for (s, routing, extra), kv in zip(kept, exported):
+            states.append(RolloutState(
+                s.request, list(s.tokens), list(s.logprobs), list(s.versions), kv["k"], kv["v"], routing,
+                s.generate_s, kv_format=self.cache.format.name, k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale"),
+                **extra))
             self._free(s)
         states += self._waiting
         self._active, self._waiting, self._ready, self._paused = [], [], [], {}
@@ -552,7 +559,8 @@ class Engine:
         while self._ready and len(self._active) < self.cfg.max_batch_size:
             self._active.append(self._ready.pop(0))
         self._since_prefill += 1
-        prefill_now = self._since_prefill >= self.cfg.prefill_interval or not self._active
+        prefill_now = self._since_prefill >= self.prefill_interval or not self._active
+        loads = []  # resumed states' KV: restored together after the loop (one scatter per pool tensor)
         while self._waiting and (self._waiting[0].paused or len(self._active) < self.cfg.max_batch_size):
             st = self._waiting[0]
             fresh = not (st.has_kv or st.paused)  # a new prompt: prefilled in this step
@@ -587,7 +595,7 @@ class Engine:
                 if self.sparse:
                     seq.csa2 = CSA2Cache.from_tensors(st.csa2, n, self.device)
                 else:
-                    self.cache.load(self.cache.slots(seq.blocks, 0, n), st.kv_tensors())
+                    loads.append((self.cache.slots(seq.blocks, 0, n), st.kv_tensors()))
                 if st.routing is not None:
                     seq.routing.append(torch.from_numpy(st.routing.astype(np.int64)))
                 self.stats.resumed_tokens += n
@@ -597,6 +605,7 @@ class Engine:
                 self._paused[st.request.sample_id] = seq
             else:
                 self._active.append(seq)
+        self.cache.load(loads)
 
     def _join_prompt(self, seq: _Seq, entry: _SharedPrompt, full: int) -> None:
         """A sibling starts from `entry`'s prompt KV: it holds the `full` blocks, copies the last partly

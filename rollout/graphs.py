@@ -104,7 +104,7 @@ class DecodeGraphs:
             batch = PagedBatch(self.cache, False, slot, ctx, mask)
         out = self.model.forward_hidden(ids, pos, batch=batch)
         # the head's own dtype (bf16 under mixed precision): the sampler reads it as is, no float32 copy of [b, V]
-        logits, routing = self.model.lm_head(out.hidden[:, 0]), out.routing
+        logits, routing = fused.linear(out.hidden[:, 0], self.model.lm_head.weight), out.routing
         temperature = buf[:, 5].to(torch.int32).view(torch.float32)
         tokens, logprobs = sample_tokens(logits, temperature, torch.ones_like(temperature), buf[:, 3], buf[:, 4], nucleus=False)
         return logits, torch.stack([tokens.double(), logprobs.double()]), None if routing is None else routing[:, 0]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import msgpack
 import numpy as np
@@ -232,6 +232,22 @@ ROLLOUT_STATE_FORMAT = 1
 _DTYPES = {name: getattr(torch, name) for name in
            ("float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")}
 """Tensor dtypes a serialised state may name (an allow-list: a name is never looked up on torch)."""
+
+
+def states_on_host(states: list[RolloutState]) -> list[RolloutState]:
+    """The states with their paged KV in host memory, for serialising: those parked on the device
+    (`engine.park_kv: device`) come over in one copy per tensor name, each state then a view of it."""
+    dev = [s for s in states if s.k is not None and s.k.device.type != "cpu"]
+    if not dev:
+        return states
+    names = list(dev[0].kv_tensors())
+    host = {n: torch.cat([s.kv_tensors()[n] for s in dev], dim=1).cpu() for n in names}
+    moved, start = {}, 0
+    for s in dev:
+        rows = s.k.shape[1]
+        moved[id(s)] = replace(s, **{n: host[n][:, start:start + rows] for n in names})
+        start += rows
+    return [moved.get(id(s), s) for s in states]
 
 
 def unpack_plain(data: bytes):

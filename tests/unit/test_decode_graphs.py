@@ -8,7 +8,7 @@ import torch
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.graphs import batch_buckets
-from rollout.types import GenerationRequest
+from rollout.types import GenerationRequest, RolloutState, states_on_host
 
 EOS = 2
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
@@ -67,8 +67,8 @@ def test_graph_decode_survives_interrupt_resume_and_weight_updates():
     torch.manual_seed(0)
     model = Decoder(debug_config(moe=False)).cuda().eval()
     eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64), eos_id=EOS, device="cuda")
-    ref = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, cuda_graphs=False), eos_id=EOS,
-                 device="cuda")
+    ref = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, cuda_graphs=False, park_kv="host"),
+                 eos_id=EOS, device="cuda")
     for e in (eng, ref):
         e.add(_requests(5, max_new=30))
         for _ in range(6):
@@ -76,9 +76,14 @@ def test_graph_decode_survives_interrupt_resume_and_weight_updates():
     with torch.no_grad():  # an in-place weight update, as the trainer's optimizer makes
         for p in model.parameters():
             p.mul_(1.01)
+    parked = {id(e): e.interrupt() for e in (eng, ref)}  # park_kv: device (the default) and host, same bytes
+    assert {s.k.device.type for s in parked[id(eng)]} == {"cuda"} and {s.k.device.type for s in parked[id(ref)]} == {"cpu"}
+    on_host = {s.request.sample_id: s for s in states_on_host(parked[id(eng)])}  # as a checkpoint writes them
+    for s in parked[id(ref)]:
+        torch.testing.assert_close(RolloutState.from_bytes(on_host[s.request.sample_id].to_bytes()).k, s.k)
     got, want = [], []
     for e, sink in ((eng, got), (ref, want)):
-        e.resume(e.interrupt())
+        e.resume(parked[id(e)])
         while e.has_work():
             sink += e.step()
     key = lambda g: g.sample_id  # noqa: E731
