@@ -172,7 +172,8 @@ def build(shape: str, device: str, kv: str = "bf16", max_pos: int = 4096) -> Dec
     return Decoder(cfg).to(device=device, dtype=dtype).eval()
 
 
-def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float]) -> None:
+def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float],
+                         batches: tuple[int, ...] = (1, 64, 256)) -> None:
     """ms/step of the engine as configured by default (steps overlapped on CUDA, tokens sampled inside the decode
     graph, by the sampling kernels on CUDA), next to the same engine with the sampler's eager ops, sampling after the replay (`sample_in_graph: false`) and to plain steps (each
     read before the next is launched), in turn per batch in one run; tokens dropped per generated token; FP4 KV
@@ -181,7 +182,7 @@ def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float
     for shape in shapes:
         for kv in ("bf16", "fp4"):
             model = build(shape, device, kv)
-            for b in ((1, 64, 256) if kv == "bf16" else (64,)) if device == "cuda" else (1, 16):
+            for b in (batches if kv == "bf16" else (64,)) if device == "cuda" else (1, 16):
                 ms_on, eng = engine_ms_per_step(model, b, prompt, new, device, overlap=True)
                 key = f"{shape}_{'' if kv == 'bf16' else 'fp4_'}"
                 result[f"{key}ms_per_step_b{b}"] = ms_on
@@ -229,12 +230,15 @@ def main() -> None:
     ap.add_argument("--overlap-only", action="store_true",
                     help="only the engine's default against sampling after the replay and plain steps, side by side, for each "
                          "shape at batch 1, 64, 256, and FP4 against bf16 KV at batch 64")
+    ap.add_argument("--batches", default="1,64,256", help="--overlap-only on CUDA: the bf16 batches (FP4 runs at 64, "
+                    "against bf16's 64, which must be among them)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     torch.set_num_threads(2 if device == "cpu" else torch.get_num_threads())
     result: dict[str, float] = {}
     if args.overlap_only:
-        overlap_side_by_side(args.shapes.split(",") if device == "cuda" else ["tiny"], device, result)
+        overlap_side_by_side(args.shapes.split(",") if device == "cuda" else ["tiny"], device, result,
+                             tuple(int(b) for b in args.batches.split(",")))
         print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
         return
     if device == "cpu":

@@ -64,6 +64,12 @@ class KVFormat:
         data.index_copy_(0, rows, q)
         scale.index_copy_(0, rows, s)
 
+    def store_pair(self, k: torch.Tensor, v: torch.Tensor, k_pools: tuple[torch.Tensor, torch.Tensor],
+                   v_pools: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> None:
+        """`store` of K and of V into their pools (a format may do both at once)."""
+        self.store(k, *k_pools, rows)
+        self.store(v, *v_pools, rows)
+
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """decode(encode(x)) in x's dtype: exactly what a cache write followed by a read returns."""
         return self.decode(*self.encode(x), x.dtype)
@@ -159,6 +165,13 @@ class FP4Format(KVFormat):
         from model.kernels.fp4 import quantize_into  # one kernel: encoded straight into the rows
 
         quantize_into(x, data, scale, rows)
+
+    def store_pair(self, k, v, k_pools, v_pools, rows):
+        if not k.is_cuda:
+            return super().store_pair(k, v, k_pools, v_pools, rows)
+        from model.kernels.fp4 import quantize_pair_into  # one kernel for both, V read in place (no copy)
+
+        quantize_pair_into(k, v, k_pools, v_pools, rows)
 
     def bytes_per_row(self, head_dim, compute_dtype):
         return head_dim * fp4.BITS_PER_VALUE / 8
@@ -301,17 +314,19 @@ class PagedKVCache:
         """slot_mapping [B, T] (−1 = padding, sent to the scratch slot); k, v [B, T, KVH, D].
         Returns K, V as the cache will give them back (dequantised; k, v themselves for bf16); with
         `read_back=False` (decode through the paged kernel, which reads the cache itself) nothing, and the rows
-        are encoded straight into the pool where the format can (`KVFormat.store`; fp4 on CUDA: one kernel each)."""
+        are encoded straight into the pool where the format can (`KVFormat.store_pair`; fp4 on CUDA: one kernel
+        for K and V, V read in place)."""
         flat = slot_mapping.reshape(-1)
         flat = flat.masked_fill(flat < 0, self._scratch)  # two kernels (a where over a full_like took three)
+        if self.format.quantised and not read_back:
+            self.format.store_pair(k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+                                   (self.k[layer], self.k_scale[layer]), (self.v[layer], self.v_scale[layer]), flat)
+            return None
         out = []
         for x, data, scale in ((k, self.k, self.k_scale), (v, self.v, self.v_scale)):
             if not self.format.quantised:
                 data[layer].index_copy_(0, flat, x.reshape(-1, *x.shape[2:]).to(data.dtype))
                 out.append(x)
-                continue
-            if not read_back:
-                self.format.store(x.reshape(-1, *x.shape[2:]), data[layer], scale[layer], flat)
                 continue
             q, s = self.format.encode(x)
             data[layer].index_copy_(0, flat, q.reshape(-1, *q.shape[2:]))

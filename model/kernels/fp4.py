@@ -146,15 +146,33 @@ def _bf16x2_dup(f):
 @triton.jit
 def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, rows_ptr, blocks_per_row, NBP: tl.constexpr,
                      BF16_WORDS: tl.constexpr, ASM: tl.constexpr = False, V2: tl.constexpr = False,
-                     SCATTER: tl.constexpr = False):
+                     SCATTER: tl.constexpr = False, x2_ptr=None, packed2_ptr=None, scale2_ptr=None,
+                     x_row_stride=0, x2_row_stride=0, PAIR: tl.constexpr = False, STRIDED: tl.constexpr = False):
+    # PAIR: program_id(1) == 1 encodes a second tensor of the same shape (V beside K) into its own pools.
+    # STRIDED: input row r (blocks_per_row blocks) starts at r · x_row_stride (words or values), not r · its width.
+    if PAIR:
+        if tl.program_id(1) == 1:
+            x_ptr = x2_ptr
+            packed_ptr = packed2_ptr
+            scale_ptr = scale2_ptr
+            x_row_stride = x2_row_stride
     # 64-bit arithmetic once per program (the base pointers); per-element offsets are int32
     first = tl.program_id(0).to(tl.int64) * NBP
-    if BF16_WORDS:
-        x_ptr += first * 8
-    else:
-        x_ptr += first * 16
     blk = tl.arange(0, NBP)  # block ids within the program
     live = blk < n_blocks - first
+    if STRIDED:
+        src_in = first + blk
+        if BF16_WORDS:
+            xblk = (src_in // blocks_per_row) * x_row_stride + (src_in % blocks_per_row) * 8
+        else:
+            xblk = (src_in // blocks_per_row) * x_row_stride + (src_in % blocks_per_row) * 16
+    else:
+        if BF16_WORDS:
+            x_ptr += first * 8
+            xblk = blk * 8
+        else:
+            x_ptr += first * 16
+            xblk = blk * 16
     if SCATTER:  # block b of input row r goes to block b of output row rows[r] (a paged cache's slot)
         src = first + blk
         row = tl.load(rows_ptr + src // blocks_per_row, mask=live, other=0)
@@ -169,7 +187,7 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, rows_ptr, blocks_pe
         # x_ptr is the bf16 tensor viewed as int32: word j holds channel 2j (low half), 2j+1 (high half).
         # Widening bf16 to float32 is a shift, and |x| is ordered like its bits, so amax and the NaN
         # test are integer max / compare (full rate) instead of float work per value.
-        w = tl.load(x_ptr + blk[:, None] * 8 + pair[None, :], mask=live[:, None], other=0)
+        w = tl.load(x_ptr + xblk[:, None] + pair[None, :], mask=live[:, None], other=0)
         lo = (w << 16).to(tl.float32, bitcast=True)
         hi = (w & -65536).to(tl.float32, bitcast=True)
         if V2:  # PTX: |x| words once (shared with the encode), amax by per-half max (u16x2)
@@ -181,7 +199,7 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, rows_ptr, blocks_pe
         has_nan = mbits > 0x7F80
         amax = (mbits << 16).to(tl.float32, bitcast=True)  # inf stays inf
     else:
-        offs = blk[:, None] * 16 + 2 * pair[None, :]
+        offs = xblk[:, None] + 2 * pair[None, :]
         lo = tl.load(x_ptr + offs, mask=live[:, None], other=0.0).to(tl.float32)
         hi = tl.load(x_ptr + offs + 1, mask=live[:, None], other=0.0).to(tl.float32)
         has_nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), axis=1) > 0
@@ -336,6 +354,46 @@ def quantize_into(x: torch.Tensor, packed_pool: torch.Tensor, scale_pool: torch.
             and packed_pool[0].numel() * 2 == per_row and scale_pool[0].numel() * ref.BLOCK == per_row):
         raise ValueError("pools must be contiguous uint8 rows of the packed and scale widths of one x row")
     _launch_quantize(x, packed_pool.view(-1), scale_pool.view(-1), rows, per_row // ref.BLOCK)
+
+
+def _rows_view(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """x [N, ...] whose rows are each contiguous (a view into a wider tensor, e.g. V inside the fused qkv
+    output) -> (x as the kernel reads it: int32 words for bf16, else itself; the row stride in those units), or
+    None when the kernel cannot read it in place."""
+    if x.shape[0] == 0 or not x[0].is_contiguous() or x.stride(0) < x[0].numel():
+        return None
+    if x.dtype != torch.bfloat16:
+        return x, x.stride(0)
+    if x.stride(0) % 2 or x.storage_offset() % 2 or x.shape[-1] % 2:
+        return None
+    return x.view(torch.int32), x.stride(0) // 2
+
+
+def quantize_pair_into(k: torch.Tensor, v: torch.Tensor, k_pools: tuple[torch.Tensor, torch.Tensor],
+                       v_pools: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> None:
+    """`quantize_into(k, *k_pools, rows)` and `quantize_into(v, *v_pools, rows)` in one kernel launch, reading
+    rows that are contiguous each but strided (V as a view of the fused qkv output) without copying them first:
+    a decode step's FP4 cache write was two launches and a copy of V per layer (BENCHMARKS.md, "Eighth step")."""
+    views = [_rows_view(x) for x in (k, v)]
+    per_row = k[0].numel() if k.shape[0] else 0
+    if (any(w is None for w in views) or k.shape != v.shape or k.dtype != v.dtype or per_row % ref.BLOCK
+            or views[0][0].dtype != views[1][0].dtype):
+        quantize_into(k, *k_pools, rows)
+        quantize_into(v, *v_pools, rows)
+        return
+    for packed_pool, scale_pool in (k_pools, v_pools):
+        if not (packed_pool.is_contiguous() and scale_pool.is_contiguous() and packed_pool.dtype == scale_pool.dtype == torch.uint8
+                and packed_pool[0].numel() * 2 == per_row and scale_pool[0].numel() * ref.BLOCK == per_row):
+            raise ValueError("pools must be contiguous uint8 rows of the packed and scale widths of one x row")
+    (xk, k_stride), (xv, v_stride) = views
+    words = k.dtype == torch.bfloat16
+    n_blocks = k.numel() // ref.BLOCK
+    asm = QUANT_ASM and words and k.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    _quantize_kernel[(triton.cdiv(n_blocks, QUANT_NBP), 2)](
+        xk, k_pools[0].view(-1), k_pools[1].view(-1), n_blocks, rows.contiguous(), per_row // ref.BLOCK, NBP=QUANT_NBP,
+        BF16_WORDS=words, ASM=asm, V2=asm and QUANT_V2, SCATTER=True, x2_ptr=xv, packed2_ptr=v_pools[0].view(-1),
+        scale2_ptr=v_pools[1].view(-1), x_row_stride=k_stride, x2_row_stride=v_stride, PAIR=True, STRIDED=True,
+        num_warps=QUANT_WARPS)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -137,3 +137,25 @@ def test_quantize_into_pool_rows_equals_quantize_then_index_copy(dtype):
     assert torch.equal(packed_pool, want_p) and torch.equal(scale_pool, want_s)
     with pytest.raises(ValueError, match="pools must be"):
         kernels.quantize_into(x, packed_pool[:, :, :8], scale_pool, rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_pair_into_reads_strided_rows_and_equals_two_writes(dtype, monkeypatch):
+    """The decode step's fp4 write of K and V (quantize_pair_into): one launch, V read in place as a view of the
+    fused qkv output (rows strided), bit for bit what two `quantize_into` calls on contiguous copies store."""
+    torch.manual_seed(2)
+    N, H, KVH, D, R = 5, 4, 2, 64, 9
+    qkv = (torch.randn(N, (H + 2 * KVH) * D) * torch.logspace(-3, 3, N)[:, None]).to(dtype).to(DEVICE)
+    k = qkv[:, H * D:(H + KVH) * D].reshape(N, KVH, D).clone()  # contiguous, as the RoPE kernel returns it
+    v = qkv[:, (H + KVH) * D:].view(N, KVH, D)  # a strided view
+    assert not v.is_contiguous()
+    rows = torch.tensor([7, 0, 8, 3, 5], device=DEVICE)
+    pools = [(torch.randint(0, 255, (R, KVH, D // 2), dtype=torch.uint8, device=DEVICE),
+              torch.randint(0, 255, (R, KVH, D // 16), dtype=torch.uint8, device=DEVICE)) for _ in range(2)]
+    want = [(p.clone(), s.clone()) for p, s in pools]
+    kernels.quantize_into(k, *want[0], rows)
+    kernels.quantize_into(v.contiguous(), *want[1], rows)
+    monkeypatch.setattr(kernels, "quantize_into", None)  # the one-launch path, not the two-call fallback
+    kernels.quantize_pair_into(k, v, pools[0], pools[1], rows)
+    for (p, s), (wp, ws) in zip(pools, want):
+        assert torch.equal(p, wp) and torch.equal(s, ws)
