@@ -331,8 +331,7 @@ class PagedKVCache:
             q, s = self.format.encode(x)
             data[layer].index_copy_(0, flat, q.reshape(-1, *q.shape[2:]))
             scale[layer].index_copy_(0, flat, s.reshape(-1, *s.shape[2:]))
-            if read_back:
-                out.append(self.format.decode(q, s, x.dtype))
+            out.append(self.format.decode(q, s, x.dtype))
         return (out[0], out[1]) if read_back else None
 
     def unquantised_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:

@@ -510,15 +510,16 @@ class Engine:
                                            routing, s.generate_s, kv_format=self.cache.format.name, csa2=csa2, **extra))
                 self._free(s)
             else:
-                kept.append((s, routing, extra))
+                kept.append((len(states), s, routing, extra))
+                states.append(None)  # filled below, in this order
         # the paged KV of every kept sequence in one gather (and one copy to host memory unless `park_kv: device`)
-        exported = self.cache.export([self.cache.slots(s.blocks, 0, s.cached) for s, _, _ in kept],
+        exported = self.cache.export([self.cache.slots(s.blocks, 0, s.cached) for _, s, _, _ in kept],
                                      to_host=self.cfg.park_kv == "host")
-        for (s, routing, extra), kv in zip(kept, exported):
-            states.append(RolloutState(
+        for (i, s, routing, extra), kv in zip(kept, exported):
+            states[i] = RolloutState(
                 s.request, list(s.tokens), list(s.logprobs), list(s.versions), kv["k"], kv["v"], routing,
                 s.generate_s, kv_format=self.cache.format.name, k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale"),
-                **extra))
+                **extra)
             self._free(s)
         states += self._waiting
         self._active, self._waiting, self._ready, self._paused = [], [], [], {}

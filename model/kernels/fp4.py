@@ -376,8 +376,7 @@ def quantize_pair_into(k: torch.Tensor, v: torch.Tensor, k_pools: tuple[torch.Te
     a decode step's FP4 cache write was two launches and a copy of V per layer (BENCHMARKS.md, "Eighth step")."""
     views = [_rows_view(x) for x in (k, v)]
     per_row = k[0].numel() if k.shape[0] else 0
-    if (any(w is None for w in views) or k.shape != v.shape or k.dtype != v.dtype or per_row % ref.BLOCK
-            or views[0][0].dtype != views[1][0].dtype):
+    if any(w is None for w in views) or k.shape != v.shape or k.dtype != v.dtype or per_row % ref.BLOCK:
         quantize_into(k, *k_pools, rows)
         quantize_into(v, *v_pools, rows)
         return

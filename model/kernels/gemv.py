@@ -59,7 +59,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_xm, stride_wn, stride_ym,
 
 CONFIGS = ((1, 1024, 4), (1, 512, 2), (2, 512, 2), (2, 1024, 4), (4, 256, 2), (4, 512, 4), (4, 1024, 4), (8, 256, 4),
            (8, 512, 4), (16, 256, 4), (2, 256, 1), (4, 256, 1))
-"""Tiles tried per shape (BLOCK_N, BLOCK_K, num_warps); `bench/gemv.py --sweep` times a wider set."""
+"""Tiles tried per shape (BLOCK_N, BLOCK_K, num_warps); `bench/gemv.py` times a wider set."""
 DEFAULT = (4, 256, 2)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -79,7 +79,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                          "(contiguous rows of the same width)")
     if config is None:
         chosen = decisions.get(_key(M, weight, bias))
-        config = chosen[3] if chosen is not None and chosen[3] is not None else DEFAULT
+        config = chosen[3] if chosen is not None else DEFAULT
     if _INTERPRETED:
         config = (4, 64, 1)  # small tiles: the interpreter's time grows with the tile
     bn, bk, warps = config
