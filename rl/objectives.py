@@ -25,7 +25,7 @@ import torch
 from model.decoder import Decoder
 from model.reverse_kl import reverse_kl_loss
 from rl.config import GRPOStage, OPDStage, SFTStage
-from rl.losses import PolicyLossInputs, grpo_loss, reference_kl, sft_loss, staleness_keep, token_logprobs
+from rl.losses import PolicyLossInputs, grpo_loss, reference_kl, sft_loss, staleness_keep
 from rl.trainer import LossTerms, PackedBatch, StepMetrics, TrainBatch
 
 
@@ -38,13 +38,21 @@ def _forward_hidden(model: Decoder, b: PackedBatch, routing: torch.Tensor | None
     return out.hidden, out.indexer_loss
 
 
-def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temperature: float = 1.0) -> torch.Tensor:
+def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temperature: float = 1.0,
+                      stats: dict[str, float] | None = None) -> torch.Tensor:
     """log softmax(logits / temperature) at the targets, [B, T] float32, on the trained response positions
     (b.mask > 0) and 0 elsewhere. The output head and the log-softmax run on those positions alone, not on
     prompts and padding: the [B, T, vocab] float32 logits were most of a small model's step (bench/train_step.py);
-    every loss term here is masked to these positions, so no value changes."""
+    every loss term here is masked to these positions, so no value changes. `stats`: gets "rl/entropy", the mean
+    over those positions of the policy's entropy -Σ_v p(v) log p(v) at this temperature (verl's actor/entropy: a
+    collapsing entropy is a policy that stopped exploring), without gradient."""
     idx = (b.mask > 0).nonzero(as_tuple=True)
-    lp = token_logprobs(model.logits(hidden[idx]), b.targets[idx], temperature)
+    logp = torch.log_softmax(model.logits(hidden[idx]).float() / temperature, dim=-1)
+    lp = logp.gather(-1, b.targets[idx][:, None]).squeeze(-1)
+    if stats is not None:
+        with torch.no_grad():  # p · log p with log p clamped: a zero-probability id adds 0, not nan
+            ent = -(logp.exp() * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
+            stats["rl/entropy"] = float(ent.mean()) if ent.numel() else 0.0
     return torch.zeros(b.targets.shape, dtype=lp.dtype, device=lp.device).index_put(idx, lp)
 
 
@@ -85,8 +93,9 @@ class GRPOObjective:
     def policy_terms(self, model: Decoder, hidden: torch.Tensor, b: PackedBatch, rows: TrainBatch,
                      keep: torch.Tensor) -> LossTerms:
         s = self.stage
+        entropy: dict[str, float] = {}
         x = PolicyLossInputs(
-            logprobs=response_logprobs(model, hidden, b, self.temperature), behavior_logprobs=b.behavior_logprobs,
+            logprobs=response_logprobs(model, hidden, b, self.temperature, entropy), behavior_logprobs=b.behavior_logprobs,
             advantages=torch.tensor(list(rows.advantages_B), dtype=torch.float32, device=b.input_ids.device),
             mask=b.mask, num_tokens=rows.num_tokens, keep=keep)
         loss, metrics = grpo_loss(x, clip_low=s.clip_low, clip_high=s.clip_high, ratio=s.importance.ratio,
@@ -98,7 +107,7 @@ class GRPOObjective:
             k3 = reference_kl(x.logprobs, ref_logprobs) * b.mask
             loss = loss + s.kl_ref_coef * (k3 * keep).sum() / rows.num_tokens
             metrics["rl/kl_ref"] = float(k3.detach().sum() / b.mask.sum().clamp_min(1.0))
-        return LossTerms(loss, sums={"rl/loss": float(loss.detach())}, means=metrics)
+        return LossTerms(loss, sums={"rl/loss": float(loss.detach())}, means={**metrics, **entropy})
 
     def __call__(self, model: Decoder, b: PackedBatch, rows: TrainBatch, upcoming: TrainBatch | None) -> LossTerms:
         if self.routing_replay and b.routing is None:

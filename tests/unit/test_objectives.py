@@ -102,3 +102,25 @@ def test_logits_on_response_positions_only_give_the_full_logits_loss_and_gradien
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_grpo_step_reports_the_policys_mean_token_entropy_on_response_positions():
+    """`rl/entropy`: the token-weighted mean over response positions (micro-batches of 2 rows) of
+    -Σ_v p(v) log p(v) at the rollout temperature, computed here from the full-sequence logits."""
+    from rl.config import GRPOStage
+    from rl.objectives import build_objective
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False))
+    rows = _rows(["t"] * 5)
+    objective = build_objective(GRPOStage(micro_batch_size=2), model=model, temperature=0.7, current_version=0)
+    want, n = 0.0, 0
+    for p, r in zip(rows.prompts_B, rows.responses_B):
+        ids = torch.tensor([list(p) + list(r)[:-1]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids)[0][0, len(p) - 1:].double() / 0.7, -1)
+        want += float(-(logp.exp() * logp).sum())
+        n += len(r)
+    m = merge_step_metrics([Trainer(model, OptimConfig(lr=1e-3)).train_step(rows, objective)])  # forward before the update
+    assert m["rl/entropy"] == pytest.approx(want / n, rel=1e-4)
+    assert 0 < m["rl/entropy"] < torch.log(torch.tensor(float(model.config.vocab_size)))
