@@ -29,6 +29,10 @@ from rl.losses import PolicyLossInputs, grpo_loss, reference_kl, sft_loss, stale
 from rl.trainer import LossTerms, PackedBatch, StepMetrics, TrainBatch
 
 
+ENTROPY_CHUNK_ROWS = 1024
+"""Rows of the [positions, vocab] log-probabilities per chunk of the `rl/entropy` metric (its temporaries)."""
+
+
 def _forward_hidden(model: Decoder, b: PackedBatch, routing: torch.Tensor | None = None,
                     checkpoint_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (final hidden states [B, T, hidden], the CSA2 indexer KL over real tokens, or None for dense attention)."""
@@ -50,9 +54,10 @@ def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temp
     logp = torch.log_softmax(model.logits(hidden[idx]).float() / temperature, dim=-1)
     lp = logp.gather(-1, b.targets[idx][:, None]).squeeze(-1)
     if stats is not None:
-        with torch.no_grad():  # p · log p with log p clamped: a zero-probability id adds 0, not nan
-            ent = -(logp.exp() * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1)
-            stats["rl/entropy"] = float(ent.mean()) if ent.numel() else 0.0
+        with torch.no_grad():  # p · log p with log p clamped (a zero-probability id adds 0, not nan), in chunks
+            lo = torch.finfo(logp.dtype).min  # of rows so that the temporaries stay small beside the logits
+            ent = sum(float((c.exp() * c.clamp_min(lo)).sum()) for c in logp.split(ENTROPY_CHUNK_ROWS))
+            stats["rl/entropy"] = -ent / logp.shape[0] if logp.shape[0] else 0.0
     return torch.zeros(b.targets.shape, dtype=lp.dtype, device=lp.device).index_put(idx, lp)
 
 

@@ -104,11 +104,14 @@ def test_logits_on_response_positions_only_give_the_full_logits_loss_and_gradien
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
 
 
-def test_grpo_step_reports_the_policys_mean_token_entropy_on_response_positions():
-    """`rl/entropy`: the token-weighted mean over response positions (micro-batches of 2 rows) of
-    -Σ_v p(v) log p(v) at the rollout temperature, computed here from the full-sequence logits."""
+def test_grpo_step_reports_the_policys_mean_token_entropy_on_response_positions(monkeypatch):
+    """`rl/entropy`: the token-weighted mean over response positions (micro-batches of 2 rows, summed in chunks
+    of 3 positions) of -Σ_v p(v) log p(v) at the rollout temperature, computed here from the full-sequence logits."""
+    from rl import objectives
     from rl.config import GRPOStage
     from rl.objectives import build_objective
+
+    monkeypatch.setattr(objectives, "ENTROPY_CHUNK_ROWS", 3)
 
     torch.manual_seed(0)
     model = Decoder(debug_config(moe=False))
