@@ -56,8 +56,8 @@ def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temp
     if stats is not None:
         with torch.no_grad():  # p · log p with log p clamped (a zero-probability id adds 0, not nan), in chunks
             lo = torch.finfo(logp.dtype).min  # of rows so that the temporaries stay small beside the logits
-            ent = sum(float((c.exp() * c.clamp_min(lo)).sum()) for c in logp.split(ENTROPY_CHUNK_ROWS))
-            stats["rl/entropy"] = -ent / logp.shape[0] if logp.shape[0] else 0.0
+            ent = sum((c.exp() * c.clamp_min(lo)).sum() for c in logp.split(ENTROPY_CHUNK_ROWS))
+            stats["rl/entropy"] = -float(ent) / logp.shape[0] if logp.shape[0] else 0.0  # one read
     return torch.zeros(b.targets.shape, dtype=lp.dtype, device=lp.device).index_put(idx, lp)
 
 
