@@ -48,6 +48,21 @@ from rl.types import Prompt, Sample
 from rollout.types import Generation, GenerationRequest
 
 
+def _group_cost(group) -> int:
+    """What a forward/backward processes for a group: its samples' prompt + response tokens."""
+    return sum(len(s.prompt_tokens) + len(s.response_tokens) for s in group)
+
+
+def mini_batch_groups(groups: list, count: int, n_workers: int) -> list[list[int]]:
+    """Indices of `groups` in each of `count` mini-batches (`GRPOStage.mini_batches`): whole groups dealt so the
+    mini-batches' tokens are about equal (rl/parallel.py `deal_by_length`), each with at least one group per
+    worker (fewer mini-batches when the step has fewer groups), ordered by their smallest index."""
+    count = max(1, min(count, len(groups) // max(n_workers, 1)))
+    if count == 1:
+        return [list(range(len(groups)))]
+    return sorted(deal_by_length([_group_cost(g) for g in groups], count))
+
+
 def prompt_id_of(sample_id: str) -> str:
     return sample_id.rsplit("-", 1)[0]
 
@@ -317,7 +332,7 @@ class AsyncGRPO:
         self.collect_rewards(block=False)
 
     def train_step(self, batch: list[str], held: list[dict]) -> dict:
-        """TRAIN one optimizer step on whole groups, data-parallel across the workers."""
+        """TRAIN one optimizer step (or `stage.mini_batches`) on whole groups, data-parallel across the workers."""
         job, stage, policy, disp, clock = self.job, self.stage, self.policy, self.disp, self.clock
         t_train = time.perf_counter()
         whole = [self.finished.pop(pid) for pid in batch]
@@ -334,10 +349,6 @@ class AsyncGRPO:
             left = set(uniform[max(0, self.n_workers - (len(groups) - len(uniform))):])  # each worker keeps >= 1 group
             computed = [g for i, g in enumerate(groups) if i not in left]
             self.clock.uniform_groups_skipped += len(left)
-        # whole groups to ranks, balanced by tokens so the ranks finish the step together (rl/parallel.py)
-        parts = deal_by_length([sum(len(s.prompt_tokens) + len(s.response_tokens) for s in g) for g in computed],
-                               self.n_workers)
-        shards = [[s for i in part for s in computed[i]] for part in parts]
         teacher: dict[str, str] = {}
         if isinstance(stage, OPDStage):  # each sample's teacher; a removed teacher's samples go to the new one
             teacher = {s.sample_id: s.teacher if s.teacher in self.live.active_teachers else self.live.teacher_for(s.dataset)
@@ -348,8 +359,19 @@ class AsyncGRPO:
                     moved[teacher[s.sample_id]].append(s.sample_id)
             for name, ids in moved.items():
                 job.store.set_teacher(ids, name)
-        batches = [TrainBatch.from_samples(shard, [adv[s.sample_id] for s in shard], num_tokens,
-                                           [teacher[s.sample_id] for s in shard] if teacher else None) for shard in shards]
+        # whole groups to mini-batches, then each mini-batch's groups to ranks, balanced by tokens so the ranks
+        # finish each optimizer step together (rl/parallel.py); a mini-batch's normaliser is its share of the step's
+        mini = mini_batch_groups(computed, stage.mini_batches, self.n_workers)
+        trained = [sum(s.num_trained_tokens for i in part for s in computed[i]) for part in mini]
+        per_rank: list[list[TrainBatch]] = [[] for _ in range(self.n_workers)]
+        for part, tokens in zip(mini, trained):
+            groups_j = [computed[i] for i in part]
+            norm = num_tokens * tokens / max(sum(trained), 1) if len(mini) > 1 else num_tokens
+            for w, ranked in enumerate(deal_by_length([_group_cost(g) for g in groups_j], self.n_workers)):
+                shard = [s for i in ranked for s in groups_j[i]]
+                per_rank[w].append(TrainBatch.from_samples(shard, [adv[s.sample_id] for s in shard], norm,
+                                                           [teacher[s.sample_id] for s in shard] if teacher else None))
+        batches = [ranks[0] for ranks in per_rank] if len(mini) == 1 else per_rank
         metrics = timed_train_step(policy, batches, stage)
         if isinstance(stage, OPDStage):
             metrics["opd/teachers_in_step"] = len(set(teacher.values()))  # across ranks, not rank 0's

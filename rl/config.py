@@ -177,6 +177,14 @@ class GRPOStage(StrictConfig):
     kl_ref_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the run's initial policy (k3 estimator per token, rl/losses.py
     `reference_kl`); 0: no reference model is kept."""
+    mini_batches: int = Field(1, gt=0)
+    """Optimizer steps per train step (PPO mini-batches: verl's ppo_mini_batch_size = prompts_per_step /
+    mini_batches, TRL's steps_per_generation): the step's groups (the uniform ones left out, below) are dealt into
+    this many mini-batches of whole groups, balanced by tokens, and each takes one AdamW step in turn, its loss
+    normalised by its own share of the step's tokens. Later mini-batches are off-policy by the earlier ones'
+    updates, which the clipped ratio against the behaviour logprobs bounds; the policy version advances once
+    per train step (the engine's weights change once). Fewer when the step has fewer groups than
+    mini_batches x workers. The cosine schedule decays over max_steps x mini_batches optimizer steps."""
     skip_uniform_groups: bool = True
     """Leave groups whose rewards are all equal (every advantage 0) out of the trainer's forward and backward:
     every term of the GRPO loss is multiplied by the advantage, so they add nothing to the gradient and the

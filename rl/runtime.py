@@ -270,8 +270,10 @@ class PolicyGroup:
     def drop_inflight(self) -> None:
         self._all(PolicyWorker.drop_inflight)
 
-    def train_step(self, batches: list[TrainBatch], stage: SFTStage | GRPOStage | OPDStage) -> list[StepMetrics]:
-        """Worker w trains on batches[w] (data parallel: every batch carries the step's global token count)."""
+    def train_step(self, batches: list[TrainBatch] | list[list[TrainBatch]], stage: SFTStage | GRPOStage | OPDStage
+                   ) -> list[StepMetrics]:
+        """Worker w trains on batches[w] (data parallel: every batch carries the step's global token count), or
+        on each of its mini-batches batches[w][j] in turn, one optimizer step each (every worker as many)."""
         return self._each(PolicyWorker.train_step, {w: (b, stage) for w, b in enumerate(batches)})
 
     def update_weights(self, version: int) -> None:

@@ -184,9 +184,11 @@ class StepMetrics:
     shared: dict[str, float] = field(default_factory=dict)
     """Equal on every rank (the gradient norm and learning rate after the all-reduce); rank 0's is kept."""
 
-    def add(self, terms: LossTerms, tokens: float) -> None:
+    def add(self, terms: LossTerms | "StepMetrics", tokens: float, scale: float = 1.0) -> None:
+        """Merge one micro-batch's terms (or a mini-batch's metrics): sums add (x `scale`), means are weighted
+        by response tokens."""
         for k, v in terms.sums.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
+            self.sums[k] = self.sums.get(k, 0.0) + v * scale
         total = self.tokens + tokens
         for k, v in terms.means.items():  # running token-weighted mean
             self.means[k] = (self.means.get(k, 0.0) * self.tokens + v * tokens) / max(total, 1e-12)
@@ -198,12 +200,14 @@ RATIOS = {"opd/kl_per_token": ("opd/kl_sum", "opd/kl_tokens"),
 """Metrics that are ratios of two summed metrics, computed after merging."""
 
 
-def timed_train_step(policy, batches: Sequence[TrainBatch], stage) -> dict[str, float]:
-    """`policy.train_step(batches, stage)` (one batch per rank), merged, with the step's training throughput
-    `train/tokens_per_s`: prompt + response tokens of all ranks over the step's wall-clock seconds."""
+def timed_train_step(policy, batches: Sequence[TrainBatch] | Sequence[Sequence[TrainBatch]], stage) -> dict[str, float]:
+    """`policy.train_step(batches, stage)` (one batch, or one list of mini-batches, per rank), merged, with the
+    step's training throughput `train/tokens_per_s`: prompt + response tokens of all ranks over the step's
+    wall-clock seconds."""
     t0 = time.perf_counter()
     metrics = merge_step_metrics(policy.train_step(batches, stage))
-    metrics["train/tokens_per_s"] = sum(b.sequence_tokens for b in batches) / max(time.perf_counter() - t0, 1e-9)
+    rows = [b for rank in batches for b in ([rank] if isinstance(rank, TrainBatch) else rank)]
+    metrics["train/tokens_per_s"] = sum(b.sequence_tokens for b in rows) / max(time.perf_counter() - t0, 1e-9)
     return metrics
 
 
@@ -271,17 +275,34 @@ class Trainer:
         self.parallel = parallel if parallel is not None else Single(model)
         self.opt, self.sched = build_optimizer(model, optim, total_steps)
 
-    def train_step(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
-        """One optimizer step on this rank's rows: `accumulate` the gradient, then `apply` it."""
-        metrics = self.accumulate(batch, objective)
-        metrics.shared["train/grad_norm"] = self.apply()
+    def train_step(self, batch: TrainBatch | Sequence[TrainBatch], objective: Objective) -> StepMetrics:
+        """One optimizer step on this rank's rows: `accumulate` the gradient, then `apply` it. A list of batches
+        (PPO mini-batches, `GRPOStage.mini_batches`; every rank gets as many) takes one optimizer step each, in
+        order; the merged metrics weigh each mini-batch's loss terms by its share of the step's normaliser
+        (so `rl/loss` is the step's loss as without mini-batches), its means by its tokens, and report the mean
+        gradient norm and the last learning rate."""
+        batches = [batch] if isinstance(batch, TrainBatch) else list(batch)
+        total = sum(b.num_tokens for b in batches)
+        metrics, norms = StepMetrics(), []
+        for b in batches:
+            part = self.accumulate(b, objective, step_end=False)
+            norms.append(self.apply())
+            metrics.add(part, part.tokens, scale=b.num_tokens / total if total > 0 else 1.0)
+        step = objective.step_metrics()  # the objective's counters of the whole step, once
+        for k, v in step.sums.items():
+            metrics.sums[k] = metrics.sums.get(k, 0.0) + v
+        metrics.shared.update(step.shared)
+        metrics.shared["train/grad_norm"] = sum(norms) / len(norms)
         metrics.shared["train/lr"] = self.sched.get_last_lr()[0]
+        if len(batches) > 1:
+            metrics.shared["train/optimizer_steps"] = len(batches)
         return metrics
 
-    def accumulate(self, batch: TrainBatch, objective: Objective) -> StepMetrics:
+    def accumulate(self, batch: TrainBatch, objective: Objective, step_end: bool = True) -> StepMetrics:
         """The micro-batch loop: add this rank's share of the step's gradient to `.grad` (summed over the ranks
         once the last micro-batch's backward is done). Every rank runs as many micro-batches as the rank with
-        the most; the extra ones are zero-weight (`idle_loss`, rl/parallel.py says why)."""
+        the most; the extra ones are zero-weight (`idle_loss`, rl/parallel.py says why). `step_end`: add the
+        objective's whole-step counters (`Objective.step_metrics`); `train_step` adds them once itself."""
         self.model.train()
         micro = [batch.select(rows) for rows in micro_batches(batch, objective.micro_batch_size,
                                                               objective.micro_batch_tokens)]
@@ -313,10 +334,11 @@ class Trainer:
             done = self.parallel.backward(loss_of(k), last=k == count - 1)
             if done is not None:
                 metrics.add(*done)
-        step = objective.step_metrics()
-        for k, v in step.sums.items():
-            metrics.sums[k] = metrics.sums.get(k, 0.0) + v
-        metrics.shared.update(step.shared)
+        if step_end:
+            step = objective.step_metrics()
+            for k, v in step.sums.items():
+                metrics.sums[k] = metrics.sums.get(k, 0.0) + v
+            metrics.shared.update(step.shared)
         return metrics
 
     def apply(self) -> float:

@@ -308,7 +308,8 @@ class PolicyWorker:
 
     # -- TRAIN ---------------------------------------------------------------------------------------
     def begin_stage(self, stage: SFTStage | GRPOStage) -> None:
-        self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device, total_steps=stage.max_steps,
+        self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device,
+                               total_steps=stage.max_steps * getattr(stage, "mini_batches", 1),
                                autocast=torch.bfloat16 if self.recipe.run.dtype == "bfloat16" else None,
                                parallel=self.parallel)
         if self.pool is not None:
@@ -326,9 +327,9 @@ class PolicyWorker:
         for spec in specs:
             self.pool.add(spec)
 
-    def train_step(self, batch: TrainBatch, stage: SFTStage | GRPOStage | OPDStage) -> StepMetrics:
-        """One optimizer step on this rank's rows with the stage's objective (rl/objectives.py); the
-        weights change in place, shared with the engine."""
+    def train_step(self, batch: TrainBatch | list[TrainBatch], stage: SFTStage | GRPOStage | OPDStage) -> StepMetrics:
+        """One optimizer step on this rank's rows with the stage's objective (rl/objectives.py), or one per
+        mini-batch of a list (`GRPOStage.mini_batches`); the weights change in place, shared with the engine."""
         fault_point("worker_train", self.rank)
         objective = build_objective(stage, model=self.model, temperature=self.recipe.engine.sampling.temperature or 1.0,
                                     current_version=self.engine.policy_version, pool=self.pool, reference=self.reference)

@@ -3,6 +3,7 @@ rl/parallel.py): the job finishes its steps, and the checkpoint it writes holds 
 workers' placement group (rl/placement.py): a group the cluster cannot hold fails at once in one line, a busy
 cluster after the timeout, and the workers run inside their bundles."""
 
+import json
 import subprocess
 import sys
 
@@ -20,12 +21,16 @@ def test_rl_train_with_two_ddp_workers(tmp_path):
     from rl.worker import build_policy
 
     run = tmp_path / "run"
+    # two PPO mini-batches a step (GRPOStage.mini_batches): each rank takes two optimizer steps on its share of each
     sets = ["runtime.ray=true", "runtime.num_workers=2", "runtime.num_cpus=2", "runtime.cpus_per_worker=0.5",
-            "runtime.parallel=ddp", "runtime.worker_timeout_s=120"]
+            "runtime.parallel=ddp", "runtime.worker_timeout_s=120", "stages.0.prompts_per_step=4",
+            "stages.0.mini_batches=2", "stages.0.skip_uniform_groups=false", "stages.0.dispatch.max_inflight=8"]
     proc = subprocess.run([*CLI, "train", "configs/tiny_grpo.yaml", "--run-dir", str(run),
                            *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "policy on 2 Ray worker(s)" in proc.stdout and "stage 0 (grpo): 2 steps so far" in proc.stdout, proc.stdout
+    steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "rl/loss" in r]
+    assert len(steps) == 2 and all(r["train/optimizer_steps"] == 2 for r in steps)
     recipe = recipe_from_yaml(open("configs/tiny_grpo.yaml").read())
     load_weights_into(build_policy(recipe), find_checkpoint(run))  # full tensors of the recipe's shapes
 

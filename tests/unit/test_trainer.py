@@ -154,3 +154,59 @@ def test_tool_output_tokens_are_masked_out_of_the_loss():
     b = TrainBatch.from_samples([s, plain], [1.0, 1.0], num_tokens=5.0).pack("cpu")
     assert b.mask[0, 2:8].tolist() == [1, 1, 0, 0, 0, 1] and b.mask[0].sum() == 3
     assert b.mask[1, 1:3].tolist() == [1, 1] and b.mask[1].sum() == 2
+
+
+def _renorm(rows: TrainBatch) -> TrainBatch:
+    return TrainBatch(**{**rows.__dict__, "num_tokens": rows.response_tokens})
+
+
+def test_mini_batches_take_one_optimizer_step_each_in_order_and_merge_their_metrics():
+    torch.manual_seed(0)
+    model, rows = Decoder(debug_config(moe=False)).float(), _rows(12)
+    stage = GRPOStage(group_size=4, micro_batch_size=3)
+    first, second = _renorm(rows.select(range(0, 8))), _renorm(rows.select(range(8, 12)))
+
+    def objective(m):
+        return GRPOObjective(stage, model=m, temperature=1.0, current_version=0)
+
+    mini = Trainer(copy.deepcopy(model), OptimConfig(lr=1e-2))
+    merged = merge_step_metrics([mini.train_step([first, second], objective(mini.model))])
+    steps = Trainer(copy.deepcopy(model), OptimConfig(lr=1e-2))  # the same two batches as two train steps
+    a = merge_step_metrics([steps.train_step(first, objective(steps.model))])
+    b = merge_step_metrics([steps.train_step(second, objective(steps.model))])
+    for p, q in zip(mini.model.parameters(), steps.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert mini.sched.last_epoch == 2 and merged["train/optimizer_steps"] == 2
+    share = first.num_tokens / (first.num_tokens + second.num_tokens)
+    assert merged["rl/loss"] == pytest.approx(share * a["rl/loss"] + (1 - share) * b["rl/loss"])
+    assert merged["train/grad_norm"] == pytest.approx((a["train/grad_norm"] + b["train/grad_norm"]) / 2)
+    assert merged["rl/clip_frac"] == pytest.approx(share * a["rl/clip_frac"] + (1 - share) * b["rl/clip_frac"])
+    # one mini-batch is the plain step
+    one, plain = Trainer(copy.deepcopy(model), OptimConfig(lr=1e-2)), Trainer(copy.deepcopy(model), OptimConfig(lr=1e-2))
+    m1 = merge_step_metrics([one.train_step([rows], objective(one.model))])
+    m2 = merge_step_metrics([plain.train_step(rows, objective(plain.model))])
+    assert m1 == pytest.approx(m2) and "train/optimizer_steps" not in m1
+    for p, q in zip(one.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def _group(tokens: int) -> list:
+    """A group of one sample of `tokens` prompt + response tokens (all the deal reads)."""
+    from types import SimpleNamespace
+    return [SimpleNamespace(prompt_tokens=[0] * 3, response_tokens=[0] * (tokens - 3))]
+
+
+def test_mini_batch_groups_deal_whole_groups_balanced_with_a_group_per_worker():
+    from rl.async_grpo import mini_batch_groups
+
+    tokens = (40, 10, 35, 12, 30, 9, 8, 20)
+    groups = [_group(t) for t in tokens]
+    parts = mini_batch_groups(groups, 4, n_workers=1)
+    assert len(parts) == 4 and sorted(i for p in parts for i in p) == list(range(8))  # every group once
+    loads = [sum(tokens[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= 12  # LPT: 164 tokens in four parts of 38-47
+    assert [p[0] for p in parts] == sorted(p[0] for p in parts)
+    assert len(mini_batch_groups(groups, 4, n_workers=3)) == 2  # 8 groups, 3 workers: 2 mini-batches of >= 3
+    assert all(len(p) >= 3 for p in mini_batch_groups(groups, 4, n_workers=3))
+    assert mini_batch_groups(groups, 1, n_workers=2) == [list(range(8))]
+    assert mini_batch_groups(groups[:1], 4, n_workers=2) == [[0]]
