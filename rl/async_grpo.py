@@ -99,7 +99,7 @@ class AsyncGRPO:
         self.prompts_too_long = 0  # problems skipped because their prompt exceeds engine.prompt_limit (since start/resume)
         self.on_failure = recipe.tools.on_failure if recipe.tools is not None else None
         self.skips_uniform = (stage.skip_uniform_groups and type(stage) is GRPOStage and stage.kl_ref_coef == 0
-                              and not recipe.model.is_sparse)
+                              and stage.entropy_coef == 0 and not recipe.model.is_sparse)
         """Groups whose advantages are all 0 leave the trainer's step (GRPOStage.skip_uniform_groups)."""
 
     # -- checkpoint state ----------------------------------------------------------------------------

@@ -185,11 +185,16 @@ class GRPOStage(StrictConfig):
     updates, which the clipped ratio against the behaviour logprobs bounds; the policy version advances once
     per train step (the engine's weights change once). Fewer when the step has fewer groups than
     mini_batches x workers. The cosine schedule decays over max_steps x mini_batches optimizer steps."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus (verl's entropy_coeff): the loss subtracts entropy_coef x the policy's token entropy
+    -Σ_v p(v) log p(v) (at the sampling temperature, full vocabulary) summed over the kept response tokens and
+    normalised as the policy loss, against the collapse that leaves every group uniform. Set, every group is
+    trained (skip_uniform_groups no longer holds: a uniform group's entropy term has a gradient)."""
     skip_uniform_groups: bool = True
     """Leave groups whose rewards are all equal (every advantage 0) out of the trainer's forward and backward:
     every term of the GRPO loss is multiplied by the advantage, so they add nothing to the gradient and the
     step's gradient is the same for less compute (the token normaliser still counts them). Applies only where
-    that holds: a GRPO stage (not OPD) with kl_ref_coef 0 and dense attention (the sparse indexer's loss sees
+    that holds: a GRPO stage (not OPD) with kl_ref_coef 0, entropy_coef 0 and dense attention (the sparse indexer's loss sees
     every sample); each worker still trains at least one group. Their rollout/ metrics still count them; the step's
     rl/ and train/ metrics (clip fraction, ratio, tokens/s) cover the groups it computed. Logged as
     train/uniform_groups_skipped_total."""

@@ -43,17 +43,24 @@ def _forward_hidden(model: Decoder, b: PackedBatch, routing: torch.Tensor | None
 
 
 def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temperature: float = 1.0,
-                      stats: dict[str, float] | None = None) -> torch.Tensor:
+                      stats: dict[str, float] | None = None, entropy: list[torch.Tensor] | None = None) -> torch.Tensor:
     """log softmax(logits / temperature) at the targets, [B, T] float32, on the trained response positions
     (b.mask > 0) and 0 elsewhere. The output head and the log-softmax run on those positions alone, not on
     prompts and padding: the [B, T, vocab] float32 logits were most of a small model's step (bench/train_step.py);
     every loss term here is masked to these positions, so no value changes. `stats`: gets "rl/entropy", the mean
     over those positions of the policy's entropy -Σ_v p(v) log p(v) at this temperature (verl's actor/entropy: a
-    collapsing entropy is a policy that stopped exploring), without gradient."""
+    collapsing entropy is a policy that stopped exploring), without gradient. `entropy`: gets that entropy per
+    position, [B, T] (0 off the trained positions), with gradient (the `entropy_coef` bonus); then "rl/entropy" is
+    its mean."""
     idx = (b.mask > 0).nonzero(as_tuple=True)
     logp = torch.log_softmax(model.logits(hidden[idx]).float() / temperature, dim=-1)
     lp = logp.gather(-1, b.targets[idx][:, None]).squeeze(-1)
-    if stats is not None:
+    if entropy is not None:  # log p is finite here (a log-softmax of finite logits): no 0 · -inf
+        ent = -(logp.exp() * logp).sum(-1)
+        entropy.append(torch.zeros(b.targets.shape, dtype=ent.dtype, device=ent.device).index_put(idx, ent))
+        if stats is not None:
+            stats["rl/entropy"] = float(ent.detach().mean()) if ent.numel() else 0.0
+    elif stats is not None:
         with torch.no_grad():  # p · log p with log p clamped (a zero-probability id adds 0, not nan), in chunks
             lo = torch.finfo(logp.dtype).min  # of rows so that the temporaries stay small beside the logits
             ent = sum((c.exp() * c.clamp_min(lo)).sum() for c in logp.split(ENTROPY_CHUNK_ROWS))
@@ -99,12 +106,16 @@ class GRPOObjective:
                      keep: torch.Tensor) -> LossTerms:
         s = self.stage
         entropy: dict[str, float] = {}
+        bonus: list[torch.Tensor] | None = [] if s.entropy_coef > 0 else None
         x = PolicyLossInputs(
-            logprobs=response_logprobs(model, hidden, b, self.temperature, entropy), behavior_logprobs=b.behavior_logprobs,
+            logprobs=response_logprobs(model, hidden, b, self.temperature, entropy, bonus),
+            behavior_logprobs=b.behavior_logprobs,
             advantages=torch.tensor(list(rows.advantages_B), dtype=torch.float32, device=b.input_ids.device),
             mask=b.mask, num_tokens=rows.num_tokens, keep=keep)
         loss, metrics = grpo_loss(x, clip_low=s.clip_low, clip_high=s.clip_high, ratio=s.importance.ratio,
                                   tis_cap=s.importance.tis_cap)
+        if bonus:  # the exploration bonus (verl's entropy_coeff): - coef · the kept tokens' entropy ÷ the step's tokens
+            loss = loss - s.entropy_coef * (bonus[0] * b.mask * keep).sum() / rows.num_tokens
         if s.kl_ref_coef > 0:
             with torch.no_grad():
                 ref_hidden = self.reference.forward_hidden(b.input_ids, routing_replay=b.routing).hidden

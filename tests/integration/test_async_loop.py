@@ -197,11 +197,12 @@ def test_groups_with_equal_rewards_leave_the_train_step_without_changing_it(tmp_
 def test_mini_batches_take_an_optimizer_step_each_and_train_every_group_once(tmp_path, reference):
     """GRPOStage.mini_batches 2: each train step's two groups go to two optimizer steps (the LR schedule counts
     both; the checkpoint's scheduler holds 2 x STEPS), every group is still trained whole once at one step, and the
-    first step's samples (drawn before any update) are the reference run's while its weights move twice."""
+    first step's samples (drawn before any update) are the reference run's while its weights move twice. With an
+    entropy bonus no group is left out as uniform (its entropy term has a gradient), so both groups always train."""
     from rl.checkpoint import TRAINER_JSON, find_checkpoint
 
     recipe = Recipe.model_validate({**RECIPE, "stages": [{**RECIPE["stages"][0], "mini_batches": 2,
-                                                          "skip_uniform_groups": False}]})
+                                                          "entropy_coef": 0.01}]})
     run_dir = tmp_path / "mini"
     with open_job(recipe, run_dir, say=lambda m: None) as job:
         job.state.stage_t0 = time.monotonic()
@@ -210,6 +211,7 @@ def test_mini_batches_take_an_optimizer_step_each_and_train_every_group_once(tmp
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "rl/loss" in r]
     assert len(steps) == STEPS and all(r["train/optimizer_steps"] == 2 for r in steps)
+    assert all(r["train/uniform_groups_skipped_total"] == 0 for r in steps) and all(r["rl/entropy"] > 0 for r in steps)
     assert len(samples) == STEPS * PROMPTS * G and sorted(losses) == list(range(1, STEPS + 1))
     first = {k: v for k, v in samples.items() if v[3] == 1}
     assert first == {k: v for k, v in reference[1].items() if v[3] == 1}

@@ -127,3 +127,33 @@ def test_grpo_step_reports_the_policys_mean_token_entropy_on_response_positions(
     m = merge_step_metrics([Trainer(model, OptimConfig(lr=1e-3)).train_step(rows, objective)])  # forward before the update
     assert m["rl/entropy"] == pytest.approx(want / n, rel=1e-4)
     assert 0 < m["rl/entropy"] < torch.log(torch.tensor(float(model.config.vocab_size)))
+
+
+def test_entropy_bonus_subtracts_coef_times_the_summed_token_entropy_from_the_loss_and_its_gradient():
+    """GRPOStage.entropy_coef c: loss and gradient are those of c = 0 minus c · Σ_positions H ÷ the step's tokens,
+    H computed here from the full-sequence logits (micro-batches of 2 rows, temperature 0.7)."""
+    from rl.config import GRPOStage
+    from rl.objectives import build_objective
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False))
+    rows = _rows(["t"] * 5)
+    rows = TrainBatch(**{**rows.__dict__, "advantages_B": [1.0, -0.5, 0.0, 2.0, -1.0]})
+    grads, metrics = [], []
+    for coef in (0.0, 0.3):
+        m = Decoder(debug_config(moe=False))
+        m.load_state_dict(model.state_dict())
+        objective = build_objective(GRPOStage(micro_batch_size=2, entropy_coef=coef), model=m, temperature=0.7,
+                                    current_version=0)
+        metrics.append(merge_step_metrics([Trainer(m, OptimConfig(lr=1e-3)).accumulate(rows, objective)]))
+        grads.append({k: p.grad.clone() for k, p in m.named_parameters()})
+    h_sum = 0.0
+    for p, r in zip(rows.prompts_B, rows.responses_B):
+        logp = torch.log_softmax(model(torch.tensor([list(p) + list(r)[:-1]]))[0][0, len(p) - 1:] / 0.7, -1)
+        h_sum = h_sum - (logp.exp() * logp).sum()
+    (h_sum / rows.num_tokens).backward()
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(grads[1][k] - grads[0][k], -0.3 * p.grad, rtol=1e-3, atol=1e-6)
+    assert any(float(p.grad.abs().max()) > 1e-4 for p in model.parameters())
+    assert metrics[1]["rl/loss"] == pytest.approx(metrics[0]["rl/loss"] - 0.3 * float(h_sum.detach()) / rows.num_tokens, rel=1e-4)
+    assert metrics[1]["rl/entropy"] == pytest.approx(metrics[0]["rl/entropy"], rel=1e-5)
