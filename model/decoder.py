@@ -148,6 +148,8 @@ class Attention(nn.Module):
         from model.kernels import decode_fused
 
         pools = None if batch is None else batch.cache.unquantised_layer(self.layer_idx)
+        if pools is None and batch is not None and batch.block_table is not None and decode_fused.fp4_write_ok(self.head_dim):
+            pools = batch.cache.fp4_layer(self.layer_idx)  # paged decode: fp4 rows encoded in the same kernel
         cache = None if pools is None else (pools[0], pools[1], batch.slot_mapping, pools[2])
         q, k, v = decode_fused.qkv_norm_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, *norm_w, eps, cache)
         return self._attend(q, k, v, batch, written=cache is not None)

@@ -20,6 +20,7 @@ quantise -> dequantise (bit-identical to a cache write + read) with a straight-t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -341,6 +342,14 @@ class PagedKVCache:
         if self.format.quantised:
             return None
         return self.k[layer], self.v[layer], self._scratch
+
+    def fp4_layer(self, layer: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor], int] | None:
+        """The fp4 format: this layer's (packed, scales) pools of K and of V and the scratch slot, for a decode kernel
+        that encodes K/V rows into them with `write`'s semantics (model/kernels/decode_fused.py, with RoPE: one
+        launch a layer instead of two); None for other formats, or where ASYNCRL_FP4_FUSED_WRITE=0."""
+        if self.format.name != "fp4" or os.environ.get("ASYNCRL_FP4_FUSED_WRITE", "1") == "0":
+            return None
+        return (self.k[layer], self.k_scale[layer]), (self.v[layer], self.v_scale[layer]), self._scratch
 
     def gather(self, layer: int, context_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """context_slots [B, S] -> K, V [B, S, KVH, D] in the compute dtype (dequantised)."""

@@ -60,6 +60,12 @@ FP4_SC_WORDS = True  # decode 2 / 3: fp4 scales loaded as int32 words where alig
 FP4_PROGRAMS_PER_SM = 3
 # default tokens per tile (H200 sweep at 32K context, bench/fp4_kv.py --sweep): dense 64, fp4 128
 BLOCK_N = {"dense": 64, "fp8": 64, "fp4": 128}
+# fp4 launch where the block table holds at most this many tokens (a rollout's decode: bench/engine.py's 400):
+# smaller tiles in two pipeline stages (fewer registers and less shared memory, more programs per SM), and with
+# one to four waves of (sequence, KV head) programs two splits. H200, Qwen3-0.6B attention shape, device time in
+# CUDA-graph replay (bench/paged_attention.py): batch 64 30.5 -> 27.3 us, batch 1 7.2 -> 5.5 us, batch 256 93.6 ->
+# 92.8 us; longer contexts keep the launch above (2K: 128-token tiles and the wave heuristic; 16K: level with bf16).
+FP4_SHORT_CONTEXT = 512
 
 
 # -- PyTorch reference -----------------------------------------------------------------------------
@@ -379,8 +385,14 @@ def decode_attention(
     cd_tl = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[cd]
     sm_scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
     fp4_gain = 2.0**14 if fmt == 2 else 1.0  # the E2M1 bit placement's 2^-14, on K and on V
-    block_n = BLOCK_N[kv_format] if block_n is None else block_n
     max_len = block_table.shape[1] * block_size if max_context_len is None else max_context_len
+    programs = B * KVH
+    if fmt == 2 and max_len <= FP4_SHORT_CONTEXT:  # a rollout's short contexts (FP4_SHORT_CONTEXT says why)
+        block_n = (32 if programs < _num_sms(q.device) else 64) if block_n is None else block_n
+        num_stages = 2 if num_stages is None else num_stages
+        if num_splits is None and _num_sms(q.device) <= programs <= 4 * _num_sms(q.device):
+            num_splits = 2
+    block_n = BLOCK_N[kv_format] if block_n is None else block_n
     n_tiles = max(1, triton.cdiv(max_len, block_n))
     if num_splits is None:
         if fmt == 2:  # one full wave of FP4_PROGRAMS_PER_SM programs per SM

@@ -12,8 +12,10 @@ with TRITON_INTERPRET=1.
                             norm's output rounded to the dtype as RMSNorm returns it), then RoPE
                             (x32·cos + rotate_half(x)32·sin).to(dtype); with a bf16-format cache K and V
                             are written into their slots in the same kernel (padding rows, slot −1, into
-                            the scratch slot, as PagedKVCache.write). One kernel where the plain forward
-                            has up to 9 (q-norm, k-norm, two RoPEs, the slot fix-up, two index_copy)
+                            the scratch slot, as PagedKVCache.write), and at decode an fp4-format cache's
+                            rows are encoded there too (model/kernels/fp4.encode_pairs). One kernel where
+                            the plain forward has up to 9 (q-norm, k-norm, two RoPEs, the slot fix-up, two
+                            index_copy) and fp4 decode had two (this and the quantise)
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from model.kernels import fp4 as fp4_kernels
 
 
 def _warps(block: int) -> int:
@@ -92,7 +96,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _qkv_norm_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_ptr, kc_ptr, vc_ptr, slot_ptr,
                           row_stride, H, KVH, scratch, eps,
-                          HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, WRITE: tl.constexpr):
+                          HALF: tl.constexpr, BLOCK: tl.constexpr, HAS_NORM: tl.constexpr, WRITE: tl.constexpr,
+                          ks_ptr=None, vs_ptr=None):
+    # WRITE 0: no cache write; 1: the bf16 cache (rows of D values); 2: the fp4 cache (kc/vc: packed rows of
+    # D / 2 bytes, ks/vs: scale rows of D / 16 bytes), each 16-value block encoded here as model.fp4.quantize does
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads [0, H), k heads [H, H + KVH), v heads [H + KVH, H + 2·KVH) (WRITE only)
     d = tl.arange(0, BLOCK)
@@ -131,7 +138,26 @@ def _qkv_norm_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_pt
     ko = k_ptr + (tok * KVH + kh) * (2 * HALF)
     tl.store(ko + d, o1, mask=is_k)
     tl.store(ko + HALF + d, o2, mask=is_k)
-    if WRITE:  # the bf16 cache: rows [slots + 1, KVH, D]; padding (slot −1) -> the scratch slot
+    if WRITE == 2:  # fp4: K heads encode the RoPE'd bf16 row, V heads the row as the GEMM gave it (BLOCK == HALF)
+        slot = tl.load(slot_ptr + tok)
+        slot = tl.where(slot < 0, scratch, slot).to(tl.int64)
+        vh = tl.maximum(head - H - KVH, 0)
+        NB: tl.constexpr = HALF // 16  # scale blocks per half row
+        j = tl.arange(0, NB)[:, None] * 8 + tl.arange(0, 8)[None, :]  # byte j of a half row's packed bytes
+        hj = head + tl.zeros([NB, 8], dtype=tl.int32)
+        hb = head + tl.zeros([NB], dtype=tl.int32)
+        sb = tl.arange(0, NB)
+        k_row = (slot * KVH + kh) * HALF  # packed bytes: D / 2 = HALF a row; scales: D / 16 = NB · 2
+        v_row = (slot * KVH + vh) * HALF
+        for part in tl.static_range(2):
+            y = tl.where(is_k, (o1 if part == 0 else o2).to(tl.float32), (x1 if part == 0 else x2).to(tl.float32))
+            lo, hi = tl.split(tl.reshape(y, (NB, 8, 2)))
+            packed, bits = fp4_kernels.encode_pairs(lo, hi)
+            tl.store(kc_ptr + k_row + part * (HALF // 2) + j, packed, mask=(hj >= H) & (hj < H + KVH))
+            tl.store(vc_ptr + v_row + part * (HALF // 2) + j, packed, mask=hj >= H + KVH)
+            tl.store(ks_ptr + (k_row // 8) + part * NB + sb, bits, mask=(hb >= H) & (hb < H + KVH))
+            tl.store(vs_ptr + (v_row // 8) + part * NB + sb, bits, mask=hb >= H + KVH)
+    elif WRITE:  # the bf16 cache: rows [slots + 1, KVH, D]; padding (slot −1) -> the scratch slot
         slot = tl.load(slot_ptr + tok)
         slot = tl.where(slot < 0, scratch, slot).to(tl.int64)
         vh = tl.maximum(head - H - KVH, 0)
@@ -150,7 +176,9 @@ def qkv_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
     """qkv [B, T, (H + 2·KVH)·D] (the fused qkv GEMM's output); cos, sin [B, T, 1, D] float32
     (model.decoder.rope_cos_sin); q_norm_w, k_norm_w [D] or None (no qk-norm).
     cache: (k_pool, v_pool [slots + 1, KVH, D] of one layer, slot_mapping [B, T] (−1: padding), scratch slot)
-    to write K and V into a bf16-format PagedKVCache in the same kernel; None: no write.
+    to write K and V into a bf16-format PagedKVCache in the same kernel; with (packed, scales) pairs for the pools
+    ([slots + 1, KVH, D / 2] and [slots + 1, KVH, D / 16], uint8 or float8 scales), into an fp4-format one,
+    bit for bit what `PagedKVCache.write` stores (`fp4_write_ok` says which shapes); None: no write.
     -> q [B, T, H, D] and k [B, T, KVH, D] (new, contiguous), v [B, T, KVH, D] (a view of qkv)."""
     B, T, W = qkv.shape
     D, H, KVH = cos.shape[-1], num_heads, num_kv_heads
@@ -167,17 +195,35 @@ def qkv_norm_rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_h
         return q, k, v
     has_norm = q_norm_w is not None
     qw, kw = (q_norm_w.contiguous(), k_norm_w.contiguous()) if has_norm else (q, q)  # unused without the norm
+    write, ks = 0, None
     if cache is not None:
         kc, vc, slots, scratch = cache
-        if not (kc.is_contiguous() and vc.is_contiguous() and kc.shape[1:] == (KVH, D) and vc.shape == kc.shape):
-            raise ValueError("cache pools must be contiguous [slots + 1, KVH, D]")
+        write = 1
+        if isinstance(kc, tuple):  # fp4: (packed, scales) per pool
+            if not fp4_write_ok(D):
+                raise ValueError(f"the fused fp4 write takes head_dim a power of two >= 32, not {D}")
+            (kc, ks), (vc, vs) = kc, vc
+            ks, vs = ks.view(torch.uint8), vs.view(torch.uint8)
+            write = 2
+            shapes = [(kc, D // 2), (vc, D // 2), (ks, D // 16), (vs, D // 16)]
+        else:
+            shapes = [(kc, D), (vc, D)]
+        if not all(t.is_contiguous() and t.shape[1:] == (KVH, w) and t.shape[0] == kc.shape[0] for t, w in shapes):
+            raise ValueError("cache pools must be contiguous [slots + 1, KVH, row width]")
         slots = slots.reshape(N).contiguous()
     else:
         kc = vc = k
         slots, scratch = torch.empty(1, dtype=torch.long, device=qkv.device), 0  # unused without the write
     block = triton.next_power_of_2(D // 2)
     heads = H + KVH + (KVH if cache is not None else 0)
+    extra = {"ks_ptr": ks, "vs_ptr": vs} if write == 2 else {}
     _qkv_norm_rope_kernel[(N, heads)](qkv, c, s, qw, kw, q, k, kc, vc, slots, W, H, KVH, scratch, eps,
-                                      HALF=D // 2, BLOCK=block, HAS_NORM=has_norm, WRITE=cache is not None,
-                                      num_warps=max(1, min(4, block // 32)))
+                                      HALF=D // 2, BLOCK=block, HAS_NORM=has_norm, WRITE=write,
+                                      num_warps=max(1, min(4, block // 32)), **extra)
     return q, k, v
+
+
+def fp4_write_ok(head_dim: int) -> bool:
+    """Whether `qkv_norm_rope` can write an fp4 cache for this head_dim: each RoPE half a whole number of
+    16-value scale blocks held by one program (a power of two >= 32)."""
+    return head_dim >= 32 and head_dim & (head_dim - 1) == 0

@@ -144,6 +144,36 @@ def _bf16x2_dup(f):
 
 
 @triton.jit
+def _block_scale(amax, has_nan):
+    """A block's E4M3 scale from its float32 amax: (the scale as float32, its E4M3 bits; a NaN block's bits are
+    E4M3 NaN, 0x7F, and its scale 1)."""
+    s = tl.minimum(tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125), 448.0)  # [2^-9, 448], IEEE /
+    s = tl.where(has_nan, 1.0, s)
+    # Round the scale *up* to E4M3 from the float32 bits (no float8 conversion: exact on every backend).
+    # Normal range (>= 2^-6): keep 3 mantissa bits, rounding up (a carry into the exponent is right);
+    # subnormal range: multiples of 2^-9.
+    sub = s < 0.015625
+    up = (s.to(tl.int32, bitcast=True) + 0xFFFFF) & -1048576  # 0xFFF00000
+    sub_m = tl.ceil(s * 512.0)
+    scale = tl.where(sub, sub_m * 0.001953125, up.to(tl.float32, bitcast=True))
+    bits = tl.where(sub, sub_m.to(tl.int32), (up >> 20) - 960)  # E4M3 exponent field = float32's - 120
+    bits = tl.where(has_nan, 0x7F, bits)  # E4M3 NaN: the block dequantises to NaN
+    return scale, bits
+
+
+@triton.jit
+def encode_pairs(lo, hi):
+    """Channel pairs (2j, 2j + 1) of NB 16-value blocks, float32 lo (even) and hi (odd) [NB, 8] -> (packed bytes
+    [NB, 8], E4M3 scale bits [NB]) as uint8: what `quantize` stores for them (the Triton encode), for a kernel
+    that has the values in registers (model/kernels/decode_fused.py writes K and V this way)."""
+    has_nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), axis=1) > 0
+    amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1)
+    scale, bits = _block_scale(amax, has_nan)
+    sc = tl.where(has_nan, float("nan"), scale)[:, None]  # NaN block: every code 0, as in the reference
+    return (_e2m1_code(lo, sc) | (_e2m1_code(hi, sc) << 4)).to(tl.uint8), bits.to(tl.uint8)
+
+
+@triton.jit
 def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, rows_ptr, blocks_per_row, NBP: tl.constexpr,
                      BF16_WORDS: tl.constexpr, ASM: tl.constexpr = False, V2: tl.constexpr = False,
                      SCATTER: tl.constexpr = False, x2_ptr=None, packed2_ptr=None, scale2_ptr=None,
@@ -204,17 +234,7 @@ def _quantize_kernel(x_ptr, packed_ptr, scale_ptr, n_blocks, rows_ptr, blocks_pe
         hi = tl.load(x_ptr + offs + 1, mask=live[:, None], other=0.0).to(tl.float32)
         has_nan = tl.max(((lo != lo) | (hi != hi)).to(tl.int32), axis=1) > 0
         amax = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=1)
-    s = tl.minimum(tl.maximum(tl.math.div_rn(amax, 6.0), 0.001953125), 448.0)  # [2^-9, 448], IEEE /
-    s = tl.where(has_nan, 1.0, s)
-    # Round the scale *up* to E4M3 from the float32 bits (no float8 conversion: exact on every backend).
-    # Normal range (>= 2^-6): keep 3 mantissa bits, rounding up (a carry into the exponent is right);
-    # subnormal range: multiples of 2^-9.
-    sub = s < 0.015625
-    up = (s.to(tl.int32, bitcast=True) + 0xFFFFF) & -1048576  # 0xFFF00000
-    sub_m = tl.ceil(s * 512.0)
-    scale = tl.where(sub, sub_m * 0.001953125, up.to(tl.float32, bitcast=True))
-    bits = tl.where(sub, sub_m.to(tl.int32), (up >> 20) - 960)  # E4M3 exponent field = float32's - 120
-    bits = tl.where(has_nan, 0x7F, bits)  # E4M3 NaN: the block dequantises to NaN
+    scale, bits = _block_scale(amax, has_nan)
     tl.store(scale_ptr, bits.to(tl.uint8), mask=live)
     if V2:  # bf16 words, PTX only
         t = tl.inline_asm_elementwise(_THRESHOLDS_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r",

@@ -122,3 +122,21 @@ def test_fp4_decode_variants_match_reference(decode, words, monkeypatch):
                                     lens_t.to(DEVICE), bs, kv_format="fp4", block_n=bn, fp4_decode=decode).cpu()
         assert torch.isfinite(out).all()
         assert torch.allclose(out.float(), ref.float(), **TOL[qdt])
+
+
+@pytest.mark.parametrize("wave", [False, True], ids=["few-programs", "a-wave"])
+def test_fp4_short_context_default_launch_matches_reference(wave):
+    """The fp4 launch chosen for block tables of <= FP4_SHORT_CONTEXT tokens (a rollout's decode): 32-token tiles
+    when the (sequence, KV head) programs are fewer than the SMs, 64-token tiles in two splits when they fill one
+    to four waves; both in two pipeline stages. Lengths spread over the table, one sequence empty."""
+    sms, KVH = kern._num_sms(torch.device(DEVICE)), 2 if wave else 1
+    B = -(-sms // KVH) if wave else 1
+    lens = [int(x) for x in torch.linspace(0, 70, B).round()] if B > 1 else [57]
+    q, k, v, table, lens_t = _paged_case(lens, H=4, KVH=KVH, D=64, block_size=16, seed=7)
+    assert table.shape[1] * 16 <= kern.FP4_SHORT_CONTEXT
+    q = q.to(torch.bfloat16)
+    kc, vc = fp4.quantize(k), fp4.quantize(v)
+    ref = kern.decode_attention_ref(q, kc, vc, table, lens_t, 16, kv_format="fp4")
+    out = kern.decode_attention(q.to(DEVICE), _to(kc, DEVICE), _to(vc, DEVICE), table.to(DEVICE), lens_t.to(DEVICE),
+                                16, kv_format="fp4").cpu()
+    assert torch.isfinite(out).all() and torch.allclose(out.float(), ref.float(), **TOL[torch.bfloat16])

@@ -108,3 +108,31 @@ def test_a_wrong_kernel_would_fail_these_tests():
     assert (silu_mul(gate_up) - silu_mul_eager(gate_up.roll(16, dims=-1))).abs().max() > 1e-2
     x, r, w = torch.randn(2, 16, device=dev), torch.randn(2, 16, device=dev), torch.ones(16, device=dev)
     assert (add_rms_norm(x, r, w, 1e-6)[0] - add_rms_norm_eager(x, torch.zeros_like(r), w, 1e-6)[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 128])
+def test_qkv_norm_rope_writes_the_fp4_cache_as_paged_write_does(device, dtype, D):
+    """With an fp4-format cache's (packed, scales) pools the kernel encodes K (after norm and RoPE: the k it
+    returns) and V into their slots, padding rows into the scratch slot: byte for byte what PagedKVCache.write
+    stores for the same K and V, every other slot and layer untouched. One V row holds a NaN (its block's scale is
+    E4M3 NaN, its codes 0) and one K head is all zeros."""
+    B, T, H, KVH = 3, 2, 4, 2
+    qkv, cos, sin, qw, kw = _qkv(B, T, H, KVH, D, dtype, device, seed=4)
+    qkv[0, 1, (H + KVH) * D + 5] = float("nan")  # a V value of a real token (slot 6)
+    qkv[2, 0, H * D:(H + 1) * D] = 0.0  # a K head of zeros (before the norm: it stays 0)
+    caches = [PagedKVCache(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=KVH, head_dim=D, dtype=dtype,
+                           device=device, kv_dtype="fp4") for _ in range(2)]
+    slots = torch.tensor([[5, 6], [0, -1], [13, 2]], device=device)
+    k_pools, v_pools, scratch = caches[0].fp4_layer(1)
+    q, k, v = qkv_norm_rope(qkv, cos, sin, H, KVH, qw, kw, 1e-6, cache=(k_pools, v_pools, slots, scratch))
+    caches[1].write(1, slots, k, v, read_back=False)
+    for name in ("k", "v", "k_scale", "v_scale"):
+        got, want = getattr(caches[0], name), getattr(caches[1], name)
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    written = torch.zeros(caches[0].k.shape[1], dtype=torch.bool, device=device)
+    written[slots[slots >= 0]], written[scratch] = True, True
+    assert (caches[0].k[1][written].view(torch.uint8) != 0).any() and (caches[0].k[1][~written] == 0).all()
+    assert (caches[0].k_scale[1][6].view(torch.uint8) != 0x7F).all() and (caches[0].v_scale[1][6].view(torch.uint8) == 0x7F).any()
+    assert (caches[0].k[0].view(torch.uint8) == 0).all()  # other layers untouched

@@ -89,13 +89,18 @@ def test_engine_on_the_rollout_path_gives_the_plain_engines_tokens(arch, kv, ker
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp4"])
-def test_captured_decode_forward_on_the_rollout_path_gives_the_plain_logits(kv, kernels):
+def test_captured_decode_forward_on_the_rollout_path_gives_the_plain_logits(kv, kernels, monkeypatch):
     """DecodeGraphs' captured computation (rollout/graphs.py `_forward`: slots from the input buffer, the paged
     decode kernel, padding rows) run directly, on the rollout path that DecodeGraphs turns on, against the
-    same forward on the plain path, over an engine's live cache."""
+    same forward on the plain path, over an engine's live cache. head_dim 32: with the kernels an fp4 cache's
+    rows are encoded by the qk-norm + RoPE kernel (`PagedKVCache.fp4_layer`), which must store what `write` does."""
+    from model.kv_cache import PagedKVCache
     from rollout.graphs import _COLS, DecodeGraphs
 
-    model = _model("qwen3", kv_cache={"dtype": kv})
+    fused_fp4 = []
+    fp4_layer = PagedKVCache.fp4_layer
+    monkeypatch.setattr(PagedKVCache, "fp4_layer", lambda self, i: fused_fp4.append(i) or fp4_layer(self, i))
+    model = _model("qwen3", kv_cache={"dtype": kv}, head_dim=32)
     eng = Engine(model, EngineConfig(max_batch_size=4, block_size=4, max_seq_len=32, cuda_graphs=False), eos_id=2,
                  device=DEV)
     eng.add([GenerationRequest(f"s{i}", (1, 5 + i, 6, 7 + i), 20, seed=i) for i in range(3)])
@@ -115,6 +120,7 @@ def test_captured_decode_forward_on_the_rollout_path_gives_the_plain_logits(kv, 
             fused.ENABLED = True
         got, sampled, routing = graphs._forward(buf)  # writes the same K/V into the same slots again
     assert _close(got[:3], want[:3], 1e-4) and torch.isfinite(got[3]).all()
+    assert len(fused_fp4) == (2 if kv == "fp4" and kernels else 0)  # both layers, on the kernel path only
     assert routing is None  # a dense model: no expert ids
     # the sampler inside the captured computation: temperature 0 (the buffer's zero bits) takes the argmax
     assert sampled.shape == (2, 4) and sampled[0, :3].long().tolist() == got[:3].argmax(-1).tolist()
