@@ -40,7 +40,6 @@ SWEEP = {  # (block_n, warps, stages) x splits (None: the default heuristic); ea
     "fp4": list(itertools.product((64, 128, 32), (4, 2, 8), (None, 3, 2))),
 }
 SPLITS = (None, 1, 2, 4, 8)
-NO_DOT = list(itertools.product((32, 64, 128), (2, 4, 8), (None, 2)))  # fp4 with broadcast-sum products
 
 
 def _cache(batch: int, lo: int, hi: int, table_tokens: int, device: str, gen: torch.Generator):
@@ -61,8 +60,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--points", default=",".join(POINTS), help="comma list of " + ", ".join(POINTS))
     ap.add_argument("--no-sweep", action="store_true", help="time the default launches only")
-    ap.add_argument("--sweep-formats", default="dense,fp4", help="formats the sweep runs for (comma list)")
-    ap.add_argument("--no-dot", action="store_true", help="fp4: also sweep products as broadcast sums (use_dot=False)")
     ap.add_argument("--budget-s", type=float, default=40.0, help="seconds of sweep per point and format (compiles)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
@@ -94,26 +91,20 @@ def main() -> None:
 
             default[fmt] = graph_us(run)
             timed, t0 = [], time.monotonic()
-            if not args.no_sweep and fmt in args.sweep_formats.split(","):
-                plan = [(c, splits, True) for c, splits in itertools.product(SWEEP[fmt], SPLITS)]
-                if fmt == "fp4" and args.no_dot:  # the broadcast-sum products first: they are what is asked
-                    plan = [(c, splits, False) for c, splits in itertools.product(NO_DOT, SPLITS)] + plan
-                for (bn, w, st), splits, dot in plan:
+            if not args.no_sweep:
+                for (bn, w, st), splits in itertools.product(SWEEP[fmt], SPLITS):
                     if time.monotonic() - t0 > args.budget_s:
                         print(f"  {name} {fmt}: sweep budget spent after {len(timed)} launches")
                         break
-                    tag = f"{bn}/{w}/{st}/{splits}" + ("" if dot else "/nodot")
                     try:
-                        us = graph_us(lambda: run(block_n=bn, num_warps=w, num_stages=st, num_splits=splits,
-                                                  use_dot=dot))
+                        us = graph_us(lambda: run(block_n=bn, num_warps=w, num_stages=st, num_splits=splits))
                     except Exception as e:  # noqa: BLE001  (a launch the device cannot hold: out of shared memory)
-                        print(f"  {name} {fmt} {tag}: {type(e).__name__}")
+                        print(f"  {name} {fmt} {bn}/{w}/{st}/{splits}: {type(e).__name__}")
                         continue
-                    timed.append((us, tag))
+                    timed.append((us, f"{bn}/{w}/{st}/{splits}"))
                 timed.sort()
-                if timed:
-                    result[f"{name}_best_{fmt}_us"] = round(timed[0][0], 2)
-                    result[f"{name}_best_{fmt}"] = timed[0][1]
+                result[f"{name}_best_{fmt}_us"] = round(timed[0][0], 2)
+                result[f"{name}_best_{fmt}"] = timed[0][1]
             print(f"{name} {fmt}: {len(timed)} timed; default {default[fmt]:.2f} us; best " +
                   ", ".join(f"{c} {us:.2f}" for us, c in timed[:6]))
             result[f"{name}_{fmt if fmt == 'fp4' else 'bf16'}_us"] = round(default[fmt], 2)

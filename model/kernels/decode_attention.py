@@ -66,10 +66,6 @@ BLOCK_N = {"dense": 64, "fp8": 64, "fp4": 128}
 # CUDA-graph replay (bench/paged_attention.py): batch 64 30.5 -> 27.3 us, batch 1 7.2 -> 5.5 us, batch 256 93.6 ->
 # 92.8 us; longer contexts keep the launch above (2K: 128-token tiles and the wave heuristic; 16K: level with bf16).
 FP4_SHORT_CONTEXT = 512
-# fp4 with at most this many query heads per KV head: the products as broadcast sums in registers (no tensor-core
-# dot, whose operands go through shared memory and whose 16 rows the group would pad) where `use_dot` is not
-# given. 0 (off) until measured; bench/paged_attention.py sweeps both.
-FP4_NO_DOT_MAX_G = int(os.environ.get("ASYNCRL_FP4_NO_DOT_MAX_G", "0"))
 
 
 # -- PyTorch reference -----------------------------------------------------------------------------
@@ -356,15 +352,13 @@ def decode_attention(
     q: torch.Tensor, k: KVTensors, v: KVTensors, block_table: torch.Tensor, context_lens: torch.Tensor,
     block_size: int, *, kv_format: KVFormat = "dense", sm_scale: float | None = None,
     max_context_len: int | None = None, num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-    num_stages: int | None = None, fp4_decode: int | None = None, use_dot: bool | None = None,
+    num_stages: int | None = None, fp4_decode: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per sequence) -> attention output [B, H, D] in q.dtype.
 
     k, v: one layer of the paged pool in `kv_format` (module docstring). block_table [B, max_blocks]
     (int32/int64) and context_lens [B] live on q's device. max_context_len (a host int, default
-    max_blocks · block_size: no device sync) bounds the lengths and sizes the split-K grid. The launch (block_n,
-    num_warps, num_stages, num_splits, fp4_decode, use_dot: tensor-core dots or broadcast sums) defaults to the
-    measured choices above; the benches sweep them.
+    max_blocks · block_size: no device sync) bounds the lengths and sizes the split-K grid.
     """
     B, H, D = q.shape
     fmt = _FMT[kv_format]
@@ -381,9 +375,7 @@ def decode_attention(
     if fmt == 2 and (ks.shape[-1] != D // 16 or ks.stride(-1) != 1):
         raise ValueError("fp4 scales must be [..., D // 16], contiguous")
     G = H // KVH
-    if use_dot is None:
-        use_dot = not (fmt == 2 and G <= FP4_NO_DOT_MAX_G)
-    G_PAD = max(16, triton.next_power_of_2(G)) if use_dot else triton.next_power_of_2(G)
+    G_PAD = max(16, triton.next_power_of_2(G))
     q = q.contiguous()
     ieee = q.dtype == torch.float32
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -417,7 +409,7 @@ def decode_attention(
     ks_t, vs_t = (ks, vs) if ks is not None else (kd, vd)  # unused by the dense path
     sk = (ks_t.stride(0), ks_t.stride(1)) if ks is not None else (0, 0)
     sv = (vs_t.stride(0), vs_t.stride(1)) if vs is not None else (0, 0)
-    use_dot = use_dot and min(G_PAD, block_n, width) >= 16
+    use_dot = min(G_PAD, block_n, width) >= 16
     fp4_decode = FP4_DECODE if fp4_decode is None else fp4_decode
     if interpreted or q.device.type != "cuda":
         fp4_decode %= 2  # inline PTX runs compiled on CUDA only

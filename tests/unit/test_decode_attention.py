@@ -140,17 +140,3 @@ def test_fp4_short_context_default_launch_matches_reference(wave):
     out = kern.decode_attention(q.to(DEVICE), _to(kc, DEVICE), _to(vc, DEVICE), table.to(DEVICE), lens_t.to(DEVICE),
                                 16, kv_format="fp4").cpu()
     assert torch.isfinite(out).all() and torch.allclose(out.float(), ref.float(), **TOL[torch.bfloat16])
-
-
-@pytest.mark.parametrize("G", [1, 2, 4])
-def test_fp4_without_tensor_core_dots_matches_reference(G):
-    """use_dot=False (FP4_NO_DOT_MAX_G): the group's rows unpadded, products as broadcast sums in registers."""
-    q, k, v, table, lens_t = _paged_case([37, 0, 90], H=2 * G, KVH=2, D=64, block_size=16, seed=9)
-    q = q.to(torch.bfloat16)
-    kc, vc = fp4.quantize(k), fp4.quantize(v)
-    ref = kern.decode_attention_ref(q, kc, vc, table, lens_t, 16, kv_format="fp4")
-    for splits in (None, 2):
-        out = kern.decode_attention(q.to(DEVICE), _to(kc, DEVICE), _to(vc, DEVICE), table.to(DEVICE), lens_t.to(DEVICE),
-                                    16, kv_format="fp4", use_dot=False, num_splits=splits, block_n=32).cpu()
-        assert torch.isfinite(out).all() and torch.allclose(out.float(), ref.float(), **TOL[torch.bfloat16])
-        assert (out[1] == 0).all()
