@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--points", default=",".join(POINTS), help="comma list of " + ", ".join(POINTS))
     ap.add_argument("--no-sweep", action="store_true", help="time the default launches only")
+    ap.add_argument("--sweep-formats", default="dense,fp4", help="formats the sweep runs for (comma list)")
     ap.add_argument("--budget-s", type=float, default=40.0, help="seconds of sweep per point and format (compiles)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
@@ -91,7 +92,7 @@ def main() -> None:
 
             default[fmt] = graph_us(run)
             timed, t0 = [], time.monotonic()
-            if not args.no_sweep:
+            if not args.no_sweep and fmt in args.sweep_formats.split(","):
                 for (bn, w, st), splits in itertools.product(SWEEP[fmt], SPLITS):
                     if time.monotonic() - t0 > args.budget_s:
                         print(f"  {name} {fmt}: sweep budget spent after {len(timed)} launches")
@@ -103,8 +104,9 @@ def main() -> None:
                         continue
                     timed.append((us, f"{bn}/{w}/{st}/{splits}"))
                 timed.sort()
-                result[f"{name}_best_{fmt}_us"] = round(timed[0][0], 2)
-                result[f"{name}_best_{fmt}"] = timed[0][1]
+                if timed:
+                    result[f"{name}_best_{fmt}_us"] = round(timed[0][0], 2)
+                    result[f"{name}_best_{fmt}"] = timed[0][1]
             print(f"{name} {fmt}: {len(timed)} timed; default {default[fmt]:.2f} us; best " +
                   ", ".join(f"{c} {us:.2f}" for us, c in timed[:6]))
             result[f"{name}_{fmt if fmt == 'fp4' else 'bf16'}_us"] = round(default[fmt], 2)
