@@ -62,9 +62,9 @@ FP4_PROGRAMS_PER_SM = 3
 BLOCK_N = {"dense": 64, "fp8": 64, "fp4": 128}
 # fp4 launch where the block table holds at most this many tokens (a rollout's decode: bench/engine.py's 400):
 # smaller tiles in two pipeline stages (fewer registers and less shared memory, more programs per SM), and with
-# one to four waves of (sequence, KV head) programs two splits. H200, Qwen3-0.6B attention shape, device time in
-# CUDA-graph replay (bench/paged_attention.py): batch 64 30.5 -> 27.3 us, batch 1 7.2 -> 5.5 us, batch 256 93.6 ->
-# 92.8 us; longer contexts keep the launch above (2K: 128-token tiles and the wave heuristic; 16K: level with bf16).
+# one to four waves of (sequence, KV head) programs two splits (at any context). H200, Qwen3-0.6B attention shape,
+# device time in CUDA-graph replay (bench/paged_attention.py): batch 64 30.5 -> 27.3 us, batch 1 7.2 -> 5.5 us,
+# batch 256 93.6 -> 92.8 us; longer contexts keep the tiles above (2K: 128-token tiles; 16K: level with bf16).
 FP4_SHORT_CONTEXT = 512
 
 
@@ -390,8 +390,8 @@ def decode_attention(
     if fmt == 2 and max_len <= FP4_SHORT_CONTEXT:  # a rollout's short contexts (FP4_SHORT_CONTEXT says why)
         block_n = (32 if programs < _num_sms(q.device) else 64) if block_n is None else block_n
         num_stages = 2 if num_stages is None else num_stages
-        if num_splits is None and _num_sms(q.device) <= programs <= 4 * _num_sms(q.device):
-            num_splits = 2
+    if fmt == 2 and num_splits is None and _num_sms(q.device) <= programs <= 4 * _num_sms(q.device):
+        num_splits = 2  # one to four waves of programs: two splits (batch 64 at 2K: 141.4 -> 132.2 us, same sweep)
     block_n = BLOCK_N[kv_format] if block_n is None else block_n
     n_tiles = max(1, triton.cdiv(max_len, block_n))
     if num_splits is None:
