@@ -192,6 +192,11 @@ class GRPOStage(StrictConfig):
     trained (skip_uniform_groups no longer holds: a uniform group's entropy term has a gradient). Start small:
     on SmolLM2's 49,152-id vocabulary 0.01 drove the token entropy from ~2 to 10.5 nats (uniform) in 60 steps and
     the reward to 0 (BENCHMARKS.md, run J)."""
+    entropy_target: float | None = Field(None, gt=0)
+    """With entropy_coef: the bonus's weight becomes entropy_coef x max(0, 1 - H / entropy_target), H the
+    micro-batch's mean token entropy (nats, no gradient): nothing while the policy's entropy is above the target,
+    more the further it falls below (a proportional control toward a target entropy, as Skywork-OR1's adaptive
+    entropy control), so the bonus cannot push the entropy past the target. Logged as rl/entropy_coef."""
     skip_uniform_groups: bool = True
     """Leave groups whose rewards are all equal (every advantage 0) out of the trainer's forward and backward:
     every term of the GRPO loss is multiplied by the advantage, so they add nothing to the gradient and the
@@ -205,6 +210,12 @@ class GRPOStage(StrictConfig):
     (seed §5.2.1); gate weights still come from the current router."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in the backward pass (replayed routing is reused, not re-drawn)."""
+
+    @model_validator(mode="after")
+    def _entropy_target_needs_a_bonus(self) -> "GRPOStage":
+        if self.entropy_target is not None and self.entropy_coef == 0:
+            raise ValueError("entropy_target needs entropy_coef > 0 (the bonus it scales)")
+        return self
 
 
 class OPDStage(GRPOStage):

@@ -115,7 +115,12 @@ class GRPOObjective:
         loss, metrics = grpo_loss(x, clip_low=s.clip_low, clip_high=s.clip_high, ratio=s.importance.ratio,
                                   tis_cap=s.importance.tis_cap)
         if bonus:  # the exploration bonus (verl's entropy_coeff): - coef · the kept tokens' entropy ÷ the step's tokens
-            loss = loss - s.entropy_coef * (bonus[0] * b.mask * keep).sum() / rows.num_tokens
+            kept, coef = b.mask * keep, s.entropy_coef
+            if s.entropy_target is not None:  # on only below the target entropy, in proportion to the shortfall
+                mean = float((bonus[0].detach() * kept).sum() / kept.sum().clamp_min(1.0))
+                coef *= max(0.0, 1.0 - mean / s.entropy_target)
+                metrics["rl/entropy_coef"] = coef
+            loss = loss - coef * (bonus[0] * kept).sum() / rows.num_tokens
         if s.kl_ref_coef > 0:
             with torch.no_grad():
                 ref_hidden = self.reference.forward_hidden(b.input_ids, routing_replay=b.routing).hidden

@@ -157,3 +157,38 @@ def test_entropy_bonus_subtracts_coef_times_the_summed_token_entropy_from_the_lo
     assert any(float(p.grad.abs().max()) > 1e-4 for p in model.parameters())
     assert metrics[1]["rl/loss"] == pytest.approx(metrics[0]["rl/loss"] - 0.3 * float(h_sum.detach()) / rows.num_tokens, rel=1e-4)
     assert metrics[1]["rl/entropy"] == pytest.approx(metrics[0]["rl/entropy"], rel=1e-5)
+
+
+def test_entropy_target_scales_the_bonus_by_the_shortfall_and_drops_it_above_the_target():
+    """entropy_target T: the bonus's weight is coef · max(0, 1 - H / T), H the micro-batch's mean token entropy:
+    the gradient is the fixed bonus's scaled by that factor below T, and no bonus at all above T."""
+    from rl.config import GRPOStage
+    from rl.objectives import build_objective
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False))
+    rows = _rows(["t"] * 5)
+    rows = TrainBatch(**{**rows.__dict__, "advantages_B": [1.0, -0.5, 0.0, 2.0, -1.0]})
+    h_sum = 0.0
+    for p, r in zip(rows.prompts_B, rows.responses_B):
+        logp = torch.log_softmax(model(torch.tensor([list(p) + list(r)[:-1]]))[0][0, len(p) - 1:], -1)
+        h_sum = h_sum - (logp.exp() * logp).sum()
+    mean = float(h_sum.detach()) / rows.response_tokens
+    (h_sum / rows.num_tokens).backward()
+
+    def grads(**kw):
+        m = Decoder(debug_config(moe=False))
+        m.load_state_dict(model.state_dict())
+        objective = build_objective(GRPOStage(micro_batch_size=5, **kw), model=m, temperature=1.0, current_version=0)
+        metrics = merge_step_metrics([Trainer(m, OptimConfig(lr=1e-3)).accumulate(rows, objective)])
+        return {k: p.grad.clone() for k, p in m.named_parameters()}, metrics
+
+    plain, _ = grads()
+    below, m_below = grads(entropy_coef=0.3, entropy_target=2 * mean)  # the entropy is half the target: factor 0.5
+    above, m_above = grads(entropy_coef=0.3, entropy_target=0.5 * mean)
+    assert m_below["rl/entropy_coef"] == pytest.approx(0.15, rel=1e-4) and m_above["rl/entropy_coef"] == 0.0
+    for k, p in model.named_parameters():
+        torch.testing.assert_close(below[k] - plain[k], -0.15 * p.grad, rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(above[k], plain[k], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="entropy_target needs entropy_coef"):
+        GRPOStage(entropy_target=0.3)
