@@ -138,7 +138,7 @@ def _qkv_norm_rope_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_ptr, k_pt
     ko = k_ptr + (tok * KVH + kh) * (2 * HALF)
     tl.store(ko + d, o1, mask=is_k)
     tl.store(ko + HALF + d, o2, mask=is_k)
-    if WRITE == 2:  # fp4: K heads encode the RoPE'd bf16 row, V heads the row as the GEMM gave it (BLOCK == HALF)
+    if WRITE == 2:  # fp4: K heads encode the RoPE'd row (model dtype), V heads the row as the GEMM gave it (BLOCK == HALF)
         slot = tl.load(slot_ptr + tok)
         slot = tl.where(slot < 0, scratch, slot).to(tl.int64)
         vh = tl.maximum(head - H - KVH, 0)
