@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--points", default=",".join(POINTS), help="comma list of " + ", ".join(POINTS))
     ap.add_argument("--no-sweep", action="store_true", help="time the default launches only")
     ap.add_argument("--sweep-formats", default="dense,fp4", help="formats the sweep runs for (comma list)")
+    ap.add_argument("--fp4-decodes", default="2", help="fp4 tile decodes to sweep (decode_attention FP4_DECODE: "
+                    "0 / 1 Triton 2-D / 3-D tiles, 2 / 3 the same decoded by inline PTX)")
     ap.add_argument("--budget-s", type=float, default=40.0, help="seconds of sweep per point and format (compiles)")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
@@ -93,16 +95,19 @@ def main() -> None:
             default[fmt] = graph_us(run)
             timed, t0 = [], time.monotonic()
             if not args.no_sweep and fmt in args.sweep_formats.split(","):
-                for (bn, w, st), splits in itertools.product(SWEEP[fmt], SPLITS):
+                decodes = [int(x) for x in args.fp4_decodes.split(",")] if fmt == "fp4" else [None]
+                for dec, (bn, w, st), splits in itertools.product(decodes, SWEEP[fmt], SPLITS):
                     if time.monotonic() - t0 > args.budget_s:
                         print(f"  {name} {fmt}: sweep budget spent after {len(timed)} launches")
                         break
+                    tag = f"{bn}/{w}/{st}/{splits}" + (f"/decode{dec}" if len(decodes) > 1 else "")
                     try:
-                        us = graph_us(lambda: run(block_n=bn, num_warps=w, num_stages=st, num_splits=splits))
+                        us = graph_us(lambda: run(block_n=bn, num_warps=w, num_stages=st, num_splits=splits,
+                                                  **({"fp4_decode": dec} if dec is not None else {})))
                     except Exception as e:  # noqa: BLE001  (a launch the device cannot hold: out of shared memory)
-                        print(f"  {name} {fmt} {bn}/{w}/{st}/{splits}: {type(e).__name__}")
+                        print(f"  {name} {fmt} {tag}: {type(e).__name__}")
                         continue
-                    timed.append((us, f"{bn}/{w}/{st}/{splits}"))
+                    timed.append((us, tag))
                 timed.sort()
                 if timed:
                     result[f"{name}_best_{fmt}_us"] = round(timed[0][0], 2)
