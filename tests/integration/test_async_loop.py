@@ -198,11 +198,12 @@ def test_mini_batches_take_an_optimizer_step_each_and_train_every_group_once(tmp
     """GRPOStage.mini_batches 2: each train step's two groups go to two optimizer steps (the LR schedule counts
     both; the checkpoint's scheduler holds 2 x STEPS), every group is still trained whole once at one step, and the
     first step's samples (drawn before any update) are the reference run's while its weights move twice. With an
-    entropy bonus no group is left out as uniform (its entropy term has a gradient), so both groups always train."""
+    entropy bonus no group is left out as uniform (its entropy term has a gradient), so both groups always train;
+    its target scales it by the shortfall (logged as rl/entropy_coef)."""
     from rl.checkpoint import TRAINER_JSON, find_checkpoint
 
     recipe = Recipe.model_validate({**RECIPE, "stages": [{**RECIPE["stages"][0], "mini_batches": 2,
-                                                          "entropy_coef": 0.01}]})
+                                                          "entropy_coef": 0.01, "entropy_target": 50.0}]})
     run_dir = tmp_path / "mini"
     with open_job(recipe, run_dir, say=lambda m: None) as job:
         job.state.stage_t0 = time.monotonic()
@@ -212,6 +213,8 @@ def test_mini_batches_take_an_optimizer_step_each_and_train_every_group_once(tmp
     steps = [r for r in lines if "rl/loss" in r]
     assert len(steps) == STEPS and all(r["train/optimizer_steps"] == 2 for r in steps)
     assert all(r["train/uniform_groups_skipped_total"] == 0 for r in steps) and all(r["rl/entropy"] > 0 for r in steps)
+    # a target far above the entropy: the bonus's weight is 0.01 x (1 - H / 50), logged per step
+    assert all(r["rl/entropy_coef"] == pytest.approx(0.01 * (1 - r["rl/entropy"] / 50.0), rel=0.05) for r in steps)
     assert len(samples) == STEPS * PROMPTS * G and sorted(losses) == list(range(1, STEPS + 1))
     first = {k: v for k, v in samples.items() if v[3] == 1}
     assert first == {k: v for k, v in reference[1].items() if v[3] == 1}
