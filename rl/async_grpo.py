@@ -371,8 +371,7 @@ class AsyncGRPO:
                 shard = [s for i in ranked for s in groups_j[i]]
                 per_rank[w].append(TrainBatch.from_samples(shard, [adv[s.sample_id] for s in shard], norm,
                                                            [teacher[s.sample_id] for s in shard] if teacher else None))
-        batches = [ranks[0] for ranks in per_rank] if len(mini) == 1 else per_rank
-        metrics = timed_train_step(policy, batches, stage)
+        metrics = timed_train_step(policy, per_rank, stage)
         if isinstance(stage, OPDStage):
             metrics["opd/teachers_in_step"] = len(set(teacher.values()))  # across ranks, not rank 0's
         fault_point("train")

@@ -194,6 +194,12 @@ class StepMetrics:
             self.means[k] = (self.means.get(k, 0.0) * self.tokens + v * tokens) / max(total, 1e-12)
         self.tokens = total
 
+    def add_step(self, step: "StepMetrics") -> None:
+        """An objective's whole-step counters (`Objective.step_metrics`): sums add, shared values are set."""
+        for k, v in step.sums.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.shared.update(step.shared)
+
 
 RATIOS = {"opd/kl_per_token": ("opd/kl_sum", "opd/kl_tokens"),
           "teachers/overhead": ("teachers/load_wait_s", "teachers/compute_s")}
@@ -288,10 +294,7 @@ class Trainer:
             part = self.accumulate(b, objective, step_end=False)
             norms.append(self.apply())
             metrics.add(part, part.tokens, scale=b.num_tokens / total if total > 0 else 1.0)
-        step = objective.step_metrics()  # the objective's counters of the whole step, once
-        for k, v in step.sums.items():
-            metrics.sums[k] = metrics.sums.get(k, 0.0) + v
-        metrics.shared.update(step.shared)
+        metrics.add_step(objective.step_metrics())  # the objective's counters of the whole step, once
         metrics.shared["train/grad_norm"] = sum(norms) / len(norms)
         metrics.shared["train/lr"] = self.sched.get_last_lr()[0]
         if len(batches) > 1:
@@ -335,10 +338,7 @@ class Trainer:
             if done is not None:
                 metrics.add(*done)
         if step_end:
-            step = objective.step_metrics()
-            for k, v in step.sums.items():
-                metrics.sums[k] = metrics.sums.get(k, 0.0) + v
-            metrics.shared.update(step.shared)
+            metrics.add_step(objective.step_metrics())
         return metrics
 
     def apply(self) -> float:
