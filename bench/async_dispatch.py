@@ -9,7 +9,8 @@ samples/s (whole wall time, training included), generated tokens/s during rollou
 concurrency (mean, std, share of engine steps within 5% of max_inflight), idle fraction (unused
 engine slots over the rollout steps), re-prefilled tokens, interrupt latency in engine steps (p99).
 Last line: RESULT speedup_sample_vs_sync=.. concurrency_held=.. reprefill_tokens=.. interrupt_p99_steps=..
-`--actor-vs-inprocess` and `--prefill-intervals 1,4` compare the `sample` policy's runs instead (their own RESULT
+`--repeats N` runs the arms N times in turn and reports medians; `--warmup` pays the process's compiles in an untimed
+run first. `--actor-vs-inprocess` and `--prefill-intervals 1,4` compare the `sample` policy's runs instead (their own RESULT
 lines); each run also reports the engine's share of the rollout time (the rest: the controller and round trips)
 and the share of engine steps that carried a prefill.
 """
@@ -104,6 +105,10 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
+    ap.add_argument("--warmup", action="store_true", help="one untimed `sample` run first, which pays the process's "
+                    "Triton compiles, GEMV timing and graph captures (otherwise the first arm does)")
+    ap.add_argument("--repeats", type=int, default=1, help="run the arms this many times in turn (a b c a b c ...) and "
+                    "report each figure's median over an arm's runs")
     ap.add_argument("--actor-vs-inprocess", action="store_true",
                     help="only `sample` dispatch, in-process and as a Ray actor with and without pipelined rollout calls")
     ap.add_argument("--prefill-intervals", help="only `sample` dispatch in-process at each engine.prefill_interval "
@@ -112,13 +117,16 @@ def main() -> None:
     if a.quick:
         a.hidden, a.layers, a.prompts, a.group, a.steps, a.median, a.max_tokens = 64, 2, 16, 4, 6, 8, 160
     out = Path(tempfile.mkdtemp(prefix="async_dispatch_"))
+    if a.warmup:
+        run("sample", a, out, tag="warmup")
     if a.actor_vs_inprocess:
         actor_vs_inprocess(a, out)
         return
     if a.prefill_intervals:
         prefill_interval_sweep(a, out, [int(k) for k in a.prefill_intervals.split(",")])
         return
-    rows = [run(p, a, out) for p in POLICIES]
+    by = in_turn({p: (lambda k, p=p: run(p, a, out, tag=f"{p}_{k}")) for p in POLICIES}, a.repeats)
+    rows = list(by.values())
     cols = ["policy", "trained_samples_per_s", "gen_tokens_per_s", "concurrency_mean", "concurrency_std",
             "concurrency_held", "idle_frac", "reprefill_tokens", "interrupt_p99_steps", "rollout_s", "train_s"]
     print(f"long-tail lengths: median {a.median}, sigma {a.sigma} (p99/p50 = {math.exp(2.326 * a.sigma):.1f}), "
@@ -128,7 +136,6 @@ def main() -> None:
         print(" | ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]))[:14].rjust(14) for c in cols))
     if a.json:
         a.json.write_text(json.dumps(rows, indent=2))
-    by = {r["policy"]: r for r in rows}
     print(f"RESULT speedup_sample_vs_sync={by['sample']['trained_samples_per_s'] / by['sync']['trained_samples_per_s']:.2f} "
           f"concurrency_held={by['sample']['concurrency_held']:.3f} reprefill_tokens={by['sample']['reprefill_tokens']} "
           f"interrupt_p99_steps={by['sample']['interrupt_p99_steps']}")
@@ -137,9 +144,10 @@ def main() -> None:
 def actor_vs_inprocess(a, out: Path) -> None:
     """Rollout tokens/s of `sample` dispatch with the PolicyWorker in-process and as a Ray actor, with and without
     pipelined rollout calls (GRPOStage.pipelined_calls), in turn in one process; interrupt latency in steps."""
-    rows = {"inprocess": run("sample", a, out, ray=False, tag="inprocess"),
-            "actor_pipelined": run("sample", a, out, ray=True, tag="actor_pipelined"),
-            "actor_unpipelined": run("sample", a, out, ray=True, pipelined=False, tag="actor_unpipelined")}
+    rows = in_turn({"inprocess": lambda k: run("sample", a, out, ray=False, tag=f"inprocess_{k}"),
+                    "actor_pipelined": lambda k: run("sample", a, out, ray=True, tag=f"actor_pipelined_{k}"),
+                    "actor_unpipelined": lambda k: run("sample", a, out, ray=True, pipelined=False,
+                                                       tag=f"actor_unpipelined_{k}")}, a.repeats)
     _print_rows(rows)
     base = rows["inprocess"]["gen_tokens_per_s"]
     print(f"RESULT ray_over_inprocess_tok_s={rows['actor_pipelined']['gen_tokens_per_s'] / base:.3f} "
@@ -152,10 +160,25 @@ def actor_vs_inprocess(a, out: Path) -> None:
 
 def prefill_interval_sweep(a, out: Path, intervals: list[int]) -> None:
     """`sample` dispatch in-process at each engine.prefill_interval, in turn in one process."""
-    rows = {f"interval_{k}": run("sample", a, out, ray=False, tag=f"interval_{k}", prefill_interval=k) for k in intervals}
+    rows = in_turn({f"interval_{i}": (lambda k, i=i: run("sample", a, out, ray=False, tag=f"interval_{i}_{k}",
+                                                         prefill_interval=i)) for i in intervals}, a.repeats)
     _print_rows(rows)
     print("RESULT " + " ".join(f"{name}_tok_s={r['gen_tokens_per_s']:.0f} {name}_prefill_step_frac={r['prefill_step_frac']:.3f} "
                                f"{name}_interrupt_p99_steps={r['interrupt_p99_steps']}" for name, r in rows.items()))
+
+
+def in_turn(arms: dict, repeats: int) -> dict[str, dict]:
+    """Each arm (a function of the repeat's index returning a row) run `repeats` times in turn, a b c a b c ...,
+    so that drift in the machine and the process's warm-up spread over the arms; each numeric figure is the median
+    over an arm's runs (the row's other fields from its first run)."""
+    runs: dict[str, list[dict]] = {name: [] for name in arms}
+    for k in range(repeats):
+        for name, arm in arms.items():
+            runs[name].append(arm(k))
+    def median(values: list):  # counts stay counts: the lower median, one of the runs' own
+        return statistics.median_low(values) if all(isinstance(v, int) for v in values) else statistics.median(values)
+    return {name: {key: median([r[key] for r in rs]) if isinstance(rs[0][key], (int, float)) else rs[0][key]
+                   for key in rs[0]} for name, rs in runs.items()}
 
 
 def _print_rows(rows: dict[str, dict]) -> None:
