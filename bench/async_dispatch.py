@@ -82,7 +82,20 @@ def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = Tr
         "engine_share": clock.engine_s / max(clock.rollout_s, 1e-9),  # the rest: controller and round trips
         "controller_share": (clock.verify_s + clock.store_s + clock.dispatch_s) / max(clock.rollout_s, 1e-9),
         "prefill_step_frac": clock.prefill_calls / max(clock.engine_steps, 1),
+        "steady_tokens_per_s": steady_tokens_per_s(run_dir / "metrics.jsonl", a.steady_after),
     }
+
+
+def steady_tokens_per_s(metrics: Path, after: int) -> float:
+    """Rollout tokens/s after the first `after` train steps: the run's cumulative figures at its last step less those
+    at step `after`. A fresh process (each Ray actor is one) pays its Triton compiles, GEMV timing and CUDA graph
+    captures in its first steps' rollouts; a long job pays them once, so the steady rate is what an actor costs there."""
+    steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "rollout/tokens_per_s" in r]
+    if len(steps) <= after:
+        return float("nan")
+    first, last = steps[after - 1], steps[-1]
+    tokens = [r["rollout/tokens_per_s"] * r["time/rollout_s"] for r in (first, last)]
+    return (tokens[1] - tokens[0]) / max(last["time/rollout_s"] - first["time/rollout_s"], 1e-9)
 
 
 def main() -> None:
@@ -107,6 +120,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     ap.add_argument("--warmup", action="store_true", help="one untimed `sample` run first, which pays the process's "
                     "Triton compiles, GEMV timing and graph captures (otherwise the first arm does)")
+    ap.add_argument("--steady-after", type=int, default=1, help="steady rollout tokens/s: over the steps after this many")
     ap.add_argument("--repeats", type=int, default=1, help="run the arms this many times in turn (a b c a b c ...) and "
                     "report each figure's median over an arm's runs")
     ap.add_argument("--actor-vs-inprocess", action="store_true",
@@ -149,13 +163,15 @@ def actor_vs_inprocess(a, out: Path) -> None:
                     "actor_unpipelined": lambda k: run("sample", a, out, ray=True, pipelined=False,
                                                        tag=f"actor_unpipelined_{k}")}, a.repeats)
     _print_rows(rows)
-    base = rows["inprocess"]["gen_tokens_per_s"]
+    base, steady = rows["inprocess"]["gen_tokens_per_s"], rows["inprocess"]["steady_tokens_per_s"]
     print(f"RESULT ray_over_inprocess_tok_s={rows['actor_pipelined']['gen_tokens_per_s'] / base:.3f} "
           f"unpipelined_ray_over_inprocess_tok_s={rows['actor_unpipelined']['gen_tokens_per_s'] / base:.3f} "
           f"ray_interrupt_p99_steps={rows['actor_pipelined']['interrupt_p99_steps']} "
           f"unpipelined_ray_interrupt_p99_steps={rows['actor_unpipelined']['interrupt_p99_steps']} "
           f"inprocess_engine_share={rows['inprocess']['engine_share']:.3f} "
-          f"ray_engine_share={rows['actor_pipelined']['engine_share']:.3f}")
+          f"ray_engine_share={rows['actor_pipelined']['engine_share']:.3f} "
+          f"steady_ray_over_inprocess_tok_s={rows['actor_pipelined']['steady_tokens_per_s'] / steady:.3f} "
+          f"steady_unpipelined_ray_over_inprocess_tok_s={rows['actor_unpipelined']['steady_tokens_per_s'] / steady:.3f}")
 
 
 def prefill_interval_sweep(a, out: Path, intervals: list[int]) -> None:
@@ -183,7 +199,7 @@ def in_turn(arms: dict, repeats: int) -> dict[str, dict]:
 
 def _print_rows(rows: dict[str, dict]) -> None:
     for name, r in rows.items():
-        print(f"{name:<18} rollout {r['gen_tokens_per_s']:>9.0f} tok/s  trained {r['trained_samples_per_s']:>7.1f} samples/s  "
+        print(f"{name:<18} rollout {r['gen_tokens_per_s']:>9.0f} tok/s ({r['steady_tokens_per_s']:.0f} steady)  trained {r['trained_samples_per_s']:>7.1f} samples/s  "
               f"interrupt p99 {r['interrupt_p99_steps']} steps  rollout {r['rollout_s']:.1f} s (engine share "
               f"{r['engine_share']:.2f}, verdicts + store + new prompts {r['controller_share']:.2f}; prefills in "
               f"{r['prefill_step_frac']:.2f} of steps)  train {r['train_s']:.1f} s")
