@@ -67,6 +67,21 @@ def prompt_id_of(sample_id: str) -> str:
     return sample_id.rsplit("-", 1)[0]
 
 
+def uniform_groups(ready: dict[str, int], finished: dict[str, list[Sample]], on_failure: str | None) -> list[str]:
+    """GRPOStage.dynamic_sampling: the ready groups (prompt id -> group size) whose rewards are all in and all equal
+    within each effort group among the samples a train step would use (rl/repercussion.py), so that every advantage
+    would be 0. A group still waiting for a reward stays: its last reward may differ."""
+    out = []
+    for pid, size in ready.items():
+        group = finished.get(pid, [])
+        rewards: dict[str, set[float]] = defaultdict(set)
+        for s in repercussion.trained(group, on_failure):
+            rewards[s.group_id].add(s.reward)
+        if len(group) == size and rewards and all(len(r) == 1 for r in rewards.values()):
+            out.append(pid)
+    return out
+
+
 class AsyncGRPO:
     """One GRPO or OPD stage's controller state and loop, on the job's workers."""
 
@@ -101,6 +116,8 @@ class AsyncGRPO:
         self.skips_uniform = (stage.skip_uniform_groups and type(stage) is GRPOStage and stage.kl_ref_coef == 0
                               and stage.entropy_coef == 0 and not recipe.model.is_sparse)
         """Groups whose advantages are all 0 leave the trainer's step (GRPOStage.skip_uniform_groups)."""
+        self.filters_uniform = stage.dynamic_sampling and type(stage) is GRPOStage
+        """Groups whose rewards are all equal leave before a batch is taken (GRPOStage.dynamic_sampling)."""
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -187,6 +204,8 @@ class AsyncGRPO:
             for s in samples:
                 if s.status == "finished":
                     self.finished[s.prompt_id].append(s)
+        if self.filters_uniform:
+            self.disp.filter_ready(uniform_groups(self.disp.ready_group_sizes(), self.finished, self.on_failure))
         self.record_closed()
 
     def record_closed(self) -> None:
@@ -404,6 +423,7 @@ class AsyncGRPO:
             "dispatch/cap_skips": disp.stats.cap_skips,
             "dispatch/discarded_samples": disp.stats.discarded_samples,
             "dispatch/dropped_stale_groups": disp.stats.dropped_stale_groups,
+            "dispatch/filtered_groups": disp.stats.filtered_groups,
             "dispatch/lag_waits": disp.stats.lag_waits,
             "dispatch/frac_waits": disp.stats.frac_waits,
             "dispatch/capacity_waits": disp.stats.capacity_waits,

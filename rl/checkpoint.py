@@ -44,7 +44,8 @@ plain JSON: no class names, so renaming a Python class never breaks a resume.
   Group       {ticket {prompt_id, dataset, group_size, version}, done [{sample_id, prompt_id, num_tokens,
                min_version}], discarded: bool}
   Stats       {dispatched_prompts, dispatched_samples, cap_skips, discarded_samples, dropped_stale_groups,
-               lag_waits, frac_waits, capacity_waits (absent from older checkpoints: 0)}
+               lag_waits, frac_waits, capacity_waits, filtered_groups (the last two absent from older
+               checkpoints: 0)}
   Prompt      {prompt_id, dataset, text, tokens [int], answer, group_size, policy_version, config_version}
   Problem     the task's problem, field by field (ckpt_records.problem_to_record: the one place to adapt)
   Clock       {concurrency [float], interrupt_s [float], interrupt_late_steps [int], rollout_s, train_s,

@@ -205,6 +205,14 @@ class GRPOStage(StrictConfig):
     every sample); each worker still trains at least one group. Their rollout/ metrics still count them; the step's
     rl/ and train/ metrics (clip fraction, ratio, tokens/s) cover the groups it computed. Logged as
     train/uniform_groups_skipped_total."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (verl's algorithm.filter_groups): a group whose rewards all come out equal (within each
+    of its effort groups) is dropped as soon as its rewards are in (the prompt's outcome `filtered` in the store;
+    logged as dispatch/filtered_groups), and a train step waits for prompts_per_step groups with a reward spread, so
+    every step trains a full batch of groups with a gradient. Rollouts keep being spent on the dropped groups; what
+    it saves is the train steps' fixed costs (a launch-bound forward and backward, an interrupt, a weight update)
+    for groups that had nothing to teach, at the price of fewer optimizer steps. Uniform groups are dropped even
+    where they would have a gradient (kl_ref_coef, entropy_coef). GRPO stages only."""
     routing_replay: bool = True
     """MoE: the training forward uses the expert ids recorded at rollout, concatenated over segments
     (seed §5.2.1); gate weights still come from the current router."""
@@ -215,6 +223,9 @@ class GRPOStage(StrictConfig):
     def _entropy_target_needs_a_bonus(self) -> "GRPOStage":
         if self.entropy_target is not None and self.entropy_coef == 0:
             raise ValueError("entropy_target needs entropy_coef > 0 (the bonus it scales)")
+        if self.dynamic_sampling and self.type == "opd":
+            raise ValueError("dynamic_sampling drops groups whose rewards are equal; an OPD stage's teacher signal is "
+                             "in every group (a GRPO-stage field)")
         return self
 
 

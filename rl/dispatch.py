@@ -132,6 +132,8 @@ class DispatchStats:
     """Times a batch could not be filled within max_stale_token_frac."""
     capacity_waits: int = 0
     """Times dispatch held prompts back because the pipeline held K + 1 batches of groups (max_version_lag K)."""
+    filtered_groups: int = 0
+    """Complete groups dropped before training for want of a reward spread (GRPOStage.dynamic_sampling)."""
 
 
 class DispatchPolicy:
@@ -436,6 +438,18 @@ class Dispatcher:
         for pid in chosen:
             del self._ready[pid]
         return chosen
+
+    def ready_group_sizes(self) -> dict[str, int]:
+        """Complete, untrained groups: prompt id -> group size, oldest first."""
+        return {pid: g.ticket.group_size for pid, g in self._ready.items()}
+
+    def filter_ready(self, prompt_ids: Sequence[str]) -> None:
+        """Complete groups that leave without training (GRPOStage.dynamic_sampling: their rewards are all equal);
+        their outcome is `filtered`."""
+        for pid in prompt_ids:
+            del self._ready[pid]
+            self.stats.filtered_groups += 1
+            self._closed.append((pid, "filtered"))
 
     @property
     def num_ready_groups(self) -> int:

@@ -45,7 +45,8 @@ this run only) and resets `train_step` on samples consumed by a rolled-back step
 checkpoint's untrained buffer and train again once); the `restarts` row counts each kind, so
 nothing disappears unrecorded. Config versions applied after the watermark are applied again by the
 restored controller (their rows go); a patch refused after it is not retried (its row stays). Each prompt's `outcome` says how its group ended: trained, discarded
-(warm-up), dropped_stale (past max_version_lag), dropped_stage_end.
+(warm-up), dropped_stale (past max_version_lag), filtered (no reward spread: GRPOStage.dynamic_sampling),
+dropped_stage_end.
 
 Token arrays (token ids, behaviour logprobs, per-token policy versions, MoE routing traces) are
 blobs of raw little-endian numpy bytes: a sample has hundreds to thousands of values per array that

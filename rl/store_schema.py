@@ -45,7 +45,7 @@ class PromptTable(Base):
     """Write order within the run (the resume watermark compares against it)."""
     config_version: Mapped[int] = mapped_column(default=0)
     outcome: Mapped[str | None] = mapped_column(String(32))
-    """NULL while open; trained | discarded | dropped_stale | dropped_stage_end."""
+    """NULL while open; trained | discarded | dropped_stale | filtered | dropped_stage_end."""
     outcome_seq: Mapped[int | None]
 
 

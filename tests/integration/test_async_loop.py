@@ -194,6 +194,40 @@ def test_groups_with_equal_rewards_leave_the_train_step_without_changing_it(tmp_
     assert losses == pytest.approx(losses_all, rel=1e-5, abs=1e-7) and any(abs(v) > 1e-4 for v in losses.values())
 
 
+def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_full_batches(tmp_path):
+    """GRPOStage.dynamic_sampling (DAPO): groups whose rewards come out all equal are dropped when their rewards are
+    in (prompt outcome `filtered`, never trained, counted in dispatch/filtered_groups), and each step still trains
+    prompts_per_step groups, every one with a reward spread (a coin per sample: both kinds occur)."""
+    rows = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(6) for b in range(6)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = {"type": "jsonl", "name": "coin", "path": str(tmp_path / "d.jsonl"), "prompt": "q", "answer": "a",
+               "verifier": "python:tests.tasks.reward_fns:first_char_even", "heldout": {"fraction": 0.1}}
+    recipe = Recipe.model_validate({**RECIPE, "datasets": [dataset], "checkpoint": {"every_steps": 0},
+                                    "stages": [{**RECIPE["stages"][0], "max_steps": 3, "dynamic_sampling": True}]})
+    run_dir = tmp_path / "ds"
+    with open_job(recipe, run_dir, say=lambda m: None) as job:
+        job.state.stage_t0 = time.monotonic()
+        run_async_grpo(job, recipe.stages[0], 0)
+    with sqlite3.connect(run_dir / "trajectories.db") as c:
+        outcome = dict(c.execute("select prompt_id, outcome from prompts"))
+        rows = c.execute("select prompt_id, reward, train_step from samples").fetchall()
+    rewards: dict[str, set[float]] = {}
+    steps: dict[int, set[str]] = {}
+    for pid, reward, step in rows:
+        rewards.setdefault(pid, set()).add(reward)
+        if step is not None:
+            steps.setdefault(step, set()).add(pid)
+    assert sorted(steps) == [1, 2, 3] and all(len(p) == PROMPTS for p in steps.values())
+    trained = set().union(*steps.values())
+    assert all(outcome[p] == "trained" and len(rewards[p]) == 2 for p in trained)
+    filtered = [p for p, o in outcome.items() if o == "filtered"]
+    assert filtered and all(len(rewards[p]) == 1 for p in filtered)
+    assert not any(step is not None for pid, _, step in rows if pid in filtered)
+    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "rl/loss" in x][-1]
+    assert last["dispatch/filtered_groups"] == len(filtered)
+    assert last["train/uniform_groups_skipped_total"] == 0  # nothing uniform reached a step
+
+
 def test_mini_batches_take_an_optimizer_step_each_and_train_every_group_once(tmp_path, reference):
     """GRPOStage.mini_batches 2: each train step's two groups go to two optimizer steps (the LR schedule counts
     both; the checkpoint's scheduler holds 2 x STEPS), every group is still trained whole once at one step, and the

@@ -150,3 +150,51 @@ def test_warmup_discard_drops_short_early_groups_and_redispatches():
     for j in range(4):
         finish(d, b, j, tokens=20)
     assert d.num_ready_groups == 1
+
+
+def test_filtered_groups_leave_the_ready_set_and_the_batch_waits_for_others():
+    """GRPOStage.dynamic_sampling's dispatcher side: a filtered group never trains, its outcome is `filtered`, the
+    count survives a checkpoint record, and the batch is taken from the groups left once enough are ready."""
+    import json
+
+    d = make("sample", max_inflight=16, per_step=2)
+    t1, t2, t3, t4 = d.dispatch()
+    for t in (t1, t2, t3):
+        for j in range(4):
+            finish(d, t, j)
+    assert d.ready_group_sizes() == {t1.prompt_id: 4, t2.prompt_id: 4, t3.prompt_id: 4}
+    d.filter_ready([t2.prompt_id])
+    assert d.drain_closed() == [(t2.prompt_id, "filtered")] and d.stats.filtered_groups == 1
+    d.filter_ready([t1.prompt_id])
+    assert d.take_batch([], lambda pid: (40, 0)) is None  # one ready group left for a batch of two
+    for j in range(4):
+        finish(d, t4, j)
+    assert d.take_batch([], lambda pid: (40, 0)) == [t3.prompt_id, t4.prompt_id]
+    restored = make("sample", max_inflight=16, per_step=2)
+    restored.load_state_dict(json.loads(json.dumps(d.state_dict())))
+    assert restored.stats.filtered_groups == 2
+    old = json.loads(json.dumps(d.state_dict()))
+    del old["stats"]["filtered_groups"]  # a checkpoint written before the field: 0
+    restored.load_state_dict(old)
+    assert restored.stats.filtered_groups == 0
+
+
+def test_uniform_groups_are_those_with_every_reward_in_and_equal_per_effort_group():
+    """Which ready groups dynamic sampling drops: all rewards in and equal within each effort group, among the samples
+    a step would train (under tools.on_failure=leave_loss a failed sample is not one of them)."""
+    from types import SimpleNamespace as S
+
+    from rl.async_grpo import uniform_groups
+
+    def s(group, reward, failure=None):
+        return S(group_id=group, reward=reward, failure=failure)
+
+    ready = {"same": 3, "spread": 3, "pending": 3, "efforts": 4, "mixed_efforts": 4, "failed": 3}
+    finished = {"same": [s("g", 1.0)] * 3, "spread": [s("g", 1.0), s("g", 0.0), s("g", 1.0)],
+                "pending": [s("g", 0.0)] * 2,  # its third reward is not in yet
+                "efforts": [s("e0", 0.0), s("e0", 0.0), s("e1", 1.0), s("e1", 1.0)],  # equal within each effort
+                "mixed_efforts": [s("e0", 0.0), s("e0", 1.0), s("e1", 1.0), s("e1", 1.0)],
+                "failed": [s("g", 1.0), s("g", 1.0), s("g", 0.0, failure="timeout")]}
+    assert uniform_groups(ready, finished, None) == ["same", "efforts"]
+    assert uniform_groups(ready, finished, "leave_loss") == ["same", "efforts", "failed"]
+    assert uniform_groups({"unrewarded": 2}, {}, None) == []
