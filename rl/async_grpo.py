@@ -118,6 +118,7 @@ class AsyncGRPO:
         """Groups whose advantages are all 0 leave the trainer's step (GRPOStage.skip_uniform_groups)."""
         self.filters_uniform = stage.dynamic_sampling and type(stage) is GRPOStage
         """Groups whose rewards are all equal leave before a batch is taken (GRPOStage.dynamic_sampling)."""
+        self.filtered_in_a_row = 0  # groups filtered since the last train step
 
     # -- checkpoint state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -205,8 +206,21 @@ class AsyncGRPO:
                 if s.status == "finished":
                     self.finished[s.prompt_id].append(s)
         if self.filters_uniform:
-            self.disp.filter_ready(uniform_groups(self.disp.ready_group_sizes(), self.finished, self.on_failure))
+            self.filter_uniform_groups()
         self.record_closed()
+
+    def filter_uniform_groups(self) -> None:
+        """GRPOStage.dynamic_sampling: drop the ready groups without a reward spread; say so when ten train steps'
+        worth of groups in a row had none (verl's max_num_gen_batches stops the run there; this one goes on)."""
+        uniform = uniform_groups(self.disp.ready_group_sizes(), self.finished, self.on_failure)
+        before, self.filtered_in_a_row = self.filtered_in_a_row, self.filtered_in_a_row + len(uniform)
+        self.disp.filter_ready(uniform)
+        bound = 10 * self.stage.prompts_per_step
+        if self.filtered_in_a_row // bound > before // bound:
+            rewards = sorted({s.reward for pid in uniform for s in self.finished[pid]})
+            self.job.say(f"dynamic_sampling: {self.filtered_in_a_row} groups in a row since train step {self.step} had "
+                         f"equal rewards ({', '.join(f'{r:g}' for r in rewards[:4])}): the data may be too hard or too "
+                         f"easy for the policy")
 
     def record_closed(self) -> None:
         by_outcome: dict[str, list[str]] = defaultdict(list)
@@ -293,6 +307,7 @@ class AsyncGRPO:
                 steps_run = max(r.steps for r in results)
                 late = self.drain()  # a call queued behind this one ran too: its samples wait for later batches
                 clock.interrupt_late_steps.append((max(0, steps_run - 1 - ready_at) if ready_at >= 0 else 0) + late)
+                self.filtered_in_a_row = 0
                 return batch
             unseen = before if self.pipelined else []
             before = tickets

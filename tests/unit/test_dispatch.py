@@ -198,3 +198,24 @@ def test_uniform_groups_are_those_with_every_reward_in_and_equal_per_effort_grou
     assert uniform_groups(ready, finished, None) == ["same", "efforts"]
     assert uniform_groups(ready, finished, "leave_loss") == ["same", "efforts", "failed"]
     assert uniform_groups({"unrewarded": 2}, {}, None) == []
+
+
+def test_dynamic_sampling_says_so_when_ten_steps_of_groups_in_a_row_had_no_reward_spread():
+    from types import SimpleNamespace as S
+
+    from rl.async_grpo import AsyncGRPO
+
+    said: list[str] = []
+    loop = AsyncGRPO.__new__(AsyncGRPO)  # only the parts filter_uniform_groups reads
+    loop.disp, loop.on_failure, loop.step, loop.filtered_in_a_row = make("sample", max_inflight=64, per_step=1), None, 7, 0
+    loop.stage, loop.job = S(prompts_per_step=1), S(say=said.append)
+    loop.finished = {}
+    for round_ in range(3):  # 4 + 4 + 4 uniform groups: the count passes 10 in the third round
+        for t in loop.disp.dispatch()[:4]:
+            for j in range(4):
+                finish(loop.disp, t, j)
+            loop.finished[t.prompt_id] = [S(group_id=t.prompt_id, reward=0.0, failure=None)] * 4
+        loop.filter_uniform_groups()
+        assert (len(said), loop.disp.stats.filtered_groups) == ((0, 4 * (round_ + 1)) if round_ < 2 else (1, 12))
+    assert said == ["dynamic_sampling: 12 groups in a row since train step 7 had equal rewards (0): the data may be "
+                    "too hard or too easy for the policy"]
