@@ -197,17 +197,34 @@ def test_groups_with_equal_rewards_leave_the_train_step_without_changing_it(tmp_
 def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_full_batches(tmp_path):
     """GRPOStage.dynamic_sampling (DAPO): groups whose rewards come out all equal are dropped when their rewards are
     in (prompt outcome `filtered`, never trained, counted in dispatch/filtered_groups), and each step still trains
-    prompts_per_step groups, every one with a reward spread (a coin per sample: both kinds occur)."""
+    prompts_per_step groups, every one with a reward spread (a coin per sample: both kinds occur). Stopped at a
+    token boundary after step 2 and resumed, the job trains and filters exactly what the uninterrupted one does."""
     rows = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(6) for b in range(6)]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     dataset = {"type": "jsonl", "name": "coin", "path": str(tmp_path / "d.jsonl"), "prompt": "q", "answer": "a",
                "verifier": "python:tests.tasks.reward_fns:first_char_even", "heldout": {"fraction": 0.1}}
-    recipe = Recipe.model_validate({**RECIPE, "datasets": [dataset], "checkpoint": {"every_steps": 0},
+    recipe = Recipe.model_validate({**RECIPE, "datasets": [dataset], "checkpoint": {"every_steps": 2, "keep_last": 2},
                                     "stages": [{**RECIPE["stages"][0], "max_steps": 3, "dynamic_sampling": True}]})
+
+    def run(run_dir: Path, resume: bool = False, stop_at: int | None = None) -> bool:
+        with open_job(recipe, run_dir, say=lambda m: None, resume=resume) as job:
+            job.checkpointer.guard = StopAtStep(job, stop_at) if stop_at else None
+            job.state.stage_t0 = time.monotonic()
+            try:
+                run_async_grpo(job, recipe.stages[0], 0)
+            except Preempted:
+                return False
+        return True
+
+    def outcomes(run_dir: Path) -> dict[str, str]:
+        with sqlite3.connect(run_dir / "trajectories.db") as c:
+            return dict(c.execute("select prompt_id, outcome from prompts"))
+
     run_dir = tmp_path / "ds"
-    with open_job(recipe, run_dir, say=lambda m: None) as job:
-        job.state.stage_t0 = time.monotonic()
-        run_async_grpo(job, recipe.stages[0], 0)
+    assert run(run_dir)
+    stopped = tmp_path / "stopped"
+    assert not run(stopped, stop_at=2) and run(stopped, resume=True)
+    assert trained(stopped) == trained(run_dir) and outcomes(stopped) == outcomes(run_dir)
     with sqlite3.connect(run_dir / "trajectories.db") as c:
         outcome = dict(c.execute("select prompt_id, outcome from prompts"))
         rows = c.execute("select prompt_id, reward, train_step from samples").fetchall()
@@ -218,8 +235,8 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_full_batch
         if step is not None:
             steps.setdefault(step, set()).add(pid)
     assert sorted(steps) == [1, 2, 3] and all(len(p) == PROMPTS for p in steps.values())
-    trained = set().union(*steps.values())
-    assert all(outcome[p] == "trained" and len(rewards[p]) == 2 for p in trained)
+    trained_pids = set().union(*steps.values())
+    assert all(outcome[p] == "trained" and len(rewards[p]) == 2 for p in trained_pids)
     filtered = [p for p, o in outcome.items() if o == "filtered"]
     assert filtered and all(len(rewards[p]) == 1 for p in filtered)
     assert not any(step is not None for pid, _, step in rows if pid in filtered)
