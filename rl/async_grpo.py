@@ -281,15 +281,21 @@ class AsyncGRPO:
             self.policy.resume()
             self.clock.checkpoint_s += time.perf_counter() - t0
 
-    def rollout_until_batch(self) -> list[str]:
-        """ROLLOUT until the dispatcher's train-batch condition holds; returns the batch's prompt ids."""
+    def rollout_until_batch(self, deadline: float | None = None) -> list[str] | None:
+        """ROLLOUT until the dispatcher's train-batch condition holds; returns the batch's prompt ids, or None when
+        the stage's time budget (`deadline`, time.monotonic()) ends first: at the token boundary of a rollout call,
+        not after one more step (with dynamic sampling a batch can take long to fill, or never)."""
         disp, clock, stage = self.disp, self.clock, self.stage
         before: list[Ticket] = []  # released in the previous round: pipelined, not yet seen in the results read
+        idle = False  # the last call left nothing generating and nothing was released to generate next
         while True:
             self.poll_control()
             self.checkpoint_point()
             t0, store0 = time.perf_counter(), clock.store_s
             tickets = disp.dispatch()
+            if idle and not tickets:  # asked again after the idle call's completions (dynamic sampling drops groups)
+                raise RuntimeError(f"rollout stalled at step {self.step}: nothing in flight, the dispatcher releases nothing "
+                                   f"and no batch fits the off-policy bounds ({disp.stats})")
             self.release(tickets)
             clock.dispatch_s += time.perf_counter() - t0 - (clock.store_s - store0)  # its store writes are in store_s
             results = self.rollout_call()
@@ -309,11 +315,12 @@ class AsyncGRPO:
                 clock.interrupt_late_steps.append((max(0, steps_run - 1 - ready_at) if ready_at >= 0 else 0) + late)
                 self.filtered_in_a_row = 0
                 return batch
+            if deadline is not None and time.monotonic() >= deadline:
+                self.drain()  # a queued call's finished samples reach the dispatcher and the store
+                return None
             unseen = before if self.pipelined else []
             before = tickets
-            if not tickets and not unseen and not any(r.active or r.waiting for r in results):
-                raise RuntimeError(f"rollout stalled at step {self.step}: nothing in flight, the dispatcher releases nothing "
-                                   f"and no batch fits the off-policy bounds ({disp.stats})")
+            idle = not tickets and not unseen and not any(r.active or r.waiting for r in results)
 
     def rollout_call(self):
         """One rollout call's results. Pipelined (Ray workers, `pipelined_calls`): the next call is queued on the
@@ -465,10 +472,13 @@ class AsyncGRPO:
         """The stage: ROLLOUT until a batch is ready -> INTERRUPT -> TRAIN -> RESUME, `max_steps` times (or
         until the time budget ends), then a stage-end checkpoint with the held-out evaluation."""
         job, stage, policy, clock = self.job, self.stage, self.policy, self.clock
+        deadline = job.deadline(stage)
         for step in job.budget(stage, start=self.step):
             t_roll, ckpt0 = time.perf_counter(), clock.checkpoint_s
-            batch = self.rollout_until_batch()
+            batch = self.rollout_until_batch(deadline)
             clock.rollout_s += time.perf_counter() - t_roll - (clock.checkpoint_s - ckpt0)  # periodic checkpoints apart
+            if batch is None:  # the time budget ended inside the rollout phase
+                break
 
             # INTERRUPT at the token boundary; in-flight states leave the KV pool (`engine.park_kv`).
             t_sig = time.perf_counter()

@@ -125,11 +125,16 @@ class Job:
     def tasks(self) -> Mapping[str, Task]:
         return self.renderer.tasks
 
+    def deadline(self, stage: SFTStage | GRPOStage) -> float | None:
+        """The `time.monotonic()` at which the stage's wall-clock budget ends (the minutes spent before a resume
+        counted); None without a budget."""
+        s = self.state
+        return None if stage.max_minutes is None else s.stage_t0 + 60.0 * (stage.max_minutes - s.stage_minutes_before)
+
     def budget(self, stage: SFTStage | GRPOStage, start: int = 0) -> Iterator[int]:
         """Step indices start..max_steps-1 while the stage's wall-clock budget (counting the minutes
         spent before a resume) lasts."""
-        s = self.state
-        deadline = None if stage.max_minutes is None else s.stage_t0 + 60.0 * (stage.max_minutes - s.stage_minutes_before)
+        deadline = self.deadline(stage)
         self.progress.begin_steps(start, deadline)
         for step in range(start, stage.max_steps):
             if deadline is not None and time.monotonic() >= deadline:

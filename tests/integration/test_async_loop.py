@@ -245,6 +245,35 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_full_batch
     assert last["train/uniform_groups_skipped_total"] == 0  # nothing uniform reached a step
 
 
+def test_a_time_budget_ends_the_stage_inside_a_rollout_phase_that_never_fills_a_batch(tmp_path):
+    """With dynamic sampling and a reward that never varies no batch ever fills; the stage still ends at its
+    max_minutes (at a rollout call's token boundary), says why, writes its stage-end checkpoint and gives every
+    prompt an outcome. (A guard preempts the job after 60 s, so the test fails instead of hanging.)"""
+    rows = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(6) for b in range(6)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dataset = {"type": "jsonl", "name": "flat", "path": str(tmp_path / "d.jsonl"), "prompt": "q", "answer": "a",
+               "verifier": "python:tests.tasks.reward_fns:graded", "heldout": {"fraction": 0.1}}  # always 0.25
+    recipe = Recipe.model_validate({**RECIPE, "datasets": [dataset], "checkpoint": {"every_steps": 0},
+                                    "stages": [{**RECIPE["stages"][0], "max_steps": 3, "max_minutes": 0.02,
+                                                "dynamic_sampling": True}]})
+    said: list[str] = []
+    run_dir = tmp_path / "flat"
+    with open_job(recipe, run_dir, say=said.append) as job:
+        t0 = time.monotonic()
+        job.checkpointer.guard = type("After60s", (), {"requested": property(lambda _: time.monotonic() > t0 + 60)})()
+        job.state.stage_t0 = t0
+        run_async_grpo(job, recipe.stages[0], 0)  # Preempted (the guard) would fail the test
+    assert job.state.global_step == 0
+    assert any(m.startswith("dynamic_sampling: ") and "had equal rewards (0.25)" in m for m in said), said
+    store = TrajectoryStore.read_run(run_dir)
+    assert store.audit()["prompts_open"] == 0 and store.audit()["trained"] == 0
+    store.close()
+    with sqlite3.connect(run_dir / "trajectories.db") as c:
+        outcomes = {o for (o,) in c.execute("select outcome from prompts")}
+    assert "filtered" in outcomes and outcomes <= {"filtered", "dropped_stage_end"}
+    assert checkpoints_written(run_dir) == [0]  # the stage-end checkpoint
+
+
 def test_mini_batches_take_an_optimizer_step_each_and_train_every_group_once(tmp_path, reference):
     """GRPOStage.mini_batches 2: each train step's two groups go to two optimizer steps (the LR schedule counts
     both; the checkpoint's scheduler holds 2 x STEPS), every group is still trained whole once at one step, and the
