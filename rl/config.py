@@ -135,7 +135,8 @@ class GRPOStage(StrictConfig):
     max_steps: int = Field(200, gt=0)
     """Optimizer steps at most (one per batch of prompts_per_step groups)."""
     max_minutes: float | None = Field(None, gt=0)
-    """Wall-clock budget; the stage ends at whichever of max_steps / max_minutes comes first."""
+    """Wall-clock budget; the stage ends at whichever of max_steps / max_minutes comes first (checked between steps
+    and at every rollout call, so a rollout phase that has not filled its batch ends there too)."""
     prompts_per_step: int = Field(32, gt=0)
     """Groups (prompts) per train batch."""
     group_size: int = Field(8, ge=2)
