@@ -224,6 +224,10 @@ class GRPOStage(StrictConfig):
     def _entropy_target_needs_a_bonus(self) -> "GRPOStage":
         if self.entropy_target is not None and self.entropy_coef == 0:
             raise ValueError("entropy_target needs entropy_coef > 0 (the bonus it scales)")
+        return self
+
+    @model_validator(mode="after")
+    def _dynamic_sampling_on_grpo_only(self) -> "GRPOStage":
         if self.dynamic_sampling and self.type == "opd":
             raise ValueError("dynamic_sampling drops groups whose rewards are equal; an OPD stage's teacher signal is "
                              "in every group (a GRPO-stage field)")

@@ -19,6 +19,8 @@ CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"
     # formerly a "rollout stalled" RuntimeError minutes in: completed groups waiting for the step count as in flight
     (["validate", "configs/quickstart.yaml", "--set", "stages.1.dispatch.max_inflight=200"],
      "stages.1.dispatch.max_inflight=200 is below one train step's samples (prompts_per_step=32 x group_size=8 = 256)"),
+    (["validate", "configs/opd.yaml", "--set", "stages.1.dynamic_sampling=true"],
+     "stages.1: Value error, dynamic_sampling drops groups whose rewards are equal; an OPD stage's teacher signal"),
 ])
 def test_usage_errors_are_one_line_exit_2(args, needle):
     proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120)
