@@ -93,7 +93,8 @@ def steady_tokens_per_s(metrics: Path, after: int) -> float:
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "rollout/tokens_per_s" in r]
     if len(steps) <= after:
         return float("nan")
-    first, last = steps[after - 1], steps[-1]
+    last = steps[-1]
+    first = steps[after - 1] if after > 0 else {"rollout/tokens_per_s": 0.0, "time/rollout_s": 0.0}  # 0: the whole run
     tokens = [r["rollout/tokens_per_s"] * r["time/rollout_s"] for r in (first, last)]
     return (tokens[1] - tokens[0]) / max(last["time/rollout_s"] - first["time/rollout_s"], 1e-9)
 
@@ -120,7 +121,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     ap.add_argument("--warmup", action="store_true", help="one untimed `sample` run first, which pays the process's "
                     "Triton compiles, GEMV timing and graph captures (otherwise the first arm does)")
-    ap.add_argument("--steady-after", type=int, default=1, help="steady rollout tokens/s: over the steps after this many")
+    ap.add_argument("--steady-after", type=int, default=1, help="steady rollout tokens/s: over the steps after this many (0: the whole run)")
     ap.add_argument("--repeats", type=int, default=1, help="run the arms this many times in turn (a b c a b c ...) and "
                     "report each figure's median over an arm's runs")
     ap.add_argument("--actor-vs-inprocess", action="store_true",

@@ -48,11 +48,11 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0, help="budget of each branch")
     ap.add_argument("--out", type=Path, help="where to write runs and the JSON summary (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="tiny budgets: finishes in under a minute")
-    ap.add_argument("--grpo-variant", action="append", default=[], metavar="FIELD=VALUE",
+    ap.add_argument("--grpo-variant", action="append", default=[], metavar="FIELD=VALUE", type=_field_value,
                     help="a second GRPO branch with this stage field changed (repeatable; VALUE is YAML)")
     ap.add_argument("--no-control", action="store_true", help="leave the SFT control branch out")
     args = ap.parse_args()
-    variant = {k: yaml.safe_load(v) for k, v in (f.split("=", 1) for f in args.grpo_variant)}
+    variant = dict(args.grpo_variant)
     overrides = ["datasets.0.num_heldout=64"] if args.quick else []
     recipe = load_recipe(args.recipe, overrides)
     minutes = 0.15 if args.quick else args.minutes
@@ -74,7 +74,8 @@ def main() -> None:
         var = train(_variant(recipe, stage_type="grpo", minutes=minutes, init=init, name="variant", fields=variant),
                     out / "variant")
         summary.update(variant_acc=var["grpo_acc"], variant_steps=_steps(out / "variant"))
-        rows.append((f"+ GRPO {minutes} min, {', '.join(args.grpo_variant)}", var["grpo_acc"], summary["variant_steps"]))
+        rows.append((f"+ GRPO {minutes} min, {', '.join(f'{k}={v}' for k, v in variant.items())}", var["grpo_acc"],
+                     summary["variant_steps"]))
     if not args.no_control:
         ctrl = train(_variant(recipe, stage_type="sft", minutes=minutes, init=init, name="control"), out / "control")
         summary["control_sft_acc"] = ctrl["sft_acc"]
@@ -85,6 +86,14 @@ def main() -> None:
     for name, acc, steps in rows:
         print(f"{name:<48}{acc:>18.3f}{steps:>8}")
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))
+
+
+def _field_value(text: str) -> tuple[str, object]:
+    """--grpo-variant FIELD=VALUE, the value read as YAML (true, 2e-5, ...)."""
+    field, eq, value = text.partition("=")
+    if not field or not eq:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
+    return field, yaml.safe_load(value)
 
 
 def _steps(run_dir: Path) -> int:
