@@ -66,6 +66,7 @@ def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = Tr
     inflight = a.prompts * a.group
     conc = clock.concurrency
     late = sorted(clock.interrupt_late_steps)
+    steady = steady_rates(run_dir / "metrics.jsonl", a.steady_after, inflight)
     return {
         "policy": policy,
         "trained_samples_per_s": a.steps * inflight / wall,
@@ -82,21 +83,25 @@ def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = Tr
         "engine_share": clock.engine_s / max(clock.rollout_s, 1e-9),  # the rest: controller and round trips
         "controller_share": (clock.verify_s + clock.store_s + clock.dispatch_s) / max(clock.rollout_s, 1e-9),
         "prefill_step_frac": clock.prefill_calls / max(clock.engine_steps, 1),
-        "steady_tokens_per_s": steady_tokens_per_s(run_dir / "metrics.jsonl", a.steady_after),
+        "steady_tokens_per_s": steady[0],
+        "steady_samples_per_s": steady[1],
     }
 
 
-def steady_tokens_per_s(metrics: Path, after: int) -> float:
-    """Rollout tokens/s after the first `after` train steps: the run's cumulative figures at its last step less those
-    at step `after`. A fresh process (each Ray actor is one) pays its Triton compiles, GEMV timing and CUDA graph
-    captures in its first steps' rollouts; a long job pays them once, so the steady rate is what an actor costs there."""
+def steady_rates(metrics: Path, after: int, samples_per_step: int) -> tuple[float, float]:
+    """Rollout tokens/s and trained samples/s after the first `after` train steps: the run's cumulative figures at its
+    last step less those at step `after` (samples/s over the wall clock between the two steps' records, training
+    included). A fresh process (each Ray actor is one) pays its Triton compiles, GEMV timing and CUDA graph captures
+    in its first steps; a long job pays them once, and the samples in flight when a short run stops are generated and
+    never trained, which a long job trains at its next step: the steady rates are what a policy costs there."""
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "rollout/tokens_per_s" in r]
-    if len(steps) <= after:
-        return float("nan")
-    last = steps[-1]
-    first = steps[after - 1] if after > 0 else {"rollout/tokens_per_s": 0.0, "time/rollout_s": 0.0}  # 0: the whole run
+    if after <= 0 or len(steps) <= after:  # 0: the whole run (tokens/s; samples/s needs a step to start from)
+        last = steps[-1]
+        return last["rollout/tokens_per_s"], float("nan")
+    first, last = steps[after - 1], steps[-1]
     tokens = [r["rollout/tokens_per_s"] * r["time/rollout_s"] for r in (first, last)]
-    return (tokens[1] - tokens[0]) / max(last["time/rollout_s"] - first["time/rollout_s"], 1e-9)
+    tok_s = (tokens[1] - tokens[0]) / max(last["time/rollout_s"] - first["time/rollout_s"], 1e-9)
+    return tok_s, (len(steps) - after) * samples_per_step / max(last["time"] - first["time"], 1e-9)
 
 
 def main() -> None:
@@ -118,10 +123,12 @@ def main() -> None:
     ap.add_argument("--median", type=int, default=16)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=384)
+    ap.add_argument("--policies", default=",".join(POLICIES), help="the dispatch policies compared (comma-separated; "
+                    "`sample` and `sync` at least)")
     ap.add_argument("--json", type=Path, help="write the table as JSON here")
     ap.add_argument("--warmup", action="store_true", help="one untimed `sample` run first, which pays the process's "
                     "Triton compiles, GEMV timing and graph captures (otherwise the first arm does)")
-    ap.add_argument("--steady-after", type=int, default=1, help="steady rollout tokens/s: over the steps after this many (0: the whole run)")
+    ap.add_argument("--steady-after", type=int, default=1, help="steady rollout tokens/s and trained samples/s: over the steps after this many (0: tokens/s over the whole run)")
     ap.add_argument("--repeats", type=int, default=1, help="run the arms this many times in turn (a b c a b c ...) and "
                     "report each figure's median over an arm's runs")
     ap.add_argument("--actor-vs-inprocess", action="store_true",
@@ -140,10 +147,14 @@ def main() -> None:
     if a.prefill_intervals:
         prefill_interval_sweep(a, out, [int(k) for k in a.prefill_intervals.split(",")])
         return
-    by = in_turn({p: (lambda k, p=p: run(p, a, out, tag=f"{p}_{k}")) for p in POLICIES}, a.repeats)
+    policies = a.policies.split(",")
+    if not {"sample", "sync"} <= set(policies) <= set(POLICIES):
+        ap.error(f"--policies: `sample`, `sync` and any of {', '.join(POLICIES)}, comma-separated; got {a.policies!r}")
+    by = in_turn({p: (lambda k, p=p: run(p, a, out, tag=f"{p}_{k}")) for p in policies}, a.repeats)
     rows = list(by.values())
     cols = ["policy", "trained_samples_per_s", "gen_tokens_per_s", "concurrency_mean", "concurrency_std",
-            "concurrency_held", "idle_frac", "reprefill_tokens", "interrupt_p99_steps", "rollout_s", "train_s"]
+            "concurrency_held", "idle_frac", "reprefill_tokens", "interrupt_p99_steps", "rollout_s", "train_s",
+            "steady_samples_per_s", "steady_tokens_per_s"]
     print(f"long-tail lengths: median {a.median}, sigma {a.sigma} (p99/p50 = {math.exp(2.326 * a.sigma):.1f}), "
           f"max {a.max_tokens}; {a.prompts}x{a.group} samples per step, {a.steps} steps; device {a.device}")
     print(" | ".join(c[:14].rjust(14) for c in cols))
@@ -151,9 +162,14 @@ def main() -> None:
         print(" | ".join((f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]))[:14].rjust(14) for c in cols))
     if a.json:
         a.json.write_text(json.dumps(rows, indent=2))
-    print(f"RESULT speedup_sample_vs_sync={by['sample']['trained_samples_per_s'] / by['sync']['trained_samples_per_s']:.2f} "
-          f"concurrency_held={by['sample']['concurrency_held']:.3f} reprefill_tokens={by['sample']['reprefill_tokens']} "
-          f"interrupt_p99_steps={by['sample']['interrupt_p99_steps']}")
+    sample, best_other = by["sample"], max((r for p, r in by.items() if p != "sample"), key=lambda r: r["steady_samples_per_s"])
+    print(f"RESULT speedup_sample_vs_sync={sample['trained_samples_per_s'] / by['sync']['trained_samples_per_s']:.2f} "
+          f"concurrency_held={sample['concurrency_held']:.3f} reprefill_tokens={sample['reprefill_tokens']} "
+          f"interrupt_p99_steps={sample['interrupt_p99_steps']} "
+          f"sample_over_best_other_samples_s={sample['trained_samples_per_s'] / max(r['trained_samples_per_s'] for p, r in by.items() if p != 'sample'):.3f} "
+          f"steady_sample_over_best_other_samples_s={sample['steady_samples_per_s'] / best_other['steady_samples_per_s']:.3f} "
+          f"sample_over_sync_tok_s={sample['gen_tokens_per_s'] / by['sync']['gen_tokens_per_s']:.2f} "
+          f"steady_sample_over_sync_tok_s={sample['steady_tokens_per_s'] / by['sync']['steady_tokens_per_s']:.2f}")
 
 
 def actor_vs_inprocess(a, out: Path) -> None:

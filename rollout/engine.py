@@ -76,7 +76,7 @@ class _SharedPrompt:
     blocks: list[int]
     """The registry's own hold on the blocks of prompt positions [0, P - 1)."""
     users: int = 1
-    routing: torch.Tensor | None = None
+    routing: np.ndarray | None = None
     """MoE: [P - 1, L, k] expert ids of those positions, once the owner's prefill has run."""
     waiting: list = field(default_factory=list)
     """Siblings admitted in the owner's prefill step, still without `routing`."""
@@ -89,6 +89,11 @@ class _SharedPrompt:
     """(src, dst) block copies for siblings, made once the entry is filled."""
 
 
+def _trace(parts: list[np.ndarray]) -> np.ndarray | None:
+    """A sequence's routing trace [T, L, k] int16 from its per-forward parts (None: a dense model)."""
+    return np.concatenate(parts).astype(np.int16, copy=False) if parts else None
+
+
 @dataclass(eq=False)
 class _Seq:
     """Engine-internal mutable state of one admitted sequence."""
@@ -98,8 +103,9 @@ class _Seq:
     blocks: list[int]
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    routing: list[torch.Tensor] = field(default_factory=list)
-    """Per forward: [num_fed_tokens, L, k] expert ids."""
+    routing: list[np.ndarray] = field(default_factory=list)
+    """Per forward: [num_fed_tokens, L, k] expert ids, int16 host arrays (numpy: a decode step appends one row view
+    per sequence, which costs a tensor slice's tenth)."""
     generate_s: float = 0.0
     cached: int = 0
     """Leading tokens whose KV is in the cache; tokens[cached:] are fed at the next step."""
@@ -397,7 +403,7 @@ class Engine:
             rec.done.synchronize()
         tokens, logprobs = rec.host[0].long().tolist(), rec.host[1].tolist()
         if rec.routed:  # the fed tokens' expert ids, as the eager decode appends them; int16 (the trace's dtype), off
-            ids = rec.routing.to(torch.int16)  # the pinned buffer, which a row's slice would keep alive
+            ids = rec.routing.numpy().astype(np.int16)  # the trace's dtype; a copy, so rows do not hold the pinned buffer
             for j, s in enumerate(rec.routed):
                 if s not in rec.dropped:
                     s.routing.append(ids[j:j + 1])
@@ -501,7 +507,7 @@ class Engine:
                 states.append(RolloutState(request=s.request, tokens=list(s.tokens)))  # is not computed yet: a fresh
                 self._free(s)  # request again (nothing generated)
                 continue
-            routing = torch.cat(s.routing).to(torch.int16).cpu().numpy() if s.routing else None
+            routing = _trace(s.routing)
             extra = dict(paused=s.request.sample_id in paused, appended_spans=list(s.appended), tool_turns=list(s.tool_turns),
                          num_cached=None if s.cached == len(s.tokens) - 1 else s.cached)
             if self.sparse:
@@ -598,7 +604,7 @@ class Engine:
                 else:
                     loads.append((self.cache.slots(seq.blocks, 0, n), st.kv_tensors()))
                 if st.routing is not None:
-                    seq.routing.append(torch.from_numpy(st.routing.astype(np.int64)))
+                    seq.routing.append(st.routing.astype(np.int16))
                 self.stats.resumed_tokens += n
             if self.sparse and seq.csa2 is None:
                 seq.csa2 = CSA2Cache()
@@ -632,7 +638,7 @@ class Engine:
         self._copies += e.copies
         e.copies = []
         if e.owner.routing:
-            e.routing = torch.cat(e.owner.routing)[: len(e.key) - 1]
+            e.routing = np.concatenate(e.owner.routing)[: len(e.key) - 1]
             for sib in e.waiting:
                 sib.routing.insert(0, e.routing)
             e.waiting = []
@@ -667,8 +673,9 @@ class Engine:
         self.stats.reprefill_tokens += sum(s.num_response for s in seqs)
         self.stats.prefill_seqs += len(seqs)
         if out.routing is not None:
+            r = out.routing.to(torch.int16).cpu().numpy()  # one read for the batch
             for i, s in enumerate(seqs):
-                s.routing.append(out.routing[i, : lens[i]].cpu())
+                s.routing.append(r[i, : lens[i]])
                 if s.prompt is not None and s.prompt.routing is None and chunk is None:  # the owner: siblings take its
                     # prompt's experts (a chunked owner's are complete after its last chunk: `_filled`)
                     s.prompt.routing = s.routing[-1][: lens[i] - 1]
@@ -729,7 +736,7 @@ class Engine:
         if T > 1:
             self.stats.prefill_tokens += sum(n)
         if out.routing is not None:
-            r = out.routing.to(torch.int16).cpu()  # the trace's dtype: a row's slice keeps this step's tensor alive
+            r = out.routing.to(torch.int16).cpu().numpy()  # the trace's dtype
             for i, (s, k) in enumerate(zip(seqs, n)):
                 s.routing.append(r[i, :k])
         if feed is not None:
@@ -766,7 +773,7 @@ class Engine:
             for j, i in enumerate(idx):
                 out[i] = logits[j]
                 if res.routing is not None:
-                    seqs[i].routing.append(res.routing[j].cpu())
+                    seqs[i].routing.append(res.routing[j].to(torch.int16).cpu().numpy())
         if prefill:
             lens = [len(f) for f in feeds]
             self.stats.prefill_calls += 1
@@ -798,7 +805,7 @@ class Engine:
 
     def _release(self, s: _Seq, reason: str) -> Generation:
         self._free(s)
-        routing = torch.cat(s.routing).to(torch.int16).numpy() if s.routing else None
+        routing = _trace(s.routing)
         P = len(s.request.prompt_tokens)
         return Generation(
             sample_id=s.request.sample_id,
