@@ -63,7 +63,7 @@ from model.kv_cache import CacheFullError, PagedBatch, PagedKVCache, kv_format
 from model.sparse_attention import CSA2Cache
 from model.sparse_attention import bytes_per_token as csa2_bytes_per_token
 from rollout.config import EngineConfig
-from rollout.graphs import DecodeGraphs
+from rollout.graphs import DecodeGraphs, PrefillGraphs
 from rollout.sampling import sample_tokens
 from rollout.types import Generation, GenerationRequest, RolloutState, ToolCallPause
 
@@ -242,6 +242,9 @@ class Engine:
         if cfg.cuda_graphs and self.device.type == "cuda" and not self.sparse and (not mcfg.is_moe or fused.GROUPED_EXPERTS):
             self.graphs = DecodeGraphs(model, self.cache, cfg.max_batch_size, self.cache.blocks_for(cfg.max_seq_len),
                                        paged_kernel=cfg.paged_decode_kernel)
+        self.prefill_graphs = None
+        if cfg.prefill_graphs and self.graphs is not None:  # the models the decode graphs hold, on CUDA
+            self.prefill_graphs = PrefillGraphs(model, self.cache, min(cfg.max_batch_size, 64), cfg.max_seq_len)
         self.overlap = (self.device.type == "cuda" if cfg.overlap_steps is None else cfg.overlap_steps) \
             and not self.sparse and not mcfg.is_moe
         """Launch each step before reading the previous one's tokens (module docstring)."""
@@ -659,21 +662,30 @@ class Engine:
         """Run the prompts of newly admitted sequences; returns logits at each last prompt token [B, V]. `chunk`:
         only each one's first `chunk` tokens, and no logits (chunked prefill)."""
         lens = [len(s.tokens) if chunk is None else chunk for s in seqs]
-        T = max(lens)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long)
-        slot_map = torch.full((len(seqs), T), -1, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, : lens[i]] = torch.tensor(s.tokens[: lens[i]])
-            slot_map[i, : lens[i]] = torch.tensor(self.cache.slots(s.blocks, 0, lens[i]))
-        ids, slot_map = ids.to(self.device), slot_map.to(self.device)
-        batch = PagedBatch(self.cache, is_prefill=True, slot_mapping=slot_map)
-        out = self.model.forward_hidden(ids, batch=batch)
+        slots = [self.cache.slots(s.blocks, 0, n) for s, n in zip(seqs, lens)]
+        got = None if chunk is not None or self.prefill_graphs is None else self.prefill_graphs.run(
+            [s.tokens[:n] for s, n in zip(seqs, lens)], slots)
+        if got is not None:
+            logits, routing = got
+        else:
+            T = max(lens)
+            ids = torch.zeros(len(seqs), T, dtype=torch.long)
+            slot_map = torch.full((len(seqs), T), -1, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                ids[i, : lens[i]] = torch.tensor(s.tokens[: lens[i]])
+                slot_map[i, : lens[i]] = torch.tensor(slots[i])
+            ids, slot_map = ids.to(self.device), slot_map.to(self.device)
+            out = self.model.forward_hidden(ids, batch=PagedBatch(self.cache, is_prefill=True, slot_mapping=slot_map))
+            routing, logits = out.routing, None
+            if chunk is None:
+                last = torch.tensor(lens, device=self.device) - 1
+                logits = self.model.logits(out.hidden[torch.arange(len(seqs), device=self.device), last])  # last positions only
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += sum(lens)
         self.stats.reprefill_tokens += sum(s.num_response for s in seqs)
         self.stats.prefill_seqs += len(seqs)
-        if out.routing is not None:
-            r = out.routing.to(torch.int16).cpu().numpy()  # one read for the batch
+        if routing is not None:
+            r = routing.to(torch.int16).cpu().numpy()  # one read for the batch
             for i, s in enumerate(seqs):
                 s.routing.append(r[i, : lens[i]])
                 if s.prompt is not None and s.prompt.routing is None and chunk is None:  # the owner: siblings take its
@@ -684,8 +696,6 @@ class Engine:
                     s.prompt.waiting = []
         if chunk is not None:
             return None
-        last = torch.tensor(lens, device=self.device) - 1
-        logits = self.model.logits(out.hidden[torch.arange(len(seqs), device=self.device), last])  # last positions only
         self.stats.prefill_logit_rows += logits.shape[0]
         return logits
 

@@ -162,3 +162,117 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return out[0][:B], out[1][:, :B], None if out[2] is None else out[2][:B]
+
+
+def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:
+    """16, 32, 64, ... below max_tokens, then max_tokens itself."""
+    out, t = [], smallest
+    while t < max_tokens:
+        out.append(t)
+        t *= 2
+    return out + [max_tokens]
+
+
+class PrefillGraphs:
+    """CUDA graphs of the prefill forward (issue #15, `EngineConfig.prefill_graphs`), one per (rows, tokens)
+    bucket, captured when a prefill first needs it. An eager prefill of a small model is launch-bound like an eager
+    decode step: under sample-level dispatch on an H200 (bench/async_dispatch.py's MoE model, float32, py-spy) each
+    prefill call spent ~24 ms on the host and prefills took 28% of the engine's time, where the graphed decode step
+    of 245 rows took ~20 ms in all.
+
+    What is captured: for `r` rows of `t` tokens (rows a power of two up to `max_rows`, tokens one from 16 up to
+    `max_tokens`, at most `max_graph_tokens` = r·t), the model's forward over right-padded prompts with their slot
+    mapping and the logits at each row's last prompt position, from one static int64 input buffer [r, 2t + 1] =
+    (token ids, slots, last position), to (logits [r, V] float32, MoE expert ids [r, t, num_layers, top_k] or
+    None). Padding is token 0 at slot −1 (the cache's scratch slot): causal attention keeps a real token from
+    seeing the padding after it and the grouped expert kernels have no capacity, so padding changes nothing a
+    real token computes (bits aside, where a GEMM's algorithm depends on the row count). A prefill larger than
+    every bucket runs eagerly. The graphs have a memory pool of their own: the decode graph replayed later in the
+    same step must not overwrite the prefill's logits before the step samples them. `capture=False` (CPU, tests)
+    runs the same padded computation eagerly.
+    """
+
+    def __init__(self, model, cache: PagedKVCache, max_rows: int, max_tokens: int, max_graph_tokens: int = 8192,
+                 capture: bool = True):
+        self.model, self.cache, self.capture = model, cache, capture
+        self.row_buckets = batch_buckets(max_rows)
+        self.token_buckets = token_buckets(max_tokens)
+        self.max_graph_tokens = max_graph_tokens
+        self.device = cache.k.device
+        self._graphs: dict[tuple[int, int], tuple] = {}
+        """(rows, tokens) -> (graph, device input buffer, device outputs, two pinned host input buffers used in turn)."""
+        self._pool = None
+        self.disabled_reason: str | None = None
+        self.replays = 0
+
+    def bucket(self, rows: int, tokens: int) -> tuple[int, int] | None:
+        """The (rows, tokens) bucket a prefill of `rows` prompts of at most `tokens` tokens runs in; None: eagerly."""
+        if rows > self.row_buckets[-1] or tokens > self.token_buckets[-1]:
+            return None
+        b = next(r for r in self.row_buckets if r >= rows), next(t for t in self.token_buckets if t >= tokens)
+        return b if b[0] * b[1] <= self.max_graph_tokens else None
+
+    def forward(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captured computation: input buffer [r, 2t + 1] -> (logits at each row's last position [r, V] float32,
+        MoE expert ids [r, t, num_layers, top_k] or None)."""
+        t = (buf.shape[1] - 1) // 2
+        ids, slots, last = buf[:, :t], buf[:, t:2 * t], buf[:, 2 * t]
+        out = self.model.forward_hidden(ids, batch=PagedBatch(self.cache, is_prefill=True, slot_mapping=slots))
+        logits = self.model.logits(out.hidden[torch.arange(buf.shape[0], device=buf.device), last])
+        return logits, out.routing
+
+    @staticmethod
+    def fill(h: np.ndarray, tokens: list, slots: list[list[int]]) -> None:
+        """Write prompts and their slots into a host input buffer [r, 2t + 1] (the rest: padding)."""
+        t = (h.shape[1] - 1) // 2
+        h[:] = 0
+        h[:, t:2 * t] = -1
+        for i, (ids, sl) in enumerate(zip(tokens, slots)):
+            n = len(ids)
+            h[i, :n], h[i, t:t + n], h[i, 2 * t] = ids, sl, n - 1
+
+    def _capture(self, r: int, t: int):
+        buf = torch.zeros(r, 2 * t + 1, dtype=torch.long, device=self.device)
+        buf[:, t:2 * t] = -1  # all padding: warm-up and capture write only the scratch slot
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, lazy inits, Triton compiles)
+            for _ in range(2):
+                self.forward(buf)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.forward(buf)
+        return graph, buf, out, [torch.zeros(buf.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+
+    def run(self, tokens: list, slots: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Prefill `tokens` (each row's prompt ids) written at `slots`: (logits at each last position [n, V], MoE
+        expert ids [n, t, num_layers, top_k] (t: the bucket's tokens) or None), on the device; None when no bucket
+        holds the prefill or capture failed (prefill eagerly)."""
+        b = self.bucket(len(tokens), max(len(x) for x in tokens))
+        if b is None or self.disabled_reason is not None:
+            return None
+        n, (r, t) = len(tokens), b
+        self.model.refresh_rollout_weights()  # in place, outside the graph: the graph reads the buffers
+        if not self.capture:  # the same padded computation, eagerly (CPU, tests)
+            h = np.zeros((r, 2 * t + 1), dtype=np.int64)
+            self.fill(h, tokens, slots)
+            logits, routing = self.forward(torch.from_numpy(h).to(self.device))
+            self.replays += 1
+            return logits[:n], None if routing is None else routing[:n]
+        if b not in self._graphs:
+            try:
+                self._graphs[b] = self._capture(r, t)
+            except Exception as e:  # noqa: BLE001 - any capture failure means: prefill eagerly from now on
+                self.disabled_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                self._graphs.clear()
+                return None
+        graph, buf, out, hosts = self._graphs[b]
+        host = hosts[self.replays % 2]  # in turn: the copy queued by the previous prefill may not have run yet
+        self.fill(host.numpy(), tokens, slots)
+        buf.copy_(host, non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        return out[0][:n], None if out[1] is None else out[1][:n]
