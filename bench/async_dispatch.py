@@ -10,7 +10,7 @@ concurrency (mean, std, share of engine steps within 5% of max_inflight), idle f
 engine slots over the rollout steps), re-prefilled tokens, interrupt latency in engine steps (p99).
 Last line: RESULT speedup_sample_vs_sync=.. concurrency_held=.. reprefill_tokens=.. interrupt_p99_steps=..
 `--repeats N` runs the arms N times in turn and reports medians; `--warmup` pays the process's compiles in an untimed
-run first. `--actor-vs-inprocess`, `--prefill-graphs-ab` and `--prefill-intervals 1,4` compare the `sample` policy's runs instead (their own RESULT
+run first. `--actor-vs-inprocess`, `--engine-ab` and `--prefill-intervals 1,4` compare the `sample` policy's runs instead (their own RESULT
 lines); each run also reports the engine's share of the rollout time (the rest: the controller and round trips)
 and the share of engine steps that carried a prefill.
 """
@@ -33,7 +33,7 @@ POLICIES = ("sync", "batch", "prompt", "sample")
 
 
 def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, prefill_interval: int | None = None,
-               prefill_graphs: bool = False) -> Recipe:
+               engine: dict | None = None) -> Recipe:
     inflight = a.prompts * a.group
     ray = a.ray if ray is None else ray
     return Recipe.model_validate({
@@ -45,7 +45,7 @@ def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, 
                   if a.ffn == "moe" else {"type": "dense", "intermediate_size": 4 * a.hidden}},
         "datasets": [{"type": "longtail", "median_tokens": a.median, "sigma": a.sigma, "max_tokens": a.max_tokens}],
         "engine": {"max_batch_size": inflight, "block_size": 16, "max_seq_len": a.max_tokens + 16,
-                   "prefill_interval": prefill_interval, "prefill_graphs": prefill_graphs},
+                   "prefill_interval": prefill_interval, **(engine or {})},
         "runtime": {"ray": True, "num_workers": 1, "num_cpus": 2} if ray else {"ray": False},
         "stages": [{"type": "grpo", "max_steps": a.steps, "prompts_per_step": a.prompts, "group_size": a.group,
                     "micro_batch_size": a.micro_batch, "optim": {"lr": 1e-5}, "pipelined_calls": pipelined,
@@ -55,8 +55,8 @@ def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, 
 
 
 def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = True, tag: str = "",
-        prefill_interval: int | None = None, prefill_graphs: bool = False) -> dict:
-    recipe = recipe_for(policy, a, ray, pipelined, prefill_interval, prefill_graphs)
+        prefill_interval: int | None = None, engine: dict | None = None) -> dict:
+    recipe = recipe_for(policy, a, ray, pipelined, prefill_interval, engine)
     run_dir = out / (tag or policy)
     run_dir.mkdir(parents=True)
     with open_job(recipe, run_dir, checkpoints=False) as job:
@@ -134,8 +134,8 @@ def main() -> None:
                     "report each figure's median over an arm's runs")
     ap.add_argument("--actor-vs-inprocess", action="store_true",
                     help="only `sample` dispatch, in-process and as a Ray actor with and without pipelined rollout calls")
-    ap.add_argument("--prefill-graphs-ab", action="store_true", help="`sample` and `sync` in-process with eager prefills "
-                    "and with engine.prefill_graphs, in turn (on CPU both prefill eagerly)")
+    ap.add_argument("--engine-ab", action="store_true", help="`sample` and `sync` in-process with the engine as it is, "
+                    "with engine.prefill_graphs, with engine.overlap_steps and with both, in turn (on CPU: no graphs)")
     ap.add_argument("--prefill-intervals", help="only `sample` dispatch in-process at each engine.prefill_interval "
                     "given (comma-separated, e.g. 1,4)")
     a = ap.parse_args()
@@ -150,8 +150,8 @@ def main() -> None:
     if a.prefill_intervals:
         prefill_interval_sweep(a, out, [int(k) for k in a.prefill_intervals.split(",")])
         return
-    if a.prefill_graphs_ab:
-        prefill_graphs_ab(a, out)
+    if a.engine_ab:
+        engine_ab(a, out)
         return
     policies = a.policies.split(",")
     if not {"sample", "sync"} <= set(policies) <= set(POLICIES):
@@ -206,19 +206,22 @@ def prefill_interval_sweep(a, out: Path, intervals: list[int]) -> None:
                                f"{name}_interrupt_p99_steps={r['interrupt_p99_steps']}" for name, r in rows.items()))
 
 
-def prefill_graphs_ab(a, out: Path) -> None:
-    """`sample` and `sync` dispatch in-process with prefills run eagerly and replayed from CUDA graphs
-    (engine.prefill_graphs), in turn in one process."""
-    rows = in_turn({f"{p}_{mode}": (lambda k, p=p, on=on, mode=mode: run(p, a, out, ray=False, tag=f"{p}_{mode}_{k}",
-                                                                         prefill_graphs=on))
-                    for p in ("sample", "sync") for mode, on in (("eager", False), ("graphs", True))}, a.repeats)
+ENGINE_VARIANTS = {"base": {}, "prefill_graphs": {"prefill_graphs": True}, "overlap": {"overlap_steps": True},
+                   "both": {"prefill_graphs": True, "overlap_steps": True}}
+"""--engine-ab: engine settings not yet on by default for every model (prefills from CUDA graphs; overlapped steps,
+which MoE models take only when asked)."""
+
+
+def engine_ab(a, out: Path) -> None:
+    """`sample` and `sync` dispatch in-process under each of ENGINE_VARIANTS, in turn in one process."""
+    rows = in_turn({f"{p}_{v}": (lambda k, p=p, v=v: run(p, a, out, ray=False, tag=f"{p}_{v}_{k}", engine=ENGINE_VARIANTS[v]))
+                    for p in ("sample", "sync") for v in ENGINE_VARIANTS}, a.repeats)
     _print_rows(rows)
     tok = {name: r["gen_tokens_per_s"] for name, r in rows.items()}
-    print(f"RESULT sample_graphs_over_eager_tok_s={tok['sample_graphs'] / tok['sample_eager']:.3f} "
-          f"sync_graphs_over_eager_tok_s={tok['sync_graphs'] / tok['sync_eager']:.3f} "
-          f"sample_over_sync_tok_s_eager={tok['sample_eager'] / tok['sync_eager']:.2f} "
-          f"sample_over_sync_tok_s_graphs={tok['sample_graphs'] / tok['sync_graphs']:.2f} "
-          f"steady_sample_over_sync_tok_s_graphs={rows['sample_graphs']['steady_tokens_per_s'] / rows['sync_graphs']['steady_tokens_per_s']:.2f}")
+    print("RESULT " + " ".join(
+        f"sample_{v}_over_base_tok_s={tok[f'sample_{v}'] / tok['sample_base']:.3f} "
+        f"sync_{v}_over_base_tok_s={tok[f'sync_{v}'] / tok['sync_base']:.3f} "
+        f"sample_over_sync_tok_s_{v}={tok[f'sample_{v}'] / tok[f'sync_{v}']:.2f}" for v in ENGINE_VARIANTS))
 
 
 def in_turn(arms: dict, repeats: int) -> dict[str, dict]:

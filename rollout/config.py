@@ -54,7 +54,8 @@ class EngineConfig(StrictConfig):
     (reference-counted, the last partly filled block copied) and start decoding at its last token."""
     overlap_steps: bool | None = None
     """Launch each step before reading the tokens of the one before, so the device never waits on the host
-    (rollout/engine.py); finished samples come back one step later. None: on CUDA. Dense paged models only."""
+    (rollout/engine.py); finished samples come back one step later. None: on CUDA for dense models (MoE ones
+    overlap when this is true: not yet timed on a GPU). CSA2 models never overlap."""
     prefill_interval: int | None = Field(None, gt=0)
     """New prompts are admitted (prefilled) at most every this many engine steps while other sequences decode;
     an idle engine admits at once, and resumed or paused states (no prefill) join at once. A step with a

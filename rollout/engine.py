@@ -38,10 +38,13 @@ the sequences that finished at the step before the one it launched. A row that f
 tool call in the step being read was launched once more: that token is dropped (`stats.discarded_tokens`;
 its KV write lands in blocks freed after it in stream order, or at the position a paused sample feeds
 again). `interrupt()` drops the launched step the same way: the token boundary is the last step read, and
-the counter-based RNG draws the same tokens again after resume. Dense paged models only (an MoE row's expert
-ids are appended to its routing trace in feed order, which a step read late would break; CSA2 keeps
-per-sequence caches): they run each step to its end. MoE decode runs through the CUDA graphs all the same
-(rollout/graphs.py) when its experts run through the grouped kernels: the ids are read with the step's tokens.
+the counter-based RNG draws the same tokens again after resume. Paged models only (CSA2 keeps per-sequence
+caches: they run each step to its end); on by default for dense ones, on request (`overlap_steps: true`) for MoE
+ones, not yet timed on a GPU. An MoE row's expert ids reach its routing trace out of feed order then (a graph
+step's are read with its tokens, after the next step's eager forwards appended theirs; a dropped step's
+prefill left positions that are fed again): each part carries its first position and `_trace` assembles
+positions [0, n). MoE decode runs through the CUDA graphs (rollout/graphs.py) when its experts run through the
+grouped kernels: the ids are read with the step's tokens.
 
 Tool calls (multi-turn, issue #16): a request with `tool_calls` pauses when `tool_stop` says its response
 closes a call; it keeps its blocks, leaves the batch, and waits for `append` (the tool output, fed by an
@@ -89,9 +92,18 @@ class _SharedPrompt:
     """(src, dst) block copies for siblings, made once the entry is filled."""
 
 
-def _trace(parts: list[np.ndarray]) -> np.ndarray | None:
-    """A sequence's routing trace [T, L, k] int16 from its per-forward parts (None: a dense model)."""
-    return np.concatenate(parts).astype(np.int16, copy=False) if parts else None
+def _trace(parts: list[tuple[int, np.ndarray]], n: int) -> np.ndarray | None:
+    """A sequence's routing trace [n, L, k] int16, the expert ids of positions [0, n), from its parts (first fed
+    position, ids [t, L, k]) whatever order they came in (with overlapped steps a graph step's ids are read after the
+    next step's eager forwards appended theirs), a later part over an earlier one at the same positions (a token fed
+    again after the step that fed it was dropped), positions from n on left out (an interrupt drops the launched
+    step: its prefills' last positions are fed again at resume). None: a dense model."""
+    if not parts:
+        return None
+    out = np.full((n, *parts[0][1].shape[1:]), -1, dtype=np.int16)
+    for at, ids in parts:
+        out[at:at + len(ids)] = ids[:max(0, n - at)]
+    return out
 
 
 @dataclass(eq=False)
@@ -103,9 +115,9 @@ class _Seq:
     blocks: list[int]
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    routing: list[np.ndarray] = field(default_factory=list)
-    """Per forward: [num_fed_tokens, L, k] expert ids, int16 host arrays (numpy: a decode step appends one row view
-    per sequence, which costs a tensor slice's tenth)."""
+    routing: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    """Per forward: (first fed position, [num_fed_tokens, L, k] expert ids as an int16 host array; numpy: a decode
+    step appends one row view per sequence, which costs a tenth of a tensor slice); `_trace` puts them in order."""
     generate_s: float = 0.0
     cached: int = 0
     """Leading tokens whose KV is in the cache; tokens[cached:] are fed at the next step."""
@@ -155,6 +167,8 @@ class _Step:
     """Rows whose token here is thrown away (they finished or paused at the step before)."""
     routed: list[_Seq] = field(default_factory=list)
     """MoE, decode rows of a graph step: their expert ids are in `routing`, read with the tokens."""
+    routed_at: list[int] = field(default_factory=list)
+    """The position each routed row fed."""
     routing: torch.Tensor | None = None
     """[len(routed), num_layers, top_k] (pinned memory on CUDA, filled once `done` fires)."""
 
@@ -245,8 +259,8 @@ class Engine:
         self.prefill_graphs = None
         if cfg.prefill_graphs and self.graphs is not None:  # the models the decode graphs hold, on CUDA
             self.prefill_graphs = PrefillGraphs(model, self.cache, min(cfg.max_batch_size, 64), cfg.max_seq_len)
-        self.overlap = (self.device.type == "cuda" if cfg.overlap_steps is None else cfg.overlap_steps) \
-            and not self.sparse and not mcfg.is_moe
+        self.overlap = (self.device.type == "cuda" and not mcfg.is_moe if cfg.overlap_steps is None else cfg.overlap_steps) \
+            and not self.sparse
         """Launch each step before reading the previous one's tokens (module docstring)."""
         self._inflight: _Step | None = None
         self.policy_version = 0
@@ -360,7 +374,7 @@ class Engine:
         if cuda:  # pinned: the copies are truly asynchronous
             ints = ints.pin_memory()
         ints = ints.to(self.device, non_blocking=True)
-        logits_parts, sampled, routing = [], None, None
+        logits_parts, sampled, routing, decode_at = [], None, None, []
         if fresh:
             logits_parts.append(self._forward_csa2(fresh, prefill=True) if self.sparse else self._prefill(fresh))
         for src, dst in self._copies:  # shared prompts' last partly filled blocks, now that their owners ran
@@ -376,6 +390,7 @@ class Engine:
             if self.sparse:
                 logits_parts.append(self._forward_csa2(decoding, prefill=False))
             else:
+                decode_at = [s.cached for s in decoding]
                 logits, sampled, routing = self._decode(decoding, ids, in_graph)
                 logits_parts.append(logits)
         for s in seqs:
@@ -397,7 +412,8 @@ class Engine:
             done = torch.cuda.Event()
             done.record()
         return _Step(seqs, out, host, done, self.policy_version, t0,
-                     routed=decoding if routing is not None else [], routing=routing)
+                     routed=decoding if routing is not None else [], routing=routing,
+                     routed_at=decode_at if routing is not None else [])
 
     def _complete(self, rec: _Step) -> list[Generation]:
         """Read a launched step's tokens (waiting for them) and apply them: append, then stop at EOS or the
@@ -407,9 +423,9 @@ class Engine:
         tokens, logprobs = rec.host[0].long().tolist(), rec.host[1].tolist()
         if rec.routed:  # the fed tokens' expert ids, as the eager decode appends them; int16 (the trace's dtype), off
             ids = rec.routing.numpy().astype(np.int16)  # the trace's dtype; a copy, so rows do not hold the pinned buffer
-            for j, s in enumerate(rec.routed):
+            for j, (s, at) in enumerate(zip(rec.routed, rec.routed_at)):
                 if s not in rec.dropped:
-                    s.routing.append(ids[j:j + 1])
+                    s.routing.append((at, ids[j:j + 1]))
         dt = time.perf_counter() - rec.t0
         nxt, finished = self._inflight, []
         for s, t, lp in zip(rec.seqs, tokens, logprobs):
@@ -510,7 +526,7 @@ class Engine:
                 states.append(RolloutState(request=s.request, tokens=list(s.tokens)))  # is not computed yet: a fresh
                 self._free(s)  # request again (nothing generated)
                 continue
-            routing = _trace(s.routing)
+            routing = _trace(s.routing, s.cached)
             extra = dict(paused=s.request.sample_id in paused, appended_spans=list(s.appended), tool_turns=list(s.tool_turns),
                          num_cached=None if s.cached == len(s.tokens) - 1 else s.cached)
             if self.sparse:
@@ -607,7 +623,7 @@ class Engine:
                 else:
                     loads.append((self.cache.slots(seq.blocks, 0, n), st.kv_tensors()))
                 if st.routing is not None:
-                    seq.routing.append(st.routing.astype(np.int16))
+                    seq.routing.append((0, st.routing.astype(np.int16)))
                 self.stats.resumed_tokens += n
             if self.sparse and seq.csa2 is None:
                 seq.csa2 = CSA2Cache()
@@ -627,7 +643,7 @@ class Engine:
         entry.users += 1
         seq.prompt, seq.cached = entry, P - 1
         if entry.routing is not None:
-            seq.routing.append(entry.routing)
+            seq.routing.append((0, entry.routing))
         elif self.model.config.is_moe:
             entry.waiting.append(seq)
         self.stats.shared_prompt_tokens += P - 1
@@ -641,9 +657,9 @@ class Engine:
         self._copies += e.copies
         e.copies = []
         if e.owner.routing:
-            e.routing = np.concatenate(e.owner.routing)[: len(e.key) - 1]
+            e.routing = _trace(e.owner.routing, len(e.key) - 1)
             for sib in e.waiting:
-                sib.routing.insert(0, e.routing)
+                sib.routing.append((0, e.routing))
             e.waiting = []
 
     def _feed_chunks(self, seqs: list[_Seq], chunk: int) -> None:
@@ -687,12 +703,12 @@ class Engine:
         if routing is not None:
             r = routing.to(torch.int16).cpu().numpy()  # one read for the batch
             for i, s in enumerate(seqs):
-                s.routing.append(r[i, : lens[i]])
+                s.routing.append((0, r[i, : lens[i]]))
                 if s.prompt is not None and s.prompt.routing is None and chunk is None:  # the owner: siblings take its
                     # prompt's experts (a chunked owner's are complete after its last chunk: `_filled`)
-                    s.prompt.routing = s.routing[-1][: lens[i] - 1]
+                    s.prompt.routing = r[i, : lens[i] - 1]
                     for sib in s.prompt.waiting:
-                        sib.routing.insert(0, s.prompt.routing)
+                        sib.routing.append((0, s.prompt.routing))
                     s.prompt.waiting = []
         if chunk is not None:
             return None
@@ -748,7 +764,7 @@ class Engine:
         if out.routing is not None:
             r = out.routing.to(torch.int16).cpu().numpy()  # the trace's dtype
             for i, (s, k) in enumerate(zip(seqs, n)):
-                s.routing.append(r[i, :k])
+                s.routing.append((s.cached, r[i, :k]))
         if feed is not None:
             return None
         last = torch.tensor([k - 1 for k in n], device=dev)
@@ -783,7 +799,7 @@ class Engine:
             for j, i in enumerate(idx):
                 out[i] = logits[j]
                 if res.routing is not None:
-                    seqs[i].routing.append(res.routing[j].to(torch.int16).cpu().numpy())
+                    seqs[i].routing.append((seqs[i].cached, res.routing[j].to(torch.int16).cpu().numpy()))
         if prefill:
             lens = [len(f) for f in feeds]
             self.stats.prefill_calls += 1
@@ -815,7 +831,7 @@ class Engine:
 
     def _release(self, s: _Seq, reason: str) -> Generation:
         self._free(s)
-        routing = _trace(s.routing)
+        routing = _trace(s.routing, min(s.cached, len(s.tokens) - 1))  # fed positions; a token launched once more is not one
         P = len(s.request.prompt_tokens)
         return Generation(
             sample_id=s.request.sample_id,

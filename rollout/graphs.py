@@ -55,6 +55,22 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return out + [max_batch_size]
 
 
+def capture(fn, buf: torch.Tensor, pool) -> tuple:
+    """`fn(buf)` captured in a CUDA graph in memory pool `pool`, after two warm-up calls on a side stream (allocator,
+    lazy inits, Triton compiles; `buf` holds padding only, so they write the cache's scratch slot): (graph, buf,
+    the captured outputs, two pinned host buffers of buf's shape, which the caller fills in turn)."""
+    side = torch.cuda.Stream(buf.device)
+    side.wait_stream(torch.cuda.current_stream(buf.device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(buf)
+    torch.cuda.current_stream(buf.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = fn(buf)
+    return graph, buf, out, [torch.zeros(buf.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+
+
 class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, max_batch_size: int, max_blocks: int, paged_kernel: bool = True):
         self.model, self.cache, self.max_blocks = model, cache, max_blocks
@@ -111,18 +127,9 @@ class DecodeGraphs:
 
     def _capture(self, b: int):
         buf = torch.zeros(b, _COLS + self.max_blocks, dtype=torch.long, device=self.device)  # all padding
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, lazy inits); writes hit the scratch slot
-            for _ in range(2):
-                self._forward(buf)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self._forward(buf)
-        return graph, buf, out, [torch.zeros(buf.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        return capture(self._forward, buf, self._pool)
 
     def run(self, ids: torch.Tensor, positions: list[int], tables: list[list[int]],
             sampling: tuple[list[int], list[int], list[float]] | None = None
@@ -234,18 +241,9 @@ class PrefillGraphs:
     def _capture(self, r: int, t: int):
         buf = torch.zeros(r, 2 * t + 1, dtype=torch.long, device=self.device)
         buf[:, t:2 * t] = -1  # all padding: warm-up and capture write only the scratch slot
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside the graph (allocator, lazy inits, Triton compiles)
-            for _ in range(2):
-                self.forward(buf)
-        torch.cuda.current_stream(self.device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.forward(buf)
-        return graph, buf, out, [torch.zeros(buf.shape, dtype=torch.long, pin_memory=True) for _ in range(2)]
+        return capture(self.forward, buf, self._pool)
 
     def run(self, tokens: list, slots: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Prefill `tokens` (each row's prompt ids) written at `slots`: (logits at each last position [n, V], MoE

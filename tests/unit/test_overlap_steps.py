@@ -64,35 +64,58 @@ def _same(a, b):
         assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0) < 1e-5, k  # batch shapes differ: float noise
 
 
-def test_overlap_is_off_on_cpu_by_default_and_for_moe(dense_model, moe_model):
+def test_overlap_is_off_on_cpu_by_default_and_for_moe_unless_asked(dense_model, moe_model):
     assert not _engine(dense_model, None).overlap and _engine(dense_model, True).overlap
-    assert not _engine(moe_model, True).overlap  # MoE reads its routing on the host each step
+    assert not _engine(moe_model, None).overlap and _engine(moe_model, True).overlap
 
 
+def _same_routing(a, b):
+    for k in a:
+        x, y = a[k], b[k]
+        if not x.appended_spans:  # every fed position (a tool output that fills the budget is never fed)
+            assert x.routing_trace.shape[0] == len(x.prompt_tokens) + len(x.response_tokens) - 1, k
+        assert x.routing_trace.shape == y.routing_trace.shape and (x.routing_trace == y.routing_trace).all(), k
+
+
+@pytest.mark.parametrize("moe", [False, True])
 @pytest.mark.parametrize("interrupt_at", [(), (1,), (2, 9), (5, 6, 17)])
-def test_overlapped_steps_give_the_plain_engines_generations(dense_model, interrupt_at):
-    eos = _common_token(dense_model)
-    plain = _drive(_engine(dense_model, False, eos), _requests())
-    eng = _engine(dense_model, True, eos)
+def test_overlapped_steps_give_the_plain_engines_generations(dense_model, moe_model, moe, interrupt_at):
+    """MoE too (on request): each routing part carries its first position, so a trace comes out in feed order whatever
+    order its parts arrived in; an interrupt that drops a launched prefill leaves its last prompt position to be fed
+    again at resume, and the trace then holds it once."""
+    model = moe_model if moe else dense_model
+    eos = _common_token(model)
+    plain = _drive(_engine(model, False, eos), _requests())
+    eng = _engine(model, True, eos)
     got = _drive(eng, _requests(), interrupt_at=interrupt_at)
     _same(plain, got)
+    if moe:
+        _same_routing(plain, got)
     assert {g.finish_reason for g in got.values()} == {"eos", "length"}  # both stops ran one step late
     assert eng.stats.discarded_tokens > 0  # rows launched once more after their last token
     assert eng.stats.generated_tokens == sum(len(g.response_tokens) for g in got.values())
     assert eng.cache.num_free_blocks == eng.cache.num_blocks and not eng.has_work()
 
 
+def _tool_run(model, overlap, interrupt_at=()):
+    eng = _engine(model, overlap)
+    eng.tool_stop = _StopAfter(3, model.config.vocab_size)
+    reqs = [GenerationRequest(f"t{j}", PROMPT_A if j < 3 else PROMPT_B, 18, seed=j, temperature=1.0, tool_calls=True)
+            for j in range(5)]
+    return _drive(eng, reqs, tool_output=[40, 41, 42, 43], interrupt_at=interrupt_at)
+
+
+def test_overlapped_moe_steps_pause_at_tool_calls_with_exact_routing(moe_model):
+    plain = _tool_run(moe_model, False)
+    for got in (_tool_run(moe_model, True), _tool_run(moe_model, True, interrupt_at=(3, 4, 8))):
+        _same(plain, got)
+        _same_routing(plain, got)
+
+
 def test_overlapped_steps_pause_at_tool_calls_exactly(dense_model):
     """A row that pauses was launched once more: that token is dropped, and the append feeds the call's last
     token again with the tool output, as the plain engine does."""
-    def run(overlap, interrupt_at=()):
-        eng = _engine(dense_model, overlap)
-        eng.tool_stop = _StopAfter(3, dense_model.config.vocab_size)
-        reqs = [GenerationRequest(f"t{j}", PROMPT_A if j < 3 else PROMPT_B, 18, seed=j, temperature=1.0, tool_calls=True)
-                for j in range(5)]
-        return _drive(eng, reqs, tool_output=[40, 41, 42, 43], interrupt_at=interrupt_at)
-
-    plain = run(False)
+    plain = _tool_run(dense_model, False)
     assert all(g.appended_spans for g in plain.values())
     eng = _engine(dense_model, True)  # a paused sample holds the KV of its context before the call's last token
     eng.tool_stop = _StopAfter(3, dense_model.config.vocab_size)
@@ -101,8 +124,8 @@ def test_overlapped_steps_pause_at_tool_calls_exactly(dense_model):
         eng.step()
     (st,) = eng.interrupt()
     assert st.paused and st.cached == len(st.tokens) - 1 and len(st.tokens) == len(PROMPT_A) + 3
-    _same(plain, run(True))
-    _same(plain, run(True, interrupt_at=(3, 4, 8)))
+    _same(plain, _tool_run(dense_model, True))
+    _same(plain, _tool_run(dense_model, True, interrupt_at=(3, 4, 8)))
 
 
 def test_a_weight_update_between_steps_labels_tokens_with_the_launching_version(dense_model):
