@@ -390,7 +390,7 @@ class Engine:
             if self.sparse:
                 logits_parts.append(self._forward_csa2(decoding, prefill=False))
             else:
-                decode_at = [s.cached for s in decoding]
+                decode_at = [s.cached for s in decoding] if self.model.config.is_moe else []  # the positions fed
                 logits, sampled, routing = self._decode(decoding, ids, in_graph)
                 logits_parts.append(logits)
         for s in seqs:
