@@ -43,8 +43,9 @@ caches: they run each step to its end); on by default for dense ones, on request
 ones, not yet timed on a GPU. An MoE row's expert ids reach its routing trace out of feed order then (a graph
 step's are read with its tokens, after the next step's eager forwards appended theirs; a dropped step's
 prefill left positions that are fed again): each part carries its first position and `_trace` assembles
-positions [0, n). MoE decode runs through the CUDA graphs (rollout/graphs.py) when its experts run through the
-grouped kernels: the ids are read with the step's tokens.
+positions [0, n). A prefill's ids are read with its step's tokens too, not at once (an interrupt that drops the
+step reads them: the prefill's KV stays). MoE decode runs through the CUDA graphs (rollout/graphs.py) when its
+experts run through the grouped kernels: the ids are read with the step's tokens.
 
 Tool calls (multi-turn, issue #16): a request with `tool_calls` pauses when `tool_stop` says its response
 closes a call; it keeps its blocks, leaves the batch, and waits for `append` (the tool output, fed by an
@@ -171,6 +172,9 @@ class _Step:
     """The position each routed row fed."""
     routing: torch.Tensor | None = None
     """[len(routed), num_layers, top_k] (pinned memory on CUDA, filled once `done` fires)."""
+    prefilled: list = field(default_factory=list)
+    """Overlapped MoE steps: (sequences, prompt lengths, expert ids [B, T, L, k] int16, pinned on CUDA) of this step's
+    prefill, read with its tokens (`_prefill_routing`) instead of at once."""
 
 
 @dataclass
@@ -263,6 +267,7 @@ class Engine:
             and not self.sparse
         """Launch each step before reading the previous one's tokens (module docstring)."""
         self._inflight: _Step | None = None
+        self._prefilled: list = []  # this launch's prefill expert ids, deferred to the step's read (overlapped MoE)
         self.policy_version = 0
         self.stats = EngineStats()
         self.tool_stop = None
@@ -374,7 +379,7 @@ class Engine:
         if cuda:  # pinned: the copies are truly asynchronous
             ints = ints.pin_memory()
         ints = ints.to(self.device, non_blocking=True)
-        logits_parts, sampled, routing, decode_at = [], None, None, []
+        logits_parts, sampled, routing, decode_at, self._prefilled = [], None, None, [], []
         if fresh:
             logits_parts.append(self._forward_csa2(fresh, prefill=True) if self.sparse else self._prefill(fresh))
         for src, dst in self._copies:  # shared prompts' last partly filled blocks, now that their owners ran
@@ -409,17 +414,20 @@ class Engine:
             host.copy_(out, non_blocking=True)
             if routing is not None:  # MoE through the decode graph: expert ids ride with the tokens
                 routing = torch.empty(routing.shape, dtype=routing.dtype, pin_memory=True).copy_(routing, non_blocking=True)
+            self._prefilled = [(seqs_, lens, torch.empty(r.shape, dtype=r.dtype, pin_memory=True).copy_(r, non_blocking=True))
+                               for seqs_, lens, r in self._prefilled]
             done = torch.cuda.Event()
             done.record()
         return _Step(seqs, out, host, done, self.policy_version, t0,
                      routed=decoding if routing is not None else [], routing=routing,
-                     routed_at=decode_at if routing is not None else [])
+                     routed_at=decode_at if routing is not None else [], prefilled=self._prefilled)
 
     def _complete(self, rec: _Step) -> list[Generation]:
         """Read a launched step's tokens (waiting for them) and apply them: append, then stop at EOS or the
         length limit, or pause at a tool call."""
         if rec.done is not None:
             rec.done.synchronize()
+        self._prefill_routing(rec)
         tokens, logprobs = rec.host[0].long().tolist(), rec.host[1].tolist()
         if rec.routed:  # the fed tokens' expert ids, as the eager decode appends them; int16 (the trace's dtype), off
             ids = rec.routing.numpy().astype(np.int16)  # the trace's dtype; a copy, so rows do not hold the pinned buffer
@@ -515,6 +523,10 @@ class Engine:
         freed; waiting requests are returned too (with no KV)."""
         rec, self._inflight = self._inflight, None
         if rec is not None:  # the boundary is the last step read: the launched one is dropped (module docstring)
+            if rec.prefilled:  # its prefills' KV stays (all but each prompt's last position): so do their expert ids
+                if rec.done is not None:
+                    rec.done.synchronize()
+                self._prefill_routing(rec)
             for s in rec.seqs:
                 if s not in rec.dropped:
                     s.inflight, s.cached = s.inflight - 1, s.cached - 1
@@ -700,20 +712,31 @@ class Engine:
         self.stats.prefill_tokens += sum(lens)
         self.stats.reprefill_tokens += sum(s.num_response for s in seqs)
         self.stats.prefill_seqs += len(seqs)
-        if routing is not None:
-            r = routing.to(torch.int16).cpu().numpy()  # one read for the batch
-            for i, s in enumerate(seqs):
-                s.routing.append((0, r[i, : lens[i]]))
-                if s.prompt is not None and s.prompt.routing is None and chunk is None:  # the owner: siblings take its
-                    # prompt's experts (a chunked owner's are complete after its last chunk: `_filled`)
-                    s.prompt.routing = r[i, : lens[i] - 1]
-                    for sib in s.prompt.waiting:
-                        sib.routing.append((0, s.prompt.routing))
-                    s.prompt.waiting = []
+        if routing is not None and self.overlap and chunk is None:  # read with the step's tokens, not now
+            self._prefilled.append((seqs, lens, routing.to(torch.int16)))
+        elif routing is not None:
+            self._add_prompt_routing(seqs, lens, routing.to(torch.int16).cpu().numpy(), owner=chunk is None)  # one read
         if chunk is not None:
             return None
         self.stats.prefill_logit_rows += logits.shape[0]
         return logits
+
+    def _add_prompt_routing(self, seqs: list[_Seq], lens: list[int], r: np.ndarray, owner: bool) -> None:
+        """Each prefilled sequence's expert ids (positions 0..); `owner`: a whole prompt, so a shared prompt's owner
+        hands its prompt positions' ids to the siblings (a chunked owner's are complete after its last chunk: `_filled`)."""
+        for i, s in enumerate(seqs):
+            s.routing.append((0, r[i, : lens[i]]))
+            if owner and s.prompt is not None and s.prompt.routing is None:
+                s.prompt.routing = r[i, : lens[i] - 1]
+                for sib in s.prompt.waiting:
+                    sib.routing.append((0, s.prompt.routing))
+                s.prompt.waiting = []
+
+    def _prefill_routing(self, rec: _Step) -> None:
+        """An overlapped step's prefill expert ids, once its copy has landed (`rec.done`); once."""
+        for seqs, lens, r in rec.prefilled:
+            self._add_prompt_routing(seqs, lens, r.numpy(), owner=True)
+        rec.prefilled = []
 
     def _decode(self, seqs: list[_Seq], ids: torch.Tensor, sampling=None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
