@@ -96,6 +96,8 @@ def steady_rates(metrics: Path, after: int, samples_per_step: int) -> tuple[floa
     in its first steps; a long job pays them once, and the samples in flight when a short run stops are generated and
     never trained, which a long job trains at its next step: the steady rates are what a policy costs there."""
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "rollout/tokens_per_s" in r]
+    if not steps:
+        return float("nan"), float("nan")
     if after <= 0 or len(steps) <= after:  # 0: the whole run (tokens/s; samples/s needs a step to start from)
         last = steps[-1]
         return last["rollout/tokens_per_s"], float("nan")

@@ -48,7 +48,7 @@ class EngineConfig(StrictConfig):
     prefill_graphs: bool = False
     """Where decode steps replay CUDA graphs, replay prefills from graphs too, one per (rows, tokens) bucket (rollout/
     graphs.py PrefillGraphs: prompts right-padded to the bucket; the logits and expert ids of the real tokens as an
-    eager prefill computes them). Off by default until measured on a GPU (bench/async_dispatch.py --prefill-graphs)."""
+    eager prefill computes them). Off by default until measured on a GPU (bench/async_dispatch.py --engine-ab)."""
     share_prompt_kv: bool = True
     """Samples with the same prompt (a GRPO group) prefill it once: later ones hold its KV blocks
     (reference-counted, the last partly filled block copied) and start decoding at its last token."""
