@@ -34,8 +34,10 @@ def _cli(args: list[str], sets: list[str], fault: str | None = None) -> tuple[su
 
 
 def _ray_processes() -> list[str]:
+    """Live Ray worker processes (running, sleeping or stopped). A zombie has exited already: once its parent is
+    gone, a container whose init does not reap keeps it listed, holding nothing."""
     out = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "ray::" in line]
+    return [line for line in out.splitlines() if "ray::" in line and not line.lstrip().startswith("Z")]
 
 
 @pytest.mark.parametrize("fault, line", [
