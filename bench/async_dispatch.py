@@ -136,8 +136,8 @@ def main() -> None:
                     "report each figure's median over an arm's runs")
     ap.add_argument("--actor-vs-inprocess", action="store_true",
                     help="only `sample` dispatch, in-process and as a Ray actor with and without pipelined rollout calls")
-    ap.add_argument("--engine-ab", action="store_true", help="`sample` and `sync` in-process with the engine as it is, "
-                    "with engine.prefill_graphs, with engine.overlap_steps and with both, in turn (on CPU: no graphs)")
+    ap.add_argument("--engine-ab", action="store_true", help="`sample` and `sync` in-process with neither engine.prefill_graphs "
+                    "nor engine.overlap_steps, with each alone and with both (the default), in turn (on CPU: no graphs)")
     ap.add_argument("--prefill-intervals", help="only `sample` dispatch in-process at each engine.prefill_interval "
                     "given (comma-separated, e.g. 1,4)")
     a = ap.parse_args()
@@ -208,10 +208,11 @@ def prefill_interval_sweep(a, out: Path, intervals: list[int]) -> None:
                                f"{name}_interrupt_p99_steps={r['interrupt_p99_steps']}" for name, r in rows.items()))
 
 
-ENGINE_VARIANTS = {"base": {}, "prefill_graphs": {"prefill_graphs": True}, "overlap": {"overlap_steps": True},
+ENGINE_VARIANTS = {"base": {"prefill_graphs": False, "overlap_steps": False},
+                   "prefill_graphs": {"prefill_graphs": True, "overlap_steps": False},
+                   "overlap": {"prefill_graphs": False, "overlap_steps": True},
                    "both": {"prefill_graphs": True, "overlap_steps": True}}
-"""--engine-ab: engine settings not yet on by default for every model (prefills from CUDA graphs; overlapped steps,
-which MoE models take only when asked)."""
+"""--engine-ab: prefills from CUDA graphs and overlapped steps, each off and on (both on is the default on CUDA)."""
 
 
 def engine_ab(a, out: Path) -> None:

@@ -45,17 +45,18 @@ class EngineConfig(StrictConfig):
     """On CUDA, replay each decode step from a CUDA graph captured per batch-size bucket (rollout/graphs.py);
     paged models (MoE ones when their experts run through the grouped kernels, model/fused.py GROUPED_EXPERTS;
     CSA2 models decode eagerly). False: always eager."""
-    prefill_graphs: bool = False
+    prefill_graphs: bool = True
     """Where decode steps replay CUDA graphs, replay prefills from graphs too, one per (rows, tokens) bucket (rollout/
     graphs.py PrefillGraphs: prompts right-padded to the bucket; the logits and expert ids of the real tokens as an
-    eager prefill computes them). Off by default until measured on a GPU (bench/async_dispatch.py --engine-ab)."""
+    eager prefill computes them). Measured on an H200 with bench/async_dispatch.py --engine-ab (BENCHMARKS.md).
+    False: prefills run eagerly."""
     share_prompt_kv: bool = True
     """Samples with the same prompt (a GRPO group) prefill it once: later ones hold its KV blocks
     (reference-counted, the last partly filled block copied) and start decoding at its last token."""
     overlap_steps: bool | None = None
     """Launch each step before reading the tokens of the one before, so the device never waits on the host
-    (rollout/engine.py); finished samples come back one step later. None: on CUDA for dense models (MoE ones
-    overlap when this is true: not yet timed on a GPU). CSA2 models never overlap."""
+    (rollout/engine.py); finished samples come back one step later. None: on CUDA (dense and MoE models). CSA2
+    models never overlap."""
     prefill_interval: int | None = Field(None, gt=0)
     """New prompts are admitted (prefilled) at most every this many engine steps while other sequences decode;
     an idle engine admits at once, and resumed or paused states (no prefill) join at once. A step with a

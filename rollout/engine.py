@@ -39,8 +39,7 @@ tool call in the step being read was launched once more: that token is dropped (
 its KV write lands in blocks freed after it in stream order, or at the position a paused sample feeds
 again). `interrupt()` drops the launched step the same way: the token boundary is the last step read, and
 the counter-based RNG draws the same tokens again after resume. Paged models only (CSA2 keeps per-sequence
-caches: they run each step to its end); on by default for dense ones, on request (`overlap_steps: true`) for MoE
-ones, not yet timed on a GPU. An MoE row's expert ids reach its routing trace out of feed order then (a graph
+caches: they run each step to its end); dense and MoE ones alike. An MoE row's expert ids reach its routing trace out of feed order then (a graph
 step's are read with its tokens, after the next step's eager forwards appended theirs; a dropped step's
 prefill left positions that are fed again): each part carries its first position and `_trace` assembles
 positions [0, n). A prefill's ids are read with its step's tokens too, not at once (an interrupt that drops the
@@ -263,7 +262,7 @@ class Engine:
         self.prefill_graphs = None
         if cfg.prefill_graphs and self.graphs is not None:  # the models the decode graphs hold, on CUDA
             self.prefill_graphs = PrefillGraphs(model, self.cache, min(cfg.max_batch_size, 64), cfg.max_seq_len)
-        self.overlap = (self.device.type == "cuda" and not mcfg.is_moe if cfg.overlap_steps is None else cfg.overlap_steps) \
+        self.overlap = (self.device.type == "cuda" if cfg.overlap_steps is None else cfg.overlap_steps) \
             and not self.sparse
         """Launch each step before reading the previous one's tokens (module docstring)."""
         self._inflight: _Step | None = None

@@ -73,11 +73,14 @@ def test_graph_prefill_equals_the_eager_prefill_on_the_gpu(moe):
     for graphs in (False, True):
         eng = Engine(model, EngineConfig(max_batch_size=6, block_size=4, max_seq_len=128, prefill_interval=2,
                                          prefill_graphs=graphs), eos_id=EOS, device="cuda")
+        if graphs:  # the engine builds them (buckets up to max_seq_len); 64-token buckets send the long prompt eager
+            assert isinstance(eng.prefill_graphs, PrefillGraphs) and eng.prefill_graphs.token_buckets[-1] == 128
+            eng.prefill_graphs = PrefillGraphs(model, eng.cache, max_rows=8, max_tokens=64)
+        else:
+            assert eng.prefill_graphs is None
         out[graphs] = sorted(eng.generate(_requests()), key=lambda g: g.sample_id)
         if graphs:
             assert eng.prefill_graphs.disabled_reason is None and 0 < eng.prefill_graphs.replays < eng.stats.prefill_calls
-        else:
-            assert eng.prefill_graphs is None
     for a, b in zip(out[False], out[True]):
         assert a.response_tokens == b.response_tokens, a.sample_id
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
