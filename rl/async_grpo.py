@@ -157,18 +157,18 @@ class AsyncGRPO:
     def release(self, tickets: list[Ticket]) -> None:
         job, effort, sampling = self.job, self.job.recipe.effort, self.job.recipe.engine.sampling
         per_worker: dict[int, list[GenerationRequest]] = defaultdict(list)
+        prompts = []
         for t in tickets:
             # With effort conditioning the group is M_b samples at each level b (one group to the dispatcher).
             levels = [b for b in effort.levels for _ in range(effort.samples_per_level)] if effort else [None] * t.group_size
             problem, tokens_of, dropped = job.renderer.draw_fitting(self.streams[t.dataset], levels)
             self.prompts_too_long += dropped  # longer than the engine takes: skipped, counted, never generated
-            prompt = Prompt(t.prompt_id, t.dataset, job.renderer.prompt_text(problem), job.renderer.prompt_tokens(problem),
+            prompt = Prompt(t.prompt_id, t.dataset, job.renderer.prompt_text(problem),
+                            tokens_of[None] if None in tokens_of else job.renderer.prompt_tokens(problem),
                             problem.answer, t.group_size, t.version, self.live.version)
             self.teacher_of[t.prompt_id] = self.live.teacher_for(t.dataset)
             self.prompts[t.prompt_id] = (prompt, problem)
-            t_store = time.perf_counter()
-            job.store.add_prompts([prompt])
-            self.clock.store_s += time.perf_counter() - t_store
+            prompts.append(prompt)
             for j, b in enumerate(levels):  # engines split the in-flight samples, least-loaded first
                 w = min(range(self.n_workers), key=self.load.__getitem__)
                 self.load[w] += 1
@@ -180,6 +180,9 @@ class AsyncGRPO:
                     sid, toks, forced or job.recipe.max_response_tokens, seed=job.renderer.sample_seed(sid),
                     temperature=sampling.temperature, top_p=sampling.top_p, ignore_eos=forced is not None,
                     tool_calls=job.recipe.tools is not None))
+        t_store = time.perf_counter()
+        job.store.add_prompts(prompts)  # one transaction a release (before any of their samples can be written)
+        self.clock.store_s += time.perf_counter() - t_store
         if self.pipelined:  # queued behind the call now running, ahead of the next: no wait for the worker
             self._adds += self.policy.submit_requests(dict(per_worker))
         else:
@@ -291,33 +294,37 @@ class AsyncGRPO:
         while True:
             self.poll_control()
             self.checkpoint_point()
-            t0, store0 = time.perf_counter(), clock.store_s
-            tickets = disp.dispatch()
-            if idle and not tickets:  # asked again after the idle call's completions (dynamic sampling drops groups)
-                raise RuntimeError(f"rollout stalled at step {self.step}: nothing in flight, the dispatcher releases nothing "
-                                   f"and no batch fits the off-policy bounds ({disp.stats})")
-            self.release(tickets)
-            clock.dispatch_s += time.perf_counter() - t0 - (clock.store_s - store0)  # its store writes are in store_s
-            results = self.rollout_call()
-            self.absorb(results)
-            batch = None
-            if disp.num_ready_groups >= stage.prompts_per_step:
-                self.collect_rewards(block=True)  # a ready group's rewards must be in before it trains
-                batch = disp.take_batch([v for r in results for v in r.oldest_versions], self.tokens_of)
-                self.record_closed()
-            if batch is not None:
-                # the batch became ready at the step that finished its last member in this call
-                chosen = set(batch)
-                ready_at = max((i for r in results for g, i in zip(r.finished, r.finish_step)
-                                if prompt_id_of(g.sample_id) in chosen), default=-1)
-                steps_run = max(r.steps for r in results)
-                late = self.drain()  # a call queued behind this one ran too: its samples wait for later batches
-                clock.interrupt_late_steps.append((max(0, steps_run - 1 - ready_at) if ready_at >= 0 else 0) + late)
-                self.filtered_in_a_row = 0
+            stop = False
+            with self.job.store.batch():  # this call's prompts, samples and outcomes: one commit (rl/store.py)
+                t0, store0 = time.perf_counter(), clock.store_s
+                tickets = disp.dispatch()
+                if idle and not tickets:  # asked again after the idle call's completions (dynamic sampling drops groups)
+                    raise RuntimeError(f"rollout stalled at step {self.step}: nothing in flight, the dispatcher releases nothing "
+                                       f"and no batch fits the off-policy bounds ({disp.stats})")
+                self.release(tickets)
+                clock.dispatch_s += time.perf_counter() - t0 - (clock.store_s - store0)  # its store writes are in store_s
+                results = self.rollout_call()
+                self.absorb(results)
+                batch = None
+                if disp.num_ready_groups >= stage.prompts_per_step:
+                    self.collect_rewards(block=True)  # a ready group's rewards must be in before it trains
+                    batch = disp.take_batch([v for r in results for v in r.oldest_versions], self.tokens_of)
+                    self.record_closed()
+                if batch is not None:
+                    # the batch became ready at the step that finished its last member in this call
+                    chosen = set(batch)
+                    ready_at = max((i for r in results for g, i in zip(r.finished, r.finish_step)
+                                    if prompt_id_of(g.sample_id) in chosen), default=-1)
+                    steps_run = max(r.steps for r in results)
+                    late = self.drain()  # a call queued behind this one ran too: its samples wait for later batches
+                    clock.interrupt_late_steps.append((max(0, steps_run - 1 - ready_at) if ready_at >= 0 else 0) + late)
+                    self.filtered_in_a_row = 0
+                elif deadline is not None and time.monotonic() >= deadline:
+                    self.drain()  # a queued call's finished samples reach the dispatcher and the store
+                    stop = True
+            clock.store_s += self.job.store.last_commit_s
+            if batch is not None or stop:
                 return batch
-            if deadline is not None and time.monotonic() >= deadline:
-                self.drain()  # a queued call's finished samples reach the dispatcher and the store
-                return None
             unseen = before if self.pipelined else []
             before = tickets
             idle = not tickets and not unseen and not any(r.active or r.waiting for r in results)

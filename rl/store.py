@@ -60,7 +60,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -202,6 +203,9 @@ class TrajectoryStore:
             self._engine = writer_engine(self.url)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._seq = 0 if readonly else self._last_seq()
+        self._batch = None  # the connection of an open `batch()`: its writes join that one transaction
+        self.last_commit_s = 0.0
+        """Seconds the last `batch()` took to commit."""
 
     def _last_seq(self) -> int:
         P, S, C = PromptTable, SampleTable, ConfigVersionTable
@@ -246,9 +250,52 @@ class TrajectoryStore:
 
     # -- writes ----------------------------------------------------------------------------------
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """add_prompts, add_samples and set_outcome inside this block write in one transaction, committed at its
+        end (also when the block raises: what was written before the error is kept, as it would have been one
+        call at a time): the controller writes one rollout call's prompts, samples and outcomes with one commit
+        instead of one each (a commit costs more than a sample's rows). Other writes are refused inside it: they
+        would wait on this transaction's lock."""
+        if self._batch is not None:
+            raise RuntimeError("TrajectoryStore.batch() is already open")
+        seq, c = self._seq, self._engine.connect()
+        c.begin()
+        self._batch = c
+        try:
+            yield
+        finally:
+            self._batch = None
+            t0 = time.perf_counter()
+            try:
+                c.commit()
+                self.last_commit_s = time.perf_counter() - t0
+            except BaseException:
+                c.rollback()  # e.g. PostgreSQL after a failed statement: nothing of the block is kept
+                self._seq = seq
+                raise
+            finally:
+                c.close()
+
+    @contextmanager
+    def _write(self) -> Iterator:
+        """The connection a batched write uses: the open batch's, or a transaction of its own."""
+        if self._batch is not None:
+            yield self._batch
+        else:
+            with self._engine.begin() as c:
+                yield c
+
+    def _begin(self):
+        """A session in a transaction of its own, for the writes that `batch()` does not take."""
+        if self._batch is not None:
+            raise RuntimeError("a TrajectoryStore write other than add_prompts, add_samples and set_outcome inside "
+                               "batch(): it would wait on the batch's own lock")
+        return self._sessions.begin()
+
     def add_run(self, name: str, recipe_json: str) -> None:
         """Record this run; a second call (e.g. on resume) keeps the first row."""
-        with self._sessions.begin() as s:
+        with self._begin() as s:
             if s.get(RunTable, self.run_id) is None:
                 s.add(RunTable(run_id=self.run_id, name=name, created_at=time.time(), recipe_json=recipe_json))
 
@@ -264,7 +311,7 @@ class TrajectoryStore:
                  config_version=int(p.config_version))
             for i, p in enumerate(prompts)
         ]
-        with self._engine.begin() as c:  # Core on the table: the ORM's bulk-insert bookkeeping costs ~40% more here
+        with self._write() as c:  # Core on the table: the ORM's bulk-insert bookkeeping costs ~40% more here
             c.execute(PromptTable.__table__.insert(), rows)
         self._seq += len(rows)
 
@@ -273,9 +320,9 @@ class TrajectoryStore:
         if not prompt_ids:
             return
         self._seq += 1
-        with self._sessions.begin() as s:
+        with self._write() as c:
             for i in range(0, len(prompt_ids), 500):
-                s.execute(update(PromptTable).where(PromptTable.run_id == self.run_id,
+                c.execute(update(PromptTable).where(PromptTable.run_id == self.run_id,
                                                     PromptTable.prompt_id.in_(list(prompt_ids[i : i + 500])),
                                                     PromptTable.outcome.is_(None))
                           .values(outcome=outcome, outcome_seq=self._seq))
@@ -319,7 +366,7 @@ class TrajectoryStore:
                      wall_s=None if t.wall_s is None else float(t.wall_s))
                 for i, t in enumerate(x.turns)
             ]
-        with self._engine.begin() as c:  # one transaction; Core, as add_prompts
+        with self._write() as c:  # one transaction (or the batch's); Core, as add_prompts
             c.execute(SampleTable.__table__.insert(), sample_rows)
             if segment_rows:
                 c.execute(SegmentTable.__table__.insert(), segment_rows)
@@ -334,7 +381,7 @@ class TrajectoryStore:
         if len(ids) != len(sample_ids):
             raise ValueError("mark_trained: the same sample id appears twice in one train step")
         matched = 0
-        with self._sessions.begin() as s:
+        with self._begin() as s:
             for i in range(0, len(ids), 500):  # stay under the backends' bound-parameter limits
                 chunk = ids[i : i + 500]
                 matched += s.execute(
@@ -350,7 +397,7 @@ class TrajectoryStore:
     def add_train_step(self, step: int, metrics: dict) -> None:
         """Record one optimizer step's metrics (a repeated step, after resume, overwrites)."""
         metrics_json = json.dumps(metrics, sort_keys=True, default=float)  # default: numpy scalars
-        with self._sessions.begin() as s:
+        with self._begin() as s:
             row = TrainStepTable(run_id=self.run_id, step=int(step), created_at=time.time(), metrics_json=metrics_json)
             s.merge(row)
 
@@ -358,7 +405,7 @@ class TrajectoryStore:
                            reason: str | None = None) -> None:
         """Record a live reconfiguration (applied: the version it created; refused: why)."""
         self._seq += 1
-        with self._sessions.begin() as s:
+        with self._begin() as s:
             s.add(ConfigVersionTable(run_id=self.run_id, version=version, status=status, patch_json=json.dumps(patch),
                                      reason=reason, train_step=int(train_step), created_at=time.time(), seq=self._seq))
 
@@ -371,7 +418,7 @@ class TrajectoryStore:
 
     def set_teacher(self, sample_ids: Sequence[str], teacher: str) -> None:
         """Re-assign samples to the teacher that actually scores them (their own one was removed)."""
-        with self._sessions.begin() as s:
+        with self._begin() as s:
             for i in range(0, len(sample_ids), 500):  # stay under the backends' bound-parameter limits
                 s.execute(update(SampleTable).where(SampleTable.run_id == self.run_id,
                                                     SampleTable.sample_id.in_(list(sample_ids[i : i + 500])))
@@ -384,7 +431,7 @@ class TrajectoryStore:
         """Undo what was written after `wm` (see the module docstring), in one transaction; returns and
         records the counts."""
         P, S, t, G = PromptTable, SampleTable, TrainStepTable, SegmentTable
-        with self._sessions.begin() as s:
+        with self._begin() as s:
             # Rows that reference samples go first (the database checks the references).
             s.execute(delete(TrainedTable).where(TrainedTable.run_id == self.run_id, TrainedTable.step > wm.train_step))
             late_samples = select(S.sample_id).where(S.run_id == self.run_id, S.seq > wm.seq)

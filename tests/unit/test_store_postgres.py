@@ -76,6 +76,56 @@ def test_two_runs_reusing_ids_never_touch_each_others_rows(shared_url):
     a.close(), b.close()
 
 
+def _comparable(url, run_id: str) -> dict[str, list[tuple]]:
+    """A run's rows less what differs between two runs writing the same things: run id, times, row ids."""
+    drop = {"run_id", "dispatched_at", "created_at", "id"}
+    engine = create_engine(url)
+    meta = MetaData()
+    meta.reflect(engine, only=("prompts", "samples", "segments"))
+    with engine.connect() as conn:
+        out = {name: sorted(tuple(v for k, v in row._mapping.items() if k not in drop)
+                            for row in conn.execute(select(t).where(t.c.run_id == run_id)))
+               for name, t in meta.tables.items()}
+    engine.dispose()
+    return out
+
+
+def test_a_batch_writes_what_the_calls_write_one_at_a_time_in_one_commit(shared_url):
+    """TrajectoryStore.batch(): the controller's prompts, samples and outcomes of one rollout call in one
+    transaction: the same rows (sequence numbers included) as one call at a time; nothing visible before the block
+    ends; a write the batch does not take is refused inside it and what came before is kept."""
+    def writes(store):
+        store.add_prompts([Prompt("p0", "arith", "1+1=", (1, 20, 21), "2", group_size=2, policy_version=0)])
+        store.add_samples([make_sample("p0-0", versions=(0, 0, 1)), make_sample("p0-1", reward=0.0, versions=(1, 1))])
+        store.add_prompts([Prompt(f"p{i}", "arith", "2+2=", (1, 22), "4", group_size=2, policy_version=1) for i in (1, 2)])
+        store.set_outcome(["p0", "p1"], "filtered")
+        store.add_samples([make_sample("p2-0", prompt_id="p2", group_id="p2", versions=(1,))])
+
+    one, batched = TrajectoryStore(shared_url, "run-one"), TrajectoryStore(shared_url, "run-batched")
+    writes(one)
+    reader = TrajectoryStore(shared_url, "run-batched", readonly=True)
+    with batched.batch():
+        writes(batched)
+        assert reader.count_samples() == 0 and reader.audit()["prompts"] == 0  # not committed yet
+        assert batched.last_commit_s == 0.0
+    assert batched.last_commit_s > 0 and reader.count_samples() == 3
+    assert _comparable(shared_url, "run-batched") == _comparable(shared_url, "run-one")
+    assert sum(map(len, _comparable(shared_url, "run-one").values())) == 3 + 3 + 4
+
+    with pytest.raises(RuntimeError, match="inside batch"):  # would wait on the batch's own lock (SQLite)
+        with batched.batch():
+            batched.add_prompts([Prompt("p3", "arith", "3+3=", (1, 23), "6", group_size=2, policy_version=2)])
+            batched.mark_trained(["p0-0"], step=1)
+    assert reader.audit()["prompts"] == 4 and batched.sample_train_step("p0-0") is None  # p3 kept, nothing trained
+    with pytest.raises(RuntimeError, match="already open"):
+        with batched.batch(), batched.batch():
+            pass
+    batched.mark_trained(["p0-0"], step=1)  # writes of their own work again after the block
+    assert batched.sample_train_step("p0-0") == 1
+    for s in (one, batched, reader):
+        s.close()
+
+
 def _legacy_rows(which: str) -> dict[str, list[dict]]:
     with sqlite3.connect(LEGACY[which]) as c:
         c.row_factory = sqlite3.Row
