@@ -82,6 +82,11 @@ def uniform_groups(ready: dict[str, int], finished: dict[str, list[Sample]], on_
     return out
 
 
+def verified_groups(ready: dict[str, int], finished: dict[str, list[Sample]]) -> int:
+    """How many of the ready groups (prompt id -> group size) have every sample's reward in."""
+    return sum(len(finished.get(pid, ())) >= size for pid, size in ready.items())
+
+
 class AsyncGRPO:
     """One GRPO or OPD stage's controller state and loop, on the job's workers."""
 
@@ -225,6 +230,17 @@ class AsyncGRPO:
                          f"equal rewards ({', '.join(f'{r:g}' for r in rewards[:4])}): the data may be too hard or too "
                          f"easy for the policy")
 
+    def batch_may_form(self, generating: bool = True) -> bool:
+        """Enough complete groups for a train batch. With dynamic sampling, while the engines generate, only the
+        groups whose rewards are all in count (the uniform ones among them were filtered as their verdicts came): a
+        group still being verified may yet be filtered out, and waiting for its verdicts at every rollout call (the
+        reward workers a call behind) would hold the controller each time for a batch that then does not form; its
+        verdicts arrive while the engines run the next call. With nothing generating there is nothing else to wait
+        for."""
+        if not self.filters_uniform or not generating:
+            return self.disp.num_ready_groups >= self.stage.prompts_per_step
+        return verified_groups(self.disp.ready_group_sizes(), self.finished) >= self.stage.prompts_per_step
+
     def record_closed(self) -> None:
         by_outcome: dict[str, list[str]] = defaultdict(list)
         for pid, outcome in self.disp.drain_closed():
@@ -288,7 +304,7 @@ class AsyncGRPO:
         """ROLLOUT until the dispatcher's train-batch condition holds; returns the batch's prompt ids, or None when
         the stage's time budget (`deadline`, time.monotonic()) ends first: at the token boundary of a rollout call,
         not after one more step (with dynamic sampling a batch can take long to fill, or never)."""
-        disp, clock, stage = self.disp, self.clock, self.stage
+        disp, clock = self.disp, self.clock
         before: list[Ticket] = []  # released in the previous round: pipelined, not yet seen in the results read
         idle = False  # the last call left nothing generating and nothing was released to generate next
         while True:
@@ -306,8 +322,11 @@ class AsyncGRPO:
                 results = self.rollout_call()
                 self.absorb(results)
                 batch = None
-                if disp.num_ready_groups >= stage.prompts_per_step:
+                if self.batch_may_form(generating=any(r.active or r.waiting for r in results)):
+                    verify0 = clock.verify_s
                     self.collect_rewards(block=True)  # a ready group's rewards must be in before it trains
+                    clock.reward_waits += 1
+                    clock.reward_wait_s += clock.verify_s - verify0
                     batch = disp.take_batch([v for r in results for v in r.oldest_versions], self.tokens_of)
                     self.record_closed()
                 if batch is not None:
@@ -461,6 +480,8 @@ class AsyncGRPO:
             "time/rollout_s": clock.rollout_s,
             "time/engine_s": clock.engine_s,  # of time/rollout_s: the workers' rollout calls; the rest the controller's
             "time/verify_s": clock.verify_s,  # of the controller's: submitting to and reading the reward workers
+            "time/reward_wait_s": clock.reward_wait_s,  # of verify_s: blocked for verdicts before taking a batch
+            "rollout/reward_waits_total": clock.reward_waits,
             "time/store_s": clock.store_s,  # and writing prompts and samples to the store
             "time/dispatch_s": clock.dispatch_s,  # and drawing, rendering and tokenising new prompts into requests
             "rollout/engine_steps_total": clock.engine_steps,

@@ -95,6 +95,10 @@ class RolloutClock:
     verify_s: float = 0.0
     """Controller seconds in submitting finished samples to the reward workers and reading their verdicts (in-process:
     the verification itself; on Ray: the calls, and the waits when a batch needs its rewards)."""
+    reward_waits: int = 0
+    """Times the controller blocked for verdicts because a train batch may have formed (AsyncGRPO.batch_may_form)."""
+    reward_wait_s: float = 0.0
+    """Of verify_s: seconds of those waits (reading verdicts included)."""
     store_s: float = 0.0
     """Controller seconds writing dispatched prompts and rewarded samples to the trajectory store."""
     dispatch_s: float = 0.0

@@ -62,6 +62,7 @@ import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from itertools import groupby
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,10 +110,10 @@ def segments_from_versions(policy_versions_T: Sequence[int]) -> list[tuple[int, 
     """
     segments: list[tuple[int, int, int]] = []
     start = 0
-    for t in range(1, len(policy_versions_T) + 1):
-        if t == len(policy_versions_T) or policy_versions_T[t] != policy_versions_T[start]:
-            segments.append((start, t, int(policy_versions_T[start])))
-            start = t
+    for version, run in groupby(policy_versions_T):
+        end = start + sum(1 for _ in run)
+        segments.append((start, end, int(version)))
+        start = end
     return segments
 
 

@@ -200,6 +200,33 @@ def test_uniform_groups_are_those_with_every_reward_in_and_equal_per_effort_grou
     assert uniform_groups({"unrewarded": 2}, {}, None) == []
 
 
+def test_with_dynamic_sampling_a_batch_is_waited_for_only_when_verified_groups_fill_it():
+    """The controller blocks for verdicts before taking a batch. Without dynamic sampling every complete group
+    trains, so complete groups decide; with it a group still being verified may be filtered out, so only the
+    complete groups whose rewards are all in count (else it would block at every rollout call for a batch that
+    then does not form)."""
+    from types import SimpleNamespace as S
+
+    from rl.async_grpo import AsyncGRPO, verified_groups
+
+    ready = {"a": 2, "b": 2, "c": 2}
+    finished = {"a": ["s", "s"], "b": ["s"], "c": ["s", "s"]}  # b: one reward still out
+    assert verified_groups(ready, finished) == 2 and verified_groups(ready, {}) == 0
+
+    def controller(ds: bool, per_step: int, done: dict):
+        return S(filters_uniform=ds, stage=S(prompts_per_step=per_step), finished=done,
+                 disp=S(ready_group_sizes=lambda: dict(ready), num_ready_groups=len(ready)))
+
+    assert AsyncGRPO.batch_may_form(controller(False, 3, finished))  # complete groups decide
+    assert not AsyncGRPO.batch_may_form(controller(True, 3, finished))  # b is not verified
+    assert AsyncGRPO.batch_may_form(controller(True, 2, finished))
+    assert AsyncGRPO.batch_may_form(controller(True, 3, {**finished, "b": ["s", "s"]}))
+    assert not AsyncGRPO.batch_may_form(controller(False, 4, finished))
+    # with nothing generating there is nothing to gain from not waiting (and nothing else would bring b's verdict)
+    assert AsyncGRPO.batch_may_form(controller(True, 3, finished), generating=False)
+    assert not AsyncGRPO.batch_may_form(controller(True, 4, finished), generating=False)
+
+
 def test_dynamic_sampling_says_so_when_ten_steps_of_groups_in_a_row_had_no_reward_spread():
     from types import SimpleNamespace as S
 
