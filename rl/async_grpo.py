@@ -108,7 +108,7 @@ class AsyncGRPO:
         self.clock = RolloutClock()
         self.pipelined = self.policy.remote and stage.pipelined_calls
         self._ahead: list | None = None  # a rollout call queued on the workers, its results not read yet
-        self._adds: list = []  # add_requests queued on the workers, not read yet
+        self._requests: dict[int, list[GenerationRequest]] = {}  # released, to ride on the next rollout call
         self.step = 0  # train steps of this stage so far
         opd = stage.teachers if isinstance(stage, OPDStage) else None
         self.live = reconfigure.LiveConfig(
@@ -188,8 +188,9 @@ class AsyncGRPO:
         t_store = time.perf_counter()
         job.store.add_prompts(prompts)  # one transaction a release (before any of their samples can be written)
         self.clock.store_s += time.perf_counter() - t_store
-        if self.pipelined:  # queued behind the call now running, ahead of the next: no wait for the worker
-            self._adds += self.policy.submit_requests(dict(per_worker))
+        if self.pipelined:  # they ride on the next rollout call (rollout_call), queued behind the one now running
+            for w, reqs in per_worker.items():
+                self._requests.setdefault(w, []).extend(reqs)
         else:
             self.policy.add_requests(dict(per_worker))
 
@@ -350,28 +351,28 @@ class AsyncGRPO:
 
     def rollout_call(self):
         """One rollout call's results. Pipelined (Ray workers, `pipelined_calls`): the next call is queued on the
-        workers first, behind the new requests, so they run it while this controller reads and handles these
-        results; the prompts released now join at that next call (one call later than without pipelining)."""
+        workers first, carrying the new requests (queued at its start), so they run it while this controller reads
+        and handles these results; the prompts released now join at that next call (one call later than without
+        pipelining)."""
         if not self.pipelined:
             return self.policy.rollout(self.stage.steps_per_call)
+        requests, self._requests = self._requests, {}
         if self._ahead is None:
-            self._ahead = self.policy.submit_rollout(self.stage.steps_per_call)
-        ahead, self._ahead = self._ahead, self.policy.submit_rollout(self.stage.steps_per_call)
+            self._ahead, requests = self.policy.submit_rollout(self.stage.steps_per_call, requests), {}
+        ahead, self._ahead = self._ahead, self.policy.submit_rollout(self.stage.steps_per_call, requests)
         self.clock.pipelined_calls += 1
-        results = self.policy.results(ahead)
-        self.policy.results(self._adds)  # done by now (queued before the next call): surfaces their errors
-        self._adds = []
-        return results
+        return self.policy.results(ahead)
 
     def drain(self) -> int:
         """Read and handle the rollout call still queued on the workers (before an interrupt, a checkpoint or a
         train step: its finished samples must reach the dispatcher and the store); returns its engine steps."""
-        if not self._ahead and not self._adds:
+        if self._requests:  # released without a rollout call after them (none in the loop): queued now
+            requests, self._requests = self._requests, {}
+            self.policy.add_requests(requests)
+        if not self._ahead:
             return 0
         ahead, self._ahead = self._ahead, None
-        results = self.policy.results(ahead) if ahead else []
-        self.policy.results(self._adds)
-        self._adds = []
+        results = self.policy.results(ahead)
         self.absorb(results)
         return max((r.steps for r in results), default=0)
 

@@ -247,9 +247,11 @@ class PolicyGroup:
         """`add_requests` without waiting: futures for `results` (a worker runs its calls in submission order)."""
         return [self.group.submit(w, PolicyWorker.add_requests.__name__, reqs) for w, reqs in per_worker.items()]
 
-    def submit_rollout(self, num_steps: int) -> list:
-        """`rollout` on every worker without waiting: futures for `results`."""
-        return self.group.submit_all(PolicyWorker.rollout.__name__, num_steps)
+    def submit_rollout(self, num_steps: int, per_worker: dict[int, list[GenerationRequest]] | None = None) -> list:
+        """`rollout` on every worker without waiting: futures for `results`; `per_worker` requests are queued at the
+        start of that call (in the same actor call)."""
+        adds = per_worker or {}
+        return [self.group.submit(w, PolicyWorker.rollout.__name__, num_steps, adds.get(w, ())) for w in range(len(self))]
 
     def results(self, futures: list) -> list:
         return self.group.get(futures) if futures else []

@@ -236,9 +236,12 @@ class PolicyWorker:
         """Queue requests; the engine admits them as KV blocks allow."""
         self.engine.add(list(requests))
 
-    def rollout(self, num_steps: int = 1) -> StepResult:
-        """Advance every active sequence by up to `num_steps` tokens (a token boundary after each)."""
+    def rollout(self, num_steps: int = 1, requests: Sequence[GenerationRequest] = ()) -> StepResult:
+        """Advance every active sequence by up to `num_steps` tokens (a token boundary after each); `requests`
+        are queued first (`add_requests`: one actor call for both)."""
         fault_point("worker_rollout", self.rank)
+        if requests:
+            self.add_requests(requests)
         self.rollout_model.eval()
         t0, prefills = time.perf_counter(), self.engine.stats.prefill_calls
         finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
