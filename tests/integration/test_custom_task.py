@@ -5,6 +5,7 @@ change to rl/. A task that does not fit the protocol is refused by `rl validate`
 import sqlite3
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -37,9 +38,11 @@ def _cli(*args) -> subprocess.CompletedProcess:
 def test_custom_task_trains_through_the_recipe(tmp_path):
     recipe = tmp_path / "custom.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE))
-    assert _cli("validate", str(recipe)).returncode == 0
     run_dir = tmp_path / "run"
-    proc = _cli("train", str(recipe), "--run-dir", str(run_dir))
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent: `rl validate` runs beside `rl train`
+        valid, proc = pool.map(lambda args: _cli(*args), [("validate", str(recipe)),
+                                                          ("train", str(recipe), "--run-dir", str(run_dir))])
+    assert valid.returncode == 0, valid.stderr[-3000:]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RESULT sft_acc=" in proc.stdout and "grpo_acc=" in proc.stdout
     task = Palindromes("pal")

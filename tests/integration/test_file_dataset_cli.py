@@ -7,6 +7,7 @@ import json
 import sqlite3
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -81,9 +82,10 @@ def test_a_bad_row_past_the_first_rows_passes_validate_and_stops_train_before_an
     data = tmp_path / "d.jsonl"
     _jsonl(data, [*ROWS[:6], {"q": "6+6=", "answer": "12"}, *ROWS[6:]])
     recipe = _recipe(tmp_path, {"path": str(data)})
-    assert _cli("validate", recipe).returncode == 0  # validate reads the first 5 rows: it stays instant
     run_dir = tmp_path / "run"
-    proc = _cli("train", recipe, "--run-dir", str(run_dir))
+    with ThreadPoolExecutor(max_workers=2) as pool:  # independent: `rl validate` runs beside `rl train`
+        valid, proc = pool.map(lambda args: _cli(*args), [("validate", recipe), ("train", recipe, "--run-dir", str(run_dir))])
+    assert valid.returncode == 0  # validate reads the first 5 rows: it stays instant
     assert _one_line_exit_2(proc, f"{data}: row 7: field 'a': missing") == f"rl train: {data}: row 7: field 'a': missing"
     assert not run_dir.exists() and "worker" not in proc.stdout  # no run directory, store or worker was made
 

@@ -54,7 +54,8 @@ def _problem(proc: subprocess.CompletedProcess, canary: Path) -> str | None:
 
 
 def _run_all(cases: dict[str, tuple[list[str], Path]]) -> dict[str, subprocess.CompletedProcess]:
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    # three at a time on two cores: a case's process also waits on its files (each runs with one thread)
+    with ThreadPoolExecutor(max_workers=3) as pool:
         procs = dict(zip(cases, pool.map(lambda c: _cli(c[0]), cases.values())))
     problems = {what: p for what, proc in procs.items() if (p := _problem(proc, cases[what][1]))}
     assert not problems, "\n".join(f"{what}: {p}" for what, p in problems.items())
@@ -62,10 +63,8 @@ def _run_all(cases: dict[str, tuple[list[str], Path]]) -> dict[str, subprocess.C
 
 
 # -- rl resume: every file of the run directory and of its newest checkpoint ------------------------------------
-def test_no_file_a_resume_reads_runs_code(tmp_path):
-    base = tmp_path / "base"
-    proc = _cli(["train", "configs/tiny_grpo.yaml", "--run-dir", str(base)])
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_no_file_a_resume_reads_runs_code(tmp_path, tiny_grpo_run):
+    base = tiny_grpo_run  # `rl train configs/tiny_grpo.yaml`, finished (tests/integration/conftest.py); copied below
     newest = sorted((base / "checkpoints").glob("step-*"))[-1]
     planted = sorted(p.relative_to(base) for p in [*base.iterdir(), *newest.iterdir()]
                      if p.is_file() and not p.name.endswith(".lock"))
@@ -125,13 +124,13 @@ def _recipe(tmp_path: Path, tokenizer: dict, model: dict) -> Path:
 def test_no_file_a_model_load_reads_runs_code(tmp_path):
     pytest.importorskip("transformers")
     base = _hf_model_dir(tmp_path / "base")
-    ok = _cli(["train", str(_recipe(tmp_path, {"type": "hf"}, {"init": str(base)})),
-               "--run-dir", str(tmp_path / "ok")])
-    assert ok.returncode == 0, ok.stderr[-2000:]  # the clean directory trains: the cases below reach the loader
     files = sorted(p.name for p in base.iterdir() if p.is_file())
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(files)
 
-    cases = {}
+    # the clean directory trains (checked below): the cases reach the loader; it runs in the cases' pool
+    clean = "the clean directory"
+    cases = {clean: (["train", str(_recipe(tmp_path, {"type": "hf"}, {"init": str(base)})), "--run-dir", str(tmp_path / "ok")],
+                     tmp_path / "canary-clean")}
 
     def case(what: str, plant) -> None:
         i = len(cases)
@@ -173,6 +172,8 @@ def test_no_file_a_model_load_reads_runs_code(tmp_path):
          "--run-dir", str(tmp_path / f"run{gi}")], gguf_canary)
 
     procs = _run_all(cases)
+    ok = procs.pop(clean)
+    assert ok.returncode == 0, ok.stderr[-2000:]
     for what in ("pickle in config.json", "pickle in model.safetensors", "pickle in tokenizer.json",
                  "chat template escaping the sandbox", "chat template in a GGUF tokenizer"):
         assert procs[what].returncode == 2, what  # refused, with one line (checked above)

@@ -14,6 +14,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -82,14 +83,37 @@ def recipe_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(recipe_file):
-    run_dir = recipe_file.parent / "reference"
-    proc = _run("train", str(recipe_file), "--run-dir", str(run_dir))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def two_runs(recipe_file):
+    """The module's two runs of the recipe, started side by side (one thread each): uninterrupted (`reference`),
+    and killed with -9 at a fail point in its GRPO stage (`killed_in_grpo`)."""
+    runs = {"reference": {}, "killed-in-grpo": {"ASYNCRL_FAULT": "train:5"}}
+    procs = {name: _start("train", str(recipe_file), "--run-dir", str(recipe_file.parent / name), env=env)
+             for name, env in runs.items()}
+    return {name: (recipe_file.parent / name, proc, proc.communicate(timeout=300)) for name, proc in procs.items()}
+
+
+@pytest.fixture(scope="module")
+def reference(two_runs):
+    run_dir, proc, (_, err) = two_runs["reference"]
+    assert proc.returncode == 0, err[-2000:]
     samples, losses = _trained(run_dir)
     assert len(samples) == 6 * 4 * 4 and len(losses) == 6
     assert any(v != 0 for v in losses.values())  # the comparison below is not between all-zero losses
     return run_dir, samples, losses
+
+
+@pytest.fixture(scope="module")
+def killed_in_grpo(two_runs):
+    """A run killed with -9 at a fail point in its GRPO stage (`train:5`: optimizer stepped, store not told). The
+    run is deterministic, so every test that resumes one (after its own damage) takes a copy of this one."""
+    run_dir, proc, _ = two_runs["killed-in-grpo"]
+    assert proc.returncode == -signal.SIGKILL
+    return run_dir
+
+
+def _copy_of(run_dir: Path, dest: Path) -> None:
+    """A copy of a stopped run's directory (store, checkpoints and all), for a test to damage and resume."""
+    shutil.copytree(run_dir, dest, symlinks=True)
 
 
 def _assert_same_as_reference(run_dir, reference):
@@ -126,11 +150,18 @@ def test_background_checkpoints_hold_the_files_a_synchronous_write_makes(recipe_
     samples of a run that writes them in place: the state was copied at the token boundary, not read later."""
     recipe = yaml.safe_load(recipe_file.read_text())
     recipe["checkpoint"]["keep_last"] = 100  # every periodic checkpoint kept and compared, the held-back first one too
-    for name, background in (("in_place", False), ("background", True)):
+    runs = {"in_place": False, "background": True}
+    for name, background in runs.items():
         recipe["checkpoint"]["background"] = background
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(recipe))
-        env = {"ASYNCRL_FAULT": "checkpoint_background:1:SLEEP1.0"} if background else None
-        proc = _run("train", str(tmp_path / f"{name}.yaml"), "--run-dir", str(tmp_path / name), env=env)
+
+    def train(name: str) -> subprocess.CompletedProcess:
+        env = {"ASYNCRL_FAULT": "checkpoint_background:1:SLEEP1.0"} if runs[name] else None
+        return _run("train", str(tmp_path / f"{name}.yaml"), "--run-dir", str(tmp_path / name), env=env)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two independent runs (one thread each): side by side
+        procs = dict(zip(runs, pool.map(train, runs)))
+    for name, proc in procs.items():
         assert proc.returncode == 0, proc.stderr[-2000:]
         _assert_same_as_reference(tmp_path / name, reference)
 
@@ -156,15 +187,18 @@ def test_background_checkpoints_hold_the_files_a_synchronous_write_makes(recipe_
 
 
 @pytest.mark.parametrize("how", ["external", "checkpoint_write", "train"])
-def test_kill9_then_resume_equals_uninterrupted(recipe_file, reference, tmp_path, how):
+def test_kill9_then_resume_equals_uninterrupted(recipe_file, reference, killed_in_grpo, tmp_path, how):
     run_dir = tmp_path / "run"
-    env = {} if how == "external" else {"ASYNCRL_FAULT": f"{how}:{2 if how == 'checkpoint_write' else 5}"}
-    proc = _start("train", str(recipe_file), "--run-dir", str(run_dir), env=env)
-    if how == "external":
-        _wait_for_grpo_steps(proc, run_dir, 3)
-        proc.kill()
-    proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGKILL
+    if how == "train":  # killed at the fail point `train:5` (the fixture checks the SIGKILL)
+        _copy_of(killed_in_grpo, run_dir)
+    else:
+        env = {} if how == "external" else {"ASYNCRL_FAULT": f"{how}:2"}
+        proc = _start("train", str(recipe_file), "--run-dir", str(run_dir), env=env)
+        if how == "external":
+            _wait_for_grpo_steps(proc, run_dir, 3)
+            proc.kill()
+        proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL
     if how == "checkpoint_write":  # the killed write left a temporary directory, never a checkpoint
         assert list((run_dir / "checkpoints").glob(".tmp-*"))
     resumed = _run("resume", str(run_dir))
@@ -174,16 +208,10 @@ def test_kill9_then_resume_equals_uninterrupted(recipe_file, reference, tmp_path
     assert len(TrajectoryStore.for_run_dir(run_dir).restarts()) == 1
 
 
-def _killed_in_grpo(recipe_file, run_dir):
-    proc = _start("train", str(recipe_file), "--run-dir", str(run_dir), env={"ASYNCRL_FAULT": "train:5"})
-    proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGKILL
-
-
 @pytest.mark.parametrize("name", ["model.safetensors", "trainer.safetensors", "controller.json"])
-def test_damaged_checkpoint_is_skipped_for_the_previous_one(recipe_file, reference, tmp_path, name):
+def test_damaged_checkpoint_is_skipped_for_the_previous_one(killed_in_grpo, reference, tmp_path, name):
     run_dir = tmp_path / "run"
-    _killed_in_grpo(recipe_file, run_dir)
+    _copy_of(killed_in_grpo, run_dir)
     newest = CheckpointManager(run_dir / "checkpoints").complete()[-1]
     damaged = newest / name
     data = bytearray(damaged.read_bytes())
@@ -212,15 +240,17 @@ def _renamed_source(dest: Path) -> Path:
     return dest
 
 
-def test_a_checkpoint_survives_renaming_the_controller_classes(recipe_file, reference, tmp_path):
+def test_a_checkpoint_survives_renaming_the_controller_classes(killed_in_grpo, reference, tmp_path):
     run_dir = tmp_path / "run"
-    _killed_in_grpo(recipe_file, run_dir)
+    _copy_of(killed_in_grpo, run_dir)
     src = _renamed_source(tmp_path / "src")
-    probe = subprocess.run([sys.executable, "-c", "import rl.dispatch as d, rl.async_grpo as a; "
-                            "print(d.__file__, hasattr(d, 'Ticket'), hasattr(d, 'ReleasedPrompt'), hasattr(a, 'PhaseClock'))"],
-                           cwd=src, capture_output=True, text=True)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the probe of the renamed code runs beside the resume
+        probe = pool.submit(subprocess.run, [sys.executable, "-c", "import rl.dispatch as d, rl.async_grpo as a; print("
+                                             "d.__file__, hasattr(d, 'Ticket'), hasattr(d, 'ReleasedPrompt'), hasattr(a, 'PhaseClock'))"],
+                            cwd=src, capture_output=True, text=True)
+        resumed = _run("resume", str(run_dir), cwd=src)  # the renamed code resumes the checkpoint the original wrote
+    probe = probe.result()
     assert probe.stdout.split() == [str(src / "rl" / "dispatch.py"), "False", "True", "True"], probe.stderr
-    resumed = _run("resume", str(run_dir), cwd=src)  # the renamed code resumes the checkpoint the original wrote
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resume: step-" in resumed.stdout
     _assert_same_as_reference(run_dir, reference)
@@ -240,9 +270,9 @@ def _plant(path: Path, marker: Path) -> None:
     path.write_bytes(pickle.dumps(_Poison(marker)))
 
 
-def test_poisoned_pickles_in_the_run_directory_are_never_loaded(recipe_file, reference, tmp_path):
+def test_poisoned_pickles_in_the_run_directory_are_never_loaded(killed_in_grpo, reference, tmp_path):
     run_dir, marker = tmp_path / "run", tmp_path / "code-ran"
-    _killed_in_grpo(recipe_file, run_dir)
+    _copy_of(killed_in_grpo, run_dir)
     for ckpt in CheckpointManager(run_dir / "checkpoints").complete():  # where format 1 kept its pickles
         _plant(ckpt / "controller.pkl", marker)
         _plant(ckpt / "trainer.pt", marker)

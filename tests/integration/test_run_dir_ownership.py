@@ -37,6 +37,12 @@ def recipe(tmp_path):
     return str(path)
 
 
+def _copy_of(run: Path, dest: Path) -> Path:
+    """A copy of a finished run (the session's `tiny_grpo_run`: `rl train` of the same recipe) for a test to change."""
+    shutil.copytree(run, dest, symlinks=True)
+    return dest
+
+
 def test_one_job_per_run_directory_and_a_killed_holder_leaves_no_lock(tmp_path, recipe):
     run = tmp_path / "run"
     run.mkdir()
@@ -57,9 +63,8 @@ def test_one_job_per_run_directory_and_a_killed_holder_leaves_no_lock(tmp_path, 
     assert "RESULT grpo_acc=" in proc.stdout
 
 
-def test_train_into_a_run_refuses_and_overwrite_starts_over(tmp_path, recipe):
-    run = tmp_path / "run"
-    assert _cli("train", recipe, "--run-dir", str(run)).returncode == 0
+def test_train_into_a_run_refuses_and_overwrite_starts_over(tmp_path, recipe, tiny_grpo_run):
+    run = _copy_of(tiny_grpo_run, tmp_path / "run")
     run_json = (run / "run.json").read_text()
     (run / "notes.txt").write_text("mine")
     line = _one_line_exit_2(_cli("train", recipe, "--run-dir", str(run)), f"{run} already holds a run",
@@ -73,9 +78,8 @@ def test_train_into_a_run_refuses_and_overwrite_starts_over(tmp_path, recipe):
     _one_line_exit_2(_cli("train", recipe, "--resume", str(run), "--overwrite"), "give one of them")
 
 
-def test_resume_without_checkpoints_never_rolls_trained_steps_back(tmp_path, recipe):
-    run = tmp_path / "run"
-    assert _cli("train", recipe, "--run-dir", str(run)).returncode == 0
+def test_resume_without_checkpoints_never_rolls_trained_steps_back(tmp_path, tiny_grpo_run):
+    run = _copy_of(tiny_grpo_run, tmp_path / "run")
     shutil.rmtree(run / "checkpoints")
     line = _one_line_exit_2(_cli("resume", str(run)), "the run has 2 recorded train steps but no checkpoint",
                             "refusing to start it over")
@@ -86,9 +90,8 @@ def test_resume_without_checkpoints_never_rolls_trained_steps_back(tmp_path, rec
         assert c.execute("select count(*) from train_steps").fetchone()[0] == 2  # nothing rolled back
 
 
-def test_reconfigure_needs_a_running_job(tmp_path, recipe):
-    run = tmp_path / "run"
-    assert _cli("train", recipe, "--run-dir", str(run)).returncode == 0
+def test_reconfigure_needs_a_running_job(tmp_path, tiny_grpo_run):
+    run = _copy_of(tiny_grpo_run, tmp_path / "run")
     t0 = time.monotonic()
     _one_line_exit_2(_cli("reconfigure", str(run), "--set", "mixture.add=2"), f"no job is running in {run}", "nothing was queued")
     assert time.monotonic() - t0 < 30 and not (run / "control" / "inbox").exists()  # at once, nothing left behind

@@ -67,7 +67,7 @@ def test_tool_calls_run_in_the_sandbox_and_their_output_is_appended(server):
     engine = Engine(Decoder(debug_config(moe=False)).eval(), EngineConfig(max_batch_size=8, block_size=4, max_seq_len=400),
                     eos_id=tok.eos_id)
     tools = ToolTurns(tok, fmt="code", specs=[PYTHON_TOOL], max_turns=1, max_output_tokens=40, timeout_s=5,
-                      socket_path=sock, limits=Limits(timeout_s=5, cpu_s=2))
+                      socket_path=sock, limits=Limits(timeout_s=5, cpu_s=1))
     tools.attach(engine)
     turns = {"ok": "```python\nimport time; time.sleep(0.3); print(6*7)\n```", "bad": "```python\nprint(6*\n```",
              "spin": "```python\nwhile True: pass\n```", "hog": "```python\nx = b'x' * (400 << 20)\n```"}
@@ -125,7 +125,7 @@ def test_a_call_that_does_not_parse_is_answered_with_the_parsers_line(server):
     tools.shutdown()
 
 
-NOTE = "```python\nimport time; open('n', 'a').write('x\\n'); time.sleep(1.5); print(open('n').read())\n```"
+NOTE = "```python\nimport time; open('n', 'a').write('x\\n'); time.sleep(0.8); print(open('n').read())\n```"
 """A call with a side effect: it appends a line to `n` in the work directory, then (slowly) prints the file."""
 
 

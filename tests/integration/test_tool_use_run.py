@@ -16,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -127,12 +128,13 @@ def test_grpo_rollouts_call_tools_in_the_sandbox_and_killed_calls_leave_the_loss
         assert all(mask[t.start:t.end] == (0,) * (t.end - t.start) for t in tools) and sum(mask) < len(mask)
     ok = [t for s in called for t in s.turns if t.kind == "tool" and t.status == "ok"]
     assert ok and all(t.text.strip().lstrip("-").isdigit() for t in ok)  # what print(a+b) printed
-    show = _rl("traj", "show", str(run_dir), called[0].sample_id, cwd=root)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # three independent reads of the finished run
+        show, ls, show_failed = pool.map(lambda args: _rl("traj", *args, cwd=root), [
+            ("show", str(run_dir), called[0].sample_id), ("ls", str(run_dir), "--failure", "memory", "--limit", "100"),
+            ("show", str(run_dir), failed[0].sample_id)])
     assert show.returncode == 0 and "python" in show.stdout, show.stderr[-1000:]
-    ls = _rl("traj", "ls", str(run_dir), "--failure", "memory", "--limit", "100", cwd=root)
     assert ls.returncode == 0 and all(s.sample_id in ls.stdout for s in failed), ls.stderr[-1000:]
-    show = _rl("traj", "show", str(run_dir), failed[0].sample_id, cwd=root)
-    assert "finish_reason tool_failure   failure memory (repercussion)" in show.stdout, show.stderr[-1000:]
+    assert "finish_reason tool_failure   failure memory (repercussion)" in show_failed.stdout, show_failed.stderr[-1000:]
     logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in logged if "rollout/tool_failures" in m]
     assert len(steps) == 2 and sum(m["rollout/tool_failures/memory"] for m in steps) == len(failed)

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -100,24 +101,26 @@ def test_traj_cli_reads_the_run(tiny_run):
 
 def test_rl_eval_per_effort_and_bad_input(tiny_run):
     run_dir, _ = tiny_run
-    out = _rl("eval", str(run_dir), "--effort", "10,100", "--max-problems", "8", cwd=run_dir.parent)
+    # six independent `rl eval`s of the finished run (read-only): two at a time
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        out, bad_level, bad_text, missing, over, bad_set = pool.map(lambda args: _rl(*args, cwd=run_dir.parent), [
+            ("eval", str(run_dir), "--effort", "10,100", "--max-problems", "8"),
+            ("eval", str(run_dir), "--effort", "0,50"), ("eval", str(run_dir), "--effort", "x"),
+            ("eval", str(run_dir / "nope")), ("eval", str(run_dir), "--set", "eval.max_problems=3"),
+            ("eval", str(run_dir), "--set", "eval.nope=1")])
     assert out.returncode == 0, out.stderr[-1000:]
     newest = CheckpointManager(run_dir / "checkpoints").complete()[-1]  # the GRPO stage-end checkpoint
     assert out.stdout.splitlines()[0] == f"checkpoint {newest}" and CheckpointManager.stage_end(newest)["stage"] == 1
     rows = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0] in ("10", "100")]
     assert [r[0] for r in rows] == ["10", "100"] and all(r[-1] == "8" for r in rows)
     assert 0.0 <= float(rows[0][2]) <= 1.0
-    for args in (["--effort", "0,50"], ["--effort", "x"]):
-        bad = _rl("eval", str(run_dir), *args, cwd=run_dir.parent)
+    for bad in (bad_level, bad_text):  # --effort 0,50 and --effort x
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "--effort" in bad.stderr
-    missing = _rl("eval", str(run_dir / "nope"), cwd=run_dir.parent)
     assert missing.returncode == 2 and "not a run directory" in missing.stderr
     # --set overrides the run's recipe for this evaluation only (e.g. score the training problems)
-    over = _rl("eval", str(run_dir), "--set", "eval.max_problems=3", cwd=run_dir.parent)
     assert over.returncode == 0, over.stderr[-1000:]
     assert [line.split()[-1] for line in over.stdout.splitlines() if line.split()[:1] == ["-"]] == ["3"]
-    bad = _rl("eval", str(run_dir), "--set", "eval.nope=1", cwd=run_dir.parent)
-    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "eval.nope" in bad.stderr
+    assert bad_set.returncode == 2 and len(bad_set.stderr.strip().splitlines()) == 1 and "eval.nope" in bad_set.stderr
 
 
 def test_rl_eval_agrees_with_the_runs_own_evaluation_when_sampling(tiny_run):

@@ -3,6 +3,7 @@ allocates, and a recipe that cannot fit is refused with the figure in one line."
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -43,12 +44,13 @@ def test_the_estimate_counts_what_the_worker_allocates(config, sets):
 
 
 def test_validate_refuses_a_recipe_that_cannot_fit_and_prints_the_estimate():
-    proc = subprocess.run([*CLI, "validate", "configs/quickstart.yaml", "--set", "run.device_memory_gib=0.01"],
-                          capture_output=True, text=True, timeout=120)
+    with ThreadPoolExecutor(max_workers=2) as pool:  # two independent `rl validate`s, side by side
+        proc, ok = pool.map(lambda sets: subprocess.run([*CLI, "validate", "configs/quickstart.yaml", *sets],
+                                                        capture_output=True, text=True, timeout=120),
+                            [["--set", "run.device_memory_gib=0.01"], []])
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert lines[0].startswith("rl validate: the cpu worker needs at least 0.11 GiB per worker (") and "0.01 GiB of run.device_memory_gib" in lines[0]
-    ok = subprocess.run([*CLI, "validate", "configs/quickstart.yaml"], capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("memory: 0.11 GiB per worker (weights")
 
 
