@@ -33,7 +33,7 @@ POLICIES = ("sync", "batch", "prompt", "sample")
 
 
 def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, prefill_interval: int | None = None,
-               engine: dict | None = None, worker_thread: bool | None = None) -> Recipe:
+               engine: dict | None = None) -> Recipe:
     inflight = a.prompts * a.group
     ray = a.ray if ray is None else ray
     return Recipe.model_validate({
@@ -46,7 +46,7 @@ def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, 
         "datasets": [{"type": "longtail", "median_tokens": a.median, "sigma": a.sigma, "max_tokens": a.max_tokens}],
         "engine": {"max_batch_size": inflight, "block_size": 16, "max_seq_len": a.max_tokens + 16,
                    "prefill_interval": prefill_interval, **(engine or {})},
-        "runtime": {"ray": True, "num_workers": 1, "num_cpus": 2} if ray else {"ray": False, "worker_thread": worker_thread},
+        "runtime": {"ray": True, "num_workers": 1, "num_cpus": 2} if ray else {"ray": False},
         "stages": [{"type": "grpo", "max_steps": a.steps, "prompts_per_step": a.prompts, "group_size": a.group,
                     "micro_batch_size": a.micro_batch, "optim": {"lr": 1e-5}, "pipelined_calls": pipelined,
                     "dispatch": {"policy": policy, "max_inflight": inflight, "batch_prefill": 2}}],
@@ -55,8 +55,8 @@ def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, 
 
 
 def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = True, tag: str = "",
-        prefill_interval: int | None = None, engine: dict | None = None, worker_thread: bool | None = None) -> dict:
-    recipe = recipe_for(policy, a, ray, pipelined, prefill_interval, engine, worker_thread)
+        prefill_interval: int | None = None, engine: dict | None = None) -> dict:
+    recipe = recipe_for(policy, a, ray, pipelined, prefill_interval, engine)
     run_dir = out / (tag or policy)
     run_dir.mkdir(parents=True)
     with open_job(recipe, run_dir, checkpoints=False) as job:
@@ -138,9 +138,6 @@ def main() -> None:
                     help="only `sample` dispatch, in-process and as a Ray actor with and without pipelined rollout calls")
     ap.add_argument("--engine-ab", action="store_true", help="`sample` and `sync` in-process with neither engine.prefill_graphs "
                     "nor engine.overlap_steps, with each alone and with both (the default), in turn (on CPU: no graphs)")
-    ap.add_argument("--thread-ab", action="store_true", help="`sample` and `sync` in-process with the worker's calls "
-                    "on the controller's thread and on a thread of their own (runtime.worker_thread; the default on "
-                    "CUDA), in turn")
     ap.add_argument("--prefill-intervals", help="only `sample` dispatch in-process at each engine.prefill_interval "
                     "given (comma-separated, e.g. 1,4)")
     a = ap.parse_args()
@@ -157,9 +154,6 @@ def main() -> None:
         return
     if a.engine_ab:
         engine_ab(a, out)
-        return
-    if a.thread_ab:
-        thread_ab(a, out)
         return
     policies = a.policies.split(",")
     if not {"sample", "sync"} <= set(policies) <= set(POLICIES):
@@ -231,24 +225,6 @@ def engine_ab(a, out: Path) -> None:
         f"sample_{v}_over_base_tok_s={tok[f'sample_{v}'] / tok['sample_base']:.3f} "
         f"sync_{v}_over_base_tok_s={tok[f'sync_{v}'] / tok['sync_base']:.3f} "
         f"sample_over_sync_tok_s_{v}={tok[f'sample_{v}'] / tok[f'sync_{v}']:.2f}" for v in ENGINE_VARIANTS))
-
-
-def thread_ab(a, out: Path) -> None:
-    """`sample` and `sync` dispatch in-process with runtime.worker_thread off and on, in turn in one process: with
-    the thread the next rollout call runs while the controller handles the last one's results (pipelined_calls)."""
-    rows = in_turn({f"{p}_{name}": (lambda k, p=p, name=name, on=on: run(p, a, out, ray=False, tag=f"{p}_{name}_{k}",
-                                                                          worker_thread=on))
-                    for p in ("sample", "sync") for name, on in (("inline", False), ("thread", True))}, a.repeats)
-    _print_rows(rows)
-    tok = {name: r["gen_tokens_per_s"] for name, r in rows.items()}
-    steady = {name: r["steady_tokens_per_s"] for name, r in rows.items()}
-    print(f"RESULT sample_thread_over_inline_tok_s={tok['sample_thread'] / tok['sample_inline']:.3f} "
-          f"sync_thread_over_inline_tok_s={tok['sync_thread'] / tok['sync_inline']:.3f} "
-          f"sample_over_sync_tok_s_inline={tok['sample_inline'] / tok['sync_inline']:.2f} "
-          f"sample_over_sync_tok_s_thread={tok['sample_thread'] / tok['sync_thread']:.2f} "
-          f"steady_sample_over_sync_tok_s_thread={steady['sample_thread'] / steady['sync_thread']:.2f} "
-          f"sample_thread_interrupt_p99_steps={rows['sample_thread']['interrupt_p99_steps']} "
-          f"sample_thread_over_inline_samples_s={rows['sample_thread']['trained_samples_per_s'] / rows['sample_inline']['trained_samples_per_s']:.3f}")
 
 
 def in_turn(arms: dict, repeats: int) -> dict[str, dict]:

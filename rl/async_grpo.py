@@ -4,9 +4,9 @@ The algorithm, per train step:
   ROLLOUT   every engine advances each of its sequences by `steps_per_call` tokens; finished samples
             go to the reward workers and the store; the dispatcher releases new prompts by its policy
             (`sample`: as soon as the samples finished since the last release reach the next prompt's
-            group size), keeping `max_inflight` samples generating. With Ray workers (or an in-process
-            worker on its own thread) the next call is queued before this one's results are read
-            (`pipelined_calls`): the engines never wait for the controller's round trip or its work.
+            group size), keeping `max_inflight` samples generating. With Ray workers the next call is
+            queued before this one's results are read (`pipelined_calls`): the engines never wait for
+            the controller's round trip.
   WAIT      until the dispatcher's train-batch condition holds: `prompts_per_step` complete groups
             within the off-policy bounds (exact definitions in rl/dispatch.py).
   INTERRUPT every engine stops at the current token boundary; in-flight `RolloutState`s (KV cache,
@@ -106,7 +106,7 @@ class AsyncGRPO:
         self.pending_rewards: list[tuple[object, list[Generation]]] = []
         self.effort_of: dict[str, int | None] = {}  # sample_id -> effort level, while in flight
         self.clock = RolloutClock()
-        self.pipelined = self.policy.queues_calls and stage.pipelined_calls
+        self.pipelined = self.policy.remote and stage.pipelined_calls
         self._ahead: list | None = None  # a rollout call queued on the workers, its results not read yet
         self._requests: dict[int, list[GenerationRequest]] = {}  # released, to ride on the next rollout call
         self.step = 0  # train steps of this stage so far
@@ -350,7 +350,7 @@ class AsyncGRPO:
             idle = not tickets and not unseen and not any(r.active or r.waiting for r in results)
 
     def rollout_call(self):
-        """One rollout call's results. Pipelined (Ray workers or a worker thread, `pipelined_calls`): the next call is queued on the
+        """One rollout call's results. Pipelined (Ray workers, `pipelined_calls`): the next call is queued on the
         workers first, carrying the new requests (queued at its start), so they run it while this controller reads
         and handles these results; the prompts released now join at that next call (one call later than without
         pipelining)."""

@@ -164,11 +164,10 @@ class GRPOStage(StrictConfig):
     steps_per_call: int = Field(1, gt=0)
     """Engine steps per controller round trip; interrupts land within this many steps."""
     pipelined_calls: bool = True
-    """With Ray workers, or an in-process worker on its own thread (runtime.worker_thread): the next rollout call is
-    queued on the workers before the controller reads the previous call's results, so an engine never waits for
-    the controller's round trip or its handling of the results (rl/async_grpo.py); new prompts and the end of a
-    rollout phase take effect one call later (interrupts land within 2 x steps_per_call steps). An in-process
-    worker without its own thread ignores it."""
+    """With Ray workers: the next rollout call is queued on the workers before the controller reads the previous
+    call's results, so an engine never waits for the controller's round trip (rl/async_grpo.py); new prompts and
+    the end of a rollout phase take effect one call later (interrupts land within 2 x steps_per_call steps).
+    In-process workers ignore it: their calls have no round trip."""
     max_staleness: int | None = Field(None, ge=0)
     """Tokens generated more than this many versions before the trained weights leave the loss;
     the normaliser keeps them (seed §5.2.2). None: no masking."""
@@ -270,11 +269,6 @@ class RuntimeConfig(StrictConfig):
 
     ray: bool = True
     """Run workers as Ray actors; false runs one PolicyWorker in the driver process (debugging)."""
-    worker_thread: bool | None = None
-    """In-process (ray: false): run the PolicyWorker's calls on a thread of their own, in order, so that the
-    stages' pipelined rollout calls overlap the controller's work (verdicts, the store, new prompts) with the
-    engine's, as with a Ray actor. Default: on where run.device is cuda (the engine waits on the device there);
-    off on CPU, where the two would share the cores. Ray workers ignore it."""
     ray_address: str | None = None
     """Join this Ray cluster ('auto' or host:port); default: start Ray locally."""
     num_cpus: int | None = Field(None, gt=0)

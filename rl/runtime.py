@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from rewards.task import Trajectory, Verdict, VerifyContext
@@ -94,12 +94,6 @@ class _Done:
     def __init__(self, value: Any):
         self.value = value
 
-    def result(self) -> Any:
-        return self.value
-
-    def done(self) -> bool:
-        return True
-
 
 class WorkerFailure(RuntimeError):
     """A worker died or stopped answering (one line naming the worker and the phase). `at_start`: it died
@@ -126,32 +120,13 @@ GRACE_S = 5.0
 
 class Group:
     """A list of workers, local objects or Ray actor handles, called uniformly. Remote calls are bounded by
-    `timeout_s`: a worker that died or did not answer in time raises WorkerFailure naming it and the call.
+    `timeout_s`: a worker that died or did not answer in time raises WorkerFailure naming it and the call."""
 
-    `threaded` (local members only): each member's calls run in submission order on a thread of its own, as an
-    actor runs its calls, so that a caller can queue a call and do other work while it runs (the pipelined
-    rollout calls of rl/async_grpo.py; RuntimeConfig.worker_thread)."""
-
-    def __init__(self, members: list, remote: bool, name: str = "worker", timeout_s: float | None = None,
-                 threaded: bool = False):
-        if remote and threaded:
-            raise ValueError("a Group of Ray actors is not threaded: each actor runs its own calls")
+    def __init__(self, members: list, remote: bool, name: str = "worker", timeout_s: float | None = None):
         self.members, self.remote, self.name, self.timeout_s = members, remote, name, timeout_s
         self.timeout_field = "runtime.worker_timeout_s"
         """The recipe field a slow call's message tells the user to raise."""
         self._calls: dict = {}  # pending remote futures -> (worker index, method)
-        self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name} {i}")
-                         for i in range(len(members))] if threaded else None
-
-    @property
-    def queues_calls(self) -> bool:
-        """Whether a submitted call runs while the caller goes on (Ray actors, or threaded local members)."""
-        return self.remote or self._threads is not None
-
-    def close(self) -> None:
-        """Stop the members' threads (threaded): a call already running finishes, queued ones are dropped."""
-        for t in self._threads or []:
-            t.shutdown(wait=False, cancel_futures=True)
 
     def __len__(self) -> int:
         return len(self.members)
@@ -162,8 +137,6 @@ class Group:
             future = getattr(m, method).remote(*args, **kwargs)
             self._calls[future] = (i, method)
             return future
-        if self._threads is not None:
-            return self._threads[i].submit(getattr(m, method), *args, **kwargs)
         return _Done(getattr(m, method)(*args, **kwargs))
 
     def submit_all(self, method: str, *args, **kwargs) -> list:
@@ -223,13 +196,13 @@ class Group:
         if isinstance(futures, list):
             if self.remote:
                 return self._get_remote(futures)
-            return [f.result() for f in futures]  # a threaded call's exception is raised here, as it is
+            return [f.value for f in futures]
         return self.get([futures])[0]
 
     def ready(self, futures: list) -> bool:
         """True when every future has completed (never blocks)."""
         if not self.remote or not futures:
-            return all(f.done() for f in futures)
+            return True
         import ray
 
         done, _ = ray.wait(futures, num_returns=len(futures), timeout=0)
@@ -266,10 +239,9 @@ class PolicyGroup:
         return self.results(self.submit_rollout(num_steps))
 
     @property
-    def queues_calls(self) -> bool:
-        """Whether the workers' calls can be queued ahead of their results (Ray actors, or an in-process worker on
-        a thread of its own)."""
-        return self.group.queues_calls
+    def remote(self) -> bool:
+        """Whether the workers are Ray actors (their calls can be queued ahead of their results)."""
+        return self.group.remote
 
     def submit_requests(self, per_worker: dict[int, list[GenerationRequest]]) -> list:
         """`add_requests` without waiting: futures for `results` (a worker runs its calls in submission order)."""
@@ -351,12 +323,6 @@ class RewardGroup:
         return self.group.get(handle)
 
 
-def worker_thread(recipe: Recipe) -> bool:
-    """RuntimeConfig.worker_thread as decided for this recipe (None: on where the policy runs on CUDA)."""
-    chosen = recipe.runtime.worker_thread
-    return recipe.run.device == "cuda" if chosen is None else chosen
-
-
 class Runtime:
     def __init__(self, recipe: Recipe, run_dir: str | os.PathLike | None = None, say: Callable[[str], None] = print):
         """`run_dir` names the servers of `sandbox.socket: auto` (rl/sandbox_nodes.py: their state directories, so
@@ -380,8 +346,7 @@ class Runtime:
         if not self.remote:
             if n != 1:
                 raise ValueError("runtime.num_workers > 1 needs runtime.ray: true")
-            self.policy = PolicyGroup(Group([PolicyWorker(recipe)], remote=False, name="policy worker",
-                                            threaded=worker_thread(recipe)))
+            self.policy = PolicyGroup(Group([PolicyWorker(recipe)], remote=False))
             self.rewards = RewardGroup(Group([RewardWorker(recipe)], remote=False))
             return
         import ray
@@ -434,8 +399,6 @@ class Runtime:
         """End the workers, then the sandbox servers the job started, then a Ray this job started; each step
         runs even when one before it fails."""
         try:
-            if self.policy is not None:
-                self.policy.group.close()
             if self.remote:
                 import ray
 
