@@ -5,6 +5,7 @@ original one.
     python bench/smollm2_learning.py --phase arms [--minutes 7] [--out runs/smollm2-bench]   # both arms at once
     python bench/smollm2_learning.py --phase opd  [--minutes 6]   [--out runs/smollm2-bench]   # after the arms
     python bench/smollm2_learning.py --quick                       # CPU, one step of each: the plumbing only
+    python bench/smollm2_learning.py --phase arms --arm sft_grpo=sft_grpo [--sft-share 0.4]   # + SFT, then GRPO
 
 `arms` runs `rl train configs/smollm2_grpo.yaml` and `rl train configs/smollm2_sft.yaml` at the same time,
 one per GPU when there are two (CUDA_VISIBLE_DEVICES=0 and 1), each for --minutes; `opd` runs
@@ -31,19 +32,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
-RECIPES = {"grpo": "configs/smollm2_grpo.yaml", "sft": "configs/smollm2_sft.yaml", "opd": "configs/smollm2_opd.yaml"}
+RECIPES = {"grpo": "configs/smollm2_grpo.yaml", "sft": "configs/smollm2_sft.yaml", "opd": "configs/smollm2_opd.yaml",
+           "sft_grpo": "configs/smollm2_sft_grpo.yaml"}
+"""The arms' recipes. `sft_grpo` (SFT, then GRPO, splitting the minutes by --sft-share) runs only as an --arm."""
 QUICK = ["run.device=cpu", "run.num_threads=1", "runtime.ray=false", "stages.0.max_steps=1", "eval.max_problems=2",
          "engine.max_new_tokens=16", "engine.max_batch_size=8", "logging.wandb=false", "checkpoint.every_steps=0"]
 QUICK_STAGE = {"grpo": ["stages.0.prompts_per_step=2", "stages.0.group_size=2", "stages.0.micro_batch_size=4",
                         "stages.0.dispatch.max_inflight=4"],
                "sft": ["stages.0.batch_size=4"]}
 QUICK_STAGE["opd"] = QUICK_STAGE["grpo"]
+QUICK_STAGE["sft_grpo"] = QUICK_STAGE["sft"] + [k.replace("stages.0.", "stages.1.") for k in QUICK_STAGE["grpo"]] + [
+    "stages.1.max_steps=1"]
 
 
 def _launch(arm: str, out: Path, minutes: float, quick: bool, gpu: int | None, extra: list[str] = (),
-            base: str | None = None) -> subprocess.Popen:
+            base: str | None = None, sft_share: float = 0.4) -> subprocess.Popen:
     base = base or arm
-    sets = [f"stages.0.max_minutes={minutes}", "logging.progress_bar=false", *extra]
+    budget = ([f"stages.0.max_minutes={minutes * sft_share:.3g}", f"stages.1.max_minutes={minutes * (1 - sft_share):.3g}"]
+              if base == "sft_grpo" else [f"stages.0.max_minutes={minutes}"])  # the same minutes in all, split
+    sets = [*budget, "logging.progress_bar=false", *extra]
     if quick:
         sets += QUICK + QUICK_STAGE[base]
     if arm == "opd":
@@ -174,7 +181,8 @@ def summarize(run_dir: Path) -> dict[str, float] | None:
             "reward_waits": last_value(rows, "rollout/reward_waits_total"), "store_s": last_value(rows, "time/store_s"),
             "dispatch_s": last_value(rows, "time/dispatch_s"), "checkpoint_s": last_value(rows, "time/checkpoint_s"),
             "prefill_calls": last_value(rows, "rollout/prefill_calls_total"),
-            "uniform_groups_skipped": last_value(rows, "train/uniform_groups_skipped_total")}
+            "uniform_groups_skipped": last_value(rows, "train/uniform_groups_skipped_total"),
+            "stage_accs": [e["eval/accuracy"] for e in evals[1:]]}
 
 
 def last_value(rows: list[dict], key: str) -> float:
@@ -208,6 +216,9 @@ def report(out: Path, arms: dict[str, str]) -> str:
               f"{s['engine_steps']:.0f} engine steps, {s['prefill_calls']:.0f} prefills), periodic checkpoints {s['checkpoint_s']:.0f} s, train {s['train_s']:.0f} s "
               f"(groups with equal rewards left out: {s['uniform_groups_skipped']:.0f})")
         result.update({f"{arm}_train_split_acc": s["train_split_acc"], f"{arm}_rl_eval_acc": s["rl_eval_acc"]})
+        if len(s["stage_accs"]) > 1:  # several stages (sft_grpo): the held-out accuracy at the end of each
+            print(f"{arm}: held-out accuracy at the end of each stage " + " -> ".join(f"{a:.3f}" for a in s["stage_accs"]))
+            result.update({f"{arm}_stage{i}_acc": a for i, a in enumerate(s["stage_accs"])})
         if arms[arm] != "sft":
             result.update({f"{arm}_last_rollout_acc": s["last_rollout_acc"], f"{arm}_dropped_stale_groups": s["dropped_stale_groups"],
                            f"{arm}_rollout_s": s["rollout_s"], f"{arm}_train_s": s["train_s"],
@@ -244,16 +255,20 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="ARM:KEY=VALUE",
                     help="a recipe override for one arm (grpo, sft, opd or an --arm), e.g. grpo:stages.0.optim.lr=2e-5")
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=BASE",
-                    help="one more arm run at once with the others, from BASE's recipe (grpo or sft) and its own --set "
-                         "overrides, e.g. --arm grpo_std=grpo --set grpo_std:stages.0.std_normalize=true")
+                    help="one more arm run at once with the others, from BASE's recipe (grpo, sft or sft_grpo: SFT, then "
+                         "GRPO) and its own --set overrides, e.g. --arm grpo_std=grpo --set grpo_std:stages.0.std_normalize=true")
+    ap.add_argument("--sft-share", type=float, default=0.4,
+                    help="an sft_grpo arm's share of --minutes for its SFT stage (the rest for GRPO; default 0.4)")
     ap.add_argument("--only", action="append", default=[], metavar="ARM",
                     help="run only this arm in the arms phase (repeatable); the report still reads every run under --out")
     args = ap.parse_args()
-    arms = {arm: arm for arm in RECIPES}
+    if not 0 < args.sft_share < 1:
+        ap.error(f"--sft-share {args.sft_share}: expected a share strictly between 0 and 1")
+    arms = {arm: arm for arm in ("grpo", "sft", "opd")}
     for item in args.arm:
         name, sep, base = item.partition("=")
-        if not sep or base not in ("grpo", "sft") or not name.isidentifier() or name in arms:
-            ap.error(f"--arm {item!r}: expected NAME=BASE with a new NAME and BASE one of grpo, sft")
+        if not sep or base not in ("grpo", "sft", "sft_grpo") or not name.isidentifier() or name in arms:
+            ap.error(f"--arm {item!r}: expected NAME=BASE with a new NAME and BASE one of grpo, sft, sft_grpo")
         arms[name] = base
     bad = [a for a in args.only if a not in arms or a == "opd"]
     if bad:
@@ -272,7 +287,7 @@ def main() -> None:
     if args.phase in ("arms", "all"):
         minutes = args.minutes or (0.5 if args.quick else 7.0)
         at_once = [a for a in arms if a != "opd" and (not args.only or a in args.only)]
-        procs = {arm: _launch(arm, out, minutes, args.quick, (i % gpus) if gpus else None, extra[arm], arms[arm])
+        procs = {arm: _launch(arm, out, minutes, args.quick, (i % gpus) if gpus else None, extra[arm], arms[arm], args.sft_share)
                  for i, arm in enumerate(at_once)}
         _wait(procs, out)
         responses_evals(out, at_once, gpus, args.quick)
