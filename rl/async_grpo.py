@@ -236,8 +236,8 @@ class AsyncGRPO:
         groups whose rewards are all in count (the uniform ones among them were filtered as their verdicts came): a
         group still being verified may yet be filtered out, and waiting for its verdicts at every rollout call (the
         reward workers a call behind) would hold the controller each time for a batch that then does not form; its
-        verdicts arrive while the engines run the next call. With nothing generating there is nothing else to wait
-        for."""
+        verdicts arrive while the engines run the next call. The batch is then taken from those verified groups
+        (rollout_until_batch), without a wait. With nothing generating there is nothing else to wait for."""
         if not self.filters_uniform or not generating:
             return self.disp.num_ready_groups >= self.stage.prompts_per_step
         return verified_groups(self.disp.ready_group_sizes(), self.finished) >= self.stage.prompts_per_step
@@ -323,12 +323,22 @@ class AsyncGRPO:
                 results = self.rollout_call()
                 self.absorb(results)
                 batch = None
-                if self.batch_may_form(generating=any(r.active or r.waiting for r in results)):
-                    verify0 = clock.verify_s
-                    self.collect_rewards(block=True)  # a ready group's rewards must be in before it trains
-                    clock.reward_waits += 1
-                    clock.reward_wait_s += clock.verify_s - verify0
-                    batch = disp.take_batch([v for r in results for v in r.oldest_versions], self.tokens_of)
+                generating = any(r.active or r.waiting for r in results)
+                if self.batch_may_form(generating):
+                    inflight_versions = [v for r in results for v in r.oldest_versions]
+                    if self.filters_uniform and generating:
+                        # the batch from the groups whose verdicts are all in (the uniform ones among them filtered
+                        # as they came): no wait for the verdicts still out, whose groups may yet be filtered; they
+                        # stay ready for a later batch
+                        sizes = disp.ready_group_sizes()
+                        verified = {pid for pid, size in sizes.items() if len(self.finished.get(pid, ())) >= size}
+                        batch = disp.take_batch(inflight_versions, self.tokens_of, eligible=verified.__contains__)
+                    else:
+                        verify0 = clock.verify_s
+                        self.collect_rewards(block=True)  # a ready group's rewards must be in before it trains
+                        clock.reward_waits += 1
+                        clock.reward_wait_s += clock.verify_s - verify0
+                        batch = disp.take_batch(inflight_versions, self.tokens_of)
                     self.record_closed()
                 if batch is not None:
                     # the batch became ready at the step that finished its last member in this call

@@ -243,7 +243,9 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_full_batch
     last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "rl/loss" in x][-1]
     assert last["dispatch/filtered_groups"] == len(filtered)
     assert last["train/uniform_groups_skipped_total"] == 0  # nothing uniform reached a step
-    assert last["rollout/reward_waits_total"] >= 3 and last["time/reward_wait_s"] <= last["time/verify_s"]  # a wait a batch at least
+    # in-process the verdicts come with the call (no reward actor), so every batch formed from verified groups while
+    # the engine generated: taken without a wait (a Ray run waits only where nothing generates)
+    assert last["rollout/reward_waits_total"] == 0 and last["time/reward_wait_s"] == 0
 
 
 def test_a_time_budget_ends_the_stage_inside_a_rollout_phase_that_never_fills_a_batch(tmp_path):

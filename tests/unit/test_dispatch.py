@@ -227,6 +227,23 @@ def test_with_dynamic_sampling_a_batch_is_waited_for_only_when_verified_groups_f
     assert not AsyncGRPO.batch_may_form(controller(True, 4, finished), generating=False)
 
 
+def test_a_batch_taken_from_eligible_groups_leaves_the_others_ready_for_the_next():
+    """take_batch(eligible=...): the controller, with dynamic sampling, takes a batch from the groups whose verdicts
+    are all in instead of waiting for the rest; the oldest eligible groups go first and the others stay ready."""
+    d = make("sample", max_inflight=16, per_step=2)
+    tickets = d.dispatch()
+    for t in tickets[:3]:  # three complete groups, oldest first
+        for j in range(4):
+            finish(d, t, j)
+    oldest = tickets[0].prompt_id
+    assert d.take_batch([], lambda pid: (40, 0), eligible=lambda pid: pid == oldest) is None  # one eligible: too few
+    assert d.num_ready_groups == 3  # nothing taken, nothing dropped
+    batch = d.take_batch([], lambda pid: (40, 0), eligible=lambda pid: pid != oldest)
+    assert batch == [t.prompt_id for t in tickets[1:3]]
+    assert list(d.ready_group_sizes()) == [oldest]  # left ready for a later batch
+    assert d.take_batch([], lambda pid: (40, 0)) is None  # one ready group is not a batch
+
+
 def test_dynamic_sampling_says_so_when_ten_steps_of_groups_in_a_row_had_no_reward_spread():
     from types import SimpleNamespace as S
 
