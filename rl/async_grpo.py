@@ -106,6 +106,7 @@ class AsyncGRPO:
         self.pending_rewards: list[tuple[object, list[Generation]]] = []
         self.effort_of: dict[str, int | None] = {}  # sample_id -> effort level, while in flight
         self.clock = RolloutClock()
+        self._writer_seen = job.store.writer_s  # the store's writer seconds already in the clock
         self.pipelined = self.policy.remote and stage.pipelined_calls
         self._ahead: list | None = None  # a rollout call queued on the workers, its results not read yet
         self._requests: dict[int, list[GenerationRequest]] = {}  # released, to ride on the next rollout call
@@ -242,6 +243,12 @@ class AsyncGRPO:
             return self.disp.num_ready_groups >= self.stage.prompts_per_step
         return verified_groups(self.disp.ready_group_sizes(), self.finished) >= self.stage.prompts_per_step
 
+    def store_writer_s(self) -> float:
+        """RolloutClock.store_writer_s, brought up to the store's writer thread's seconds so far."""
+        seen, self._writer_seen = self._writer_seen, self.job.store.writer_s
+        self.clock.store_writer_s += self._writer_seen - seen
+        return self.clock.store_writer_s
+
     def record_closed(self) -> None:
         by_outcome: dict[str, list[str]] = defaultdict(list)
         for pid, outcome in self.disp.drain_closed():
@@ -312,7 +319,9 @@ class AsyncGRPO:
             self.poll_control()
             self.checkpoint_point()
             stop = False
-            with self.job.store.batch():  # this call's prompts, samples and outcomes: one commit (rl/store.py)
+            # this call's prompts, samples and outcomes: one transaction, written by the store's own thread while the
+            # engines run the next call (rl/store.py); the controller's reads and other writes wait for it
+            with self.job.store.batch(background=True):
                 t0, store0 = time.perf_counter(), clock.store_s
                 tickets = disp.dispatch()
                 if idle and not tickets:  # asked again after the idle call's completions (dynamic sampling drops groups)
@@ -493,7 +502,8 @@ class AsyncGRPO:
             "time/verify_s": clock.verify_s,  # of the controller's: submitting to and reading the reward workers
             "time/reward_wait_s": clock.reward_wait_s,  # of verify_s: blocked for verdicts before taking a batch
             "rollout/reward_waits_total": clock.reward_waits,
-            "time/store_s": clock.store_s,  # and writing prompts and samples to the store
+            "time/store_s": clock.store_s,  # and building the store's rows (a call's writes: on the store's thread)
+            "time/store_writer_s": self.store_writer_s(),  # the store's thread running them (beside the controller)
             "time/dispatch_s": clock.dispatch_s,  # and drawing, rendering and tokenising new prompts into requests
             "rollout/engine_steps_total": clock.engine_steps,
             "rollout/prefill_calls_total": clock.prefill_calls,

@@ -100,7 +100,11 @@ class RolloutClock:
     reward_wait_s: float = 0.0
     """Of verify_s: seconds of those waits (reading verdicts included)."""
     store_s: float = 0.0
-    """Controller seconds writing dispatched prompts and rewarded samples to the trajectory store."""
+    """Controller seconds writing dispatched prompts and rewarded samples to the trajectory store (in the rollout
+    loop: building the rows; the store's writer thread runs their statements, store_writer_s)."""
+    store_writer_s: float = 0.0
+    """Seconds of the store's writer thread running the rollout calls' writes, beside the controller (absent from
+    older checkpoints: 0)."""
     dispatch_s: float = 0.0
     """Controller seconds releasing prompts: drawing problems, rendering and tokenising them, building the requests
     and queuing them on the workers (not their store writes: store_s)."""

@@ -61,6 +61,7 @@ import json
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from itertools import groupby
 from dataclasses import dataclass
@@ -181,8 +182,27 @@ class SampleRow:
     """The first `PREVIEW_CHARS` characters of the response."""
 
 
+def _raise_first(futures: list[Future]) -> None:
+    """Wait for every future, then raise the first one's error (if any failed)."""
+    errors = [e for f in futures if (e := f.exception()) is not None]
+    if errors:
+        raise errors[0]
+
+
+class _Recorded:
+    """The connection a background `batch()` hands its writes: statements are recorded, to run on the store's writer
+    thread in one transaction."""
+
+    def __init__(self):
+        self.ops: list[tuple] = []
+
+    def execute(self, statement, parameters=None) -> None:
+        self.ops.append((statement, parameters))
+
+
 class TrajectoryStore:
-    """Writes and reads one run's trajectories. Not shared across threads (one writer per run).
+    """Writes and reads one run's trajectories. Not shared across threads (one writer per run; a background
+    `batch()` runs its statements on the store's own writer thread, in order).
 
     `TrajectoryStore(url, run_id)` and `for_run_dir` open for writing (upgrading the database
     first); `read_run` and `readonly=True` open for reading only (see rl/store_db.py)."""
@@ -202,15 +222,30 @@ class TrajectoryStore:
         else:
             upgrade_store(self.url)
             self._engine = writer_engine(self.url)
+        self._writer: ThreadPoolExecutor | None = None  # background batches, run in order (`batch(background=True)`)
+        self._pending: list[Future] = []
+        self.writer_s = 0.0
+        """Seconds the writer thread spent running background batches (their statements and commits)."""
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
         self._seq = 0 if readonly else self._last_seq()
-        self._batch = None  # the connection of an open `batch()`: its writes join that one transaction
+        self._batch = None  # the connection of an open `batch()` (or its _Recorded): its writes join that transaction
         self.last_commit_s = 0.0
-        """Seconds the last `batch()` took to commit."""
+        """Seconds the last `batch()` took to commit (0 for a background one: the writer thread commits)."""
+
+    def _session(self):
+        """A session for a read (after the background batches, so that it sees their writes)."""
+        self.drain()
+        return self._sessions()
+
+    def drain(self) -> None:
+        """Wait until every background batch is committed; a failed one's error is raised here (its transaction
+        was rolled back: none of its writes are kept), once."""
+        pending, self._pending = self._pending, []
+        _raise_first(pending)
 
     def _last_seq(self) -> int:
         P, S, C = PromptTable, SampleTable, ConfigVersionTable
-        with self._sessions() as s:
+        with self._session() as s:
             return max(s.scalar(select(func.coalesce(func.max(col), 0)).where(table.run_id == self.run_id))
                        for col, table in ((P.seq, P), (P.outcome_seq, P), (S.seq, S), (C.seq, C)))
 
@@ -252,14 +287,24 @@ class TrajectoryStore:
     # -- writes ----------------------------------------------------------------------------------
 
     @contextmanager
-    def batch(self) -> Iterator[None]:
+    def batch(self, background: bool = False) -> Iterator[None]:
         """add_prompts, add_samples and set_outcome inside this block write in one transaction, committed at its
         end (also when the block raises: what was written before the error is kept, as it would have been one
         call at a time): the controller writes one rollout call's prompts, samples and outcomes with one commit
         instead of one each (a commit costs more than a sample's rows). Other writes are refused inside it: they
-        would wait on this transaction's lock."""
+        would wait on this transaction's lock.
+
+        `background`: the block only builds the rows; its statements run, and commit, on the store's writer thread
+        after the block, while the caller goes on (the controller's next rollout call). Every later read or other
+        write first waits for them (`drain`), so the caller reads what it wrote; a checkpoint's watermark is such
+        a read. A process killed before a background batch committed loses that batch's rows, as one killed a
+        moment earlier would have; a resume rolls the store back to the checkpoint's watermark either way."""
         if self._batch is not None:
             raise RuntimeError("TrajectoryStore.batch() is already open")
+        if background:
+            yield from self._background_batch()
+            return
+        self.drain()
         seq, c = self._seq, self._engine.connect()
         c.begin()
         self._batch = c
@@ -278,12 +323,41 @@ class TrajectoryStore:
             finally:
                 c.close()
 
+    def _background_batch(self) -> Iterator[None]:
+        done = [f for f in self._pending if f.done()]  # the committed (or failed) earlier batches leave the list
+        if done:
+            self._pending = [f for f in self._pending if not f.done()]
+            _raise_first(done)  # a failed one's error: said at the next batch, not only at the next read
+        recorded = _Recorded()
+        self._batch = recorded
+        try:
+            yield
+        finally:
+            self._batch = None
+            self.last_commit_s = 0.0
+            if recorded.ops:
+                if self._writer is None:
+                    self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store writer")
+                self._pending.append(self._writer.submit(self._run, recorded.ops))
+
+    def _run(self, ops: list[tuple]) -> None:
+        """A background batch's statements in one transaction (the writer thread). A failed one keeps nothing; the
+        `seq` numbers its rows took stay unused (a gap: seq orders rows, rl/store_schema.py)."""
+        t0 = time.perf_counter()
+        try:
+            with self._engine.begin() as c:
+                for statement, parameters in ops:
+                    c.execute(statement, parameters)
+        finally:
+            self.writer_s += time.perf_counter() - t0
+
     @contextmanager
     def _write(self) -> Iterator:
-        """The connection a batched write uses: the open batch's, or a transaction of its own."""
+        """The connection a batched write uses: the open batch's (or its recorder), or a transaction of its own."""
         if self._batch is not None:
             yield self._batch
         else:
+            self.drain()
             with self._engine.begin() as c:
                 yield c
 
@@ -292,6 +366,7 @@ class TrajectoryStore:
         if self._batch is not None:
             raise RuntimeError("a TrajectoryStore write other than add_prompts, add_samples and set_outcome inside "
                                "batch(): it would wait on the batch's own lock")
+        self.drain()
         return self._sessions.begin()
 
     def add_run(self, name: str, recipe_json: str) -> None:
@@ -411,7 +486,7 @@ class TrajectoryStore:
                                      reason=reason, train_step=int(train_step), created_at=time.time(), seq=self._seq))
 
     def config_versions(self) -> list[dict]:
-        with self._sessions() as s:
+        with self._session() as s:
             rows = s.scalars(select(ConfigVersionTable).where(ConfigVersionTable.run_id == self.run_id)
                              .order_by(ConfigVersionTable.id))
             return [{"version": r.version, "status": r.status, "patch": json.loads(r.patch_json), "reason": r.reason,
@@ -426,6 +501,9 @@ class TrajectoryStore:
                           .values(teacher=teacher))
 
     def watermark(self, train_step: int) -> Watermark:
+        """Where the store stands now, for a checkpoint: every row numbered so far is committed first (the
+        background batches drained), so that a resume's `rollback_to` keeps exactly what the checkpoint saw."""
+        self.drain()
         return Watermark(self._seq, int(train_step))
 
     def rollback_to(self, wm: Watermark, checkpoint: str) -> dict[str, int]:
@@ -458,7 +536,7 @@ class TrajectoryStore:
 
     def get_sample(self, sample_id: str) -> Sample | None:
         """The full record back, or None. Logprobs come back float32-rounded."""
-        with self._sessions() as s:
+        with self._session() as s:
             r = s.get(SampleTable, (self.run_id, sample_id))
             turns = [] if r is None else s.scalars(select(TurnTable).where(TurnTable.run_id == self.run_id,
                                                                            TurnTable.sample_id == sample_id)
@@ -486,7 +564,7 @@ class TrajectoryStore:
 
     def sample_train_step(self, sample_id: str) -> int | None:
         """The step that consumed the sample; None if untrained (or unknown)."""
-        with self._sessions() as s:
+        with self._session() as s:
             return s.scalar(select(SampleTable.train_step).where(SampleTable.run_id == self.run_id,
                                                                  SampleTable.sample_id == sample_id))
 
@@ -494,11 +572,11 @@ class TrajectoryStore:
         """(start, end, policy_version) over the response tokens, in order."""
         q = (select(SegmentTable.start, SegmentTable.end, SegmentTable.policy_version)
              .where(SegmentTable.run_id == self.run_id, SegmentTable.sample_id == sample_id).order_by(SegmentTable.start))
-        with self._sessions() as s:
+        with self._session() as s:
             return [tuple(row) for row in s.execute(q)]
 
     def train_step_metrics(self, step: int) -> dict | None:
-        with self._sessions() as s:
+        with self._session() as s:
             row = s.get(TrainStepTable, (self.run_id, step))
         return None if row is None else json.loads(row.metrics_json)
 
@@ -539,25 +617,25 @@ class TrajectoryStore:
         if failure is not None:
             q = q.where(t.failure == failure)
         q = q.order_by(t.finished_at, t.sample_id).limit(limit)
-        with self._sessions() as s:
+        with self._session() as s:
             return [SampleRow(*row) for row in s.execute(q)]
 
     def count_samples(self) -> int:
-        with self._sessions() as s:
+        with self._session() as s:
             return s.scalar(select(func.count()).select_from(SampleTable).where(SampleTable.run_id == self.run_id))
 
     def count_train_steps(self) -> int:
         """Train steps this run has recorded (GRPO/OPD steps)."""
-        with self._sessions() as s:
+        with self._session() as s:
             return s.scalar(select(func.count()).select_from(TrainStepTable).where(TrainStepTable.run_id == self.run_id))
 
     def run_ids(self) -> list[str]:
         """Every run id recorded in this database (one, for a run directory's own file)."""
-        with self._sessions() as s:
+        with self._session() as s:
             return sorted(s.scalars(union(select(RunTable.run_id), select(SampleTable.run_id))))
 
     def restarts(self) -> list[dict]:
-        with self._sessions() as s:
+        with self._session() as s:
             rows = s.scalars(select(RestartTable).where(RestartTable.run_id == self.run_id).order_by(RestartTable.id))
             return [{c: getattr(r, c) for c in ("checkpoint", "train_step", "prompts_redispatched", "samples_regenerated",
                                                 "samples_untrained", "train_steps_rolled_back")} for r in rows]
@@ -566,7 +644,7 @@ class TrajectoryStore:
         """Consistency counts for resume checks: samples consumed by more than one train step,
         trained samples whose `train_step` disagrees with the audit table, prompts without an outcome."""
         S, T, P = SampleTable, TrainedTable, PromptTable
-        with self._sessions() as s:
+        with self._session() as s:
             twice = s.scalar(select(func.count()).select_from(
                 select(T.sample_id).where(T.run_id == self.run_id).group_by(T.sample_id).having(func.count() > 1).subquery()))
             trained = s.scalar(select(func.count()).select_from(S).where(S.run_id == self.run_id, S.train_step.is_not(None)))
@@ -579,4 +657,10 @@ class TrajectoryStore:
                 "prompts_open": open_}
 
     def close(self) -> None:
-        self._engine.dispose()
+        """Wait for the background batches (a failed one's error is raised after the store is closed), then close."""
+        try:
+            self.drain()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+            self._engine.dispose()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+from dataclasses import replace
 
 import pytest
 from sqlalchemy import MetaData, create_engine, insert, select, text
@@ -90,17 +91,20 @@ def _comparable(url, run_id: str) -> dict[str, list[tuple]]:
     return out
 
 
+def _call_writes(store):
+    """One rollout call's writes: prompts, samples, outcomes."""
+    store.add_prompts([Prompt("p0", "arith", "1+1=", (1, 20, 21), "2", group_size=2, policy_version=0)])
+    store.add_samples([make_sample("p0-0", versions=(0, 0, 1)), make_sample("p0-1", reward=0.0, versions=(1, 1))])
+    store.add_prompts([Prompt(f"p{i}", "arith", "2+2=", (1, 22), "4", group_size=2, policy_version=1) for i in (1, 2)])
+    store.set_outcome(["p0", "p1"], "filtered")
+    store.add_samples([make_sample("p2-0", prompt_id="p2", group_id="p2", versions=(1,))])
+
+
 def test_a_batch_writes_what_the_calls_write_one_at_a_time_in_one_commit(shared_url):
     """TrajectoryStore.batch(): the controller's prompts, samples and outcomes of one rollout call in one
     transaction: the same rows (sequence numbers included) as one call at a time; nothing visible before the block
     ends; a write the batch does not take is refused inside it and what came before is kept."""
-    def writes(store):
-        store.add_prompts([Prompt("p0", "arith", "1+1=", (1, 20, 21), "2", group_size=2, policy_version=0)])
-        store.add_samples([make_sample("p0-0", versions=(0, 0, 1)), make_sample("p0-1", reward=0.0, versions=(1, 1))])
-        store.add_prompts([Prompt(f"p{i}", "arith", "2+2=", (1, 22), "4", group_size=2, policy_version=1) for i in (1, 2)])
-        store.set_outcome(["p0", "p1"], "filtered")
-        store.add_samples([make_sample("p2-0", prompt_id="p2", group_id="p2", versions=(1,))])
-
+    writes = _call_writes
     one, batched = TrajectoryStore(shared_url, "run-one"), TrajectoryStore(shared_url, "run-batched")
     writes(one)
     reader = TrajectoryStore(shared_url, "run-batched", readonly=True)
@@ -123,6 +127,52 @@ def test_a_batch_writes_what_the_calls_write_one_at_a_time_in_one_commit(shared_
     batched.mark_trained(["p0-0"], step=1)  # writes of their own work again after the block
     assert batched.sample_train_step("p0-0") == 1
     for s in (one, batched, reader):
+        s.close()
+
+
+def test_a_background_batch_runs_on_the_stores_thread_and_reads_wait_for_it(shared_url):
+    """batch(background=True), as the controller writes a rollout call: the block only builds the rows and returns
+    before they are written; the store's thread writes the same rows as one call at a time, in one transaction; the
+    store's own reads and other writes wait for it; a batch that fails keeps nothing, its error is raised once (at the
+    next read or batch) and the store goes on; a checkpoint's watermark comes after every queued batch committed."""
+    one, bg = TrajectoryStore(shared_url, "run-one"), TrajectoryStore(shared_url, "run-bg")
+    _call_writes(one)
+    reader = TrajectoryStore(shared_url, "run-bg", readonly=True)
+    gate, ran_on = threading.Event(), []
+    run = bg._run
+
+    def held(ops):  # the writer thread waits for the gate: the block must not
+        ran_on.append(threading.get_ident())
+        assert gate.wait(10)
+        run(ops)
+    bg._run = held
+    with bg.batch(background=True):
+        _call_writes(bg)
+    assert reader.count_samples() == 0 and reader.audit()["prompts"] == 0 and bg.last_commit_s == 0.0  # not yet
+    gate.set()
+    assert bg.count_samples() == 3  # its own read waited for the writer
+    assert ran_on and ran_on[0] != threading.get_ident() and bg.writer_s > 0 and reader.count_samples() == 3
+    assert _comparable(shared_url, "run-bg") == _comparable(shared_url, "run-one")
+
+    with bg.batch(background=True):  # a duplicate sample id: the transaction fails on the writer thread
+        bg.add_prompts([Prompt("p9", "arith", "9+9=", (1, 29), "18", group_size=2, policy_version=2)])
+        bg.add_samples([make_sample("p0-0")])
+    with pytest.raises(SQLAlchemyError):
+        bg.audit()
+    assert bg.audit()["prompts"] == 3 and bg.count_samples() == 3  # nothing of it kept; said once, then on
+    with pytest.raises(ValueError, match="per-token arrays"):  # the block raises: what it wrote before is kept
+        with bg.batch(background=True):
+            bg.add_prompts([Prompt("p4", "arith", "4+4=", (1, 24), "8", group_size=2, policy_version=2)])
+            bg.add_samples([replace(make_sample("p4-0", prompt_id="p4", group_id="p4"), policy_versions_T=(1,))])
+    bg.mark_trained(["p0-0"], step=1)  # a write of its own, after the queued batch
+    assert bg.audit()["prompts"] == 4 and bg.sample_train_step("p0-0") == 1
+    gate.clear()
+    with bg.batch(background=True):
+        bg.add_prompts([Prompt("p5", "arith", "5+5=", (1, 25), "10", group_size=2, policy_version=2)])
+    threading.Timer(0.3, gate.set).start()
+    bg.watermark(1)  # a checkpoint's watermark: every row numbered so far is committed first
+    assert reader.audit()["prompts"] == 5
+    for s in (one, bg, reader):
         s.close()
 
 
