@@ -41,8 +41,10 @@ QUICK_STAGE = {"grpo": ["stages.0.prompts_per_step=2", "stages.0.group_size=2", 
                         "stages.0.dispatch.max_inflight=4"],
                "sft": ["stages.0.batch_size=4"]}
 QUICK_STAGE["opd"] = QUICK_STAGE["grpo"]
+# the quick GRPO stage without dynamic sampling: its 16-token answers all score 0, every group would be filtered
+# and the stage would end at its minutes with no step
 QUICK_STAGE["sft_grpo"] = QUICK_STAGE["sft"] + [k.replace("stages.0.", "stages.1.") for k in QUICK_STAGE["grpo"]] + [
-    "stages.1.max_steps=1"]
+    "stages.1.max_steps=1", "stages.1.dynamic_sampling=false"]
 
 
 def _launch(arm: str, out: Path, minutes: float, quick: bool, gpu: int | None, extra: list[str] = (),
