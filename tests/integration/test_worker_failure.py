@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -43,25 +44,41 @@ def _ray_processes() -> list[str]:
     return [line for line in out.splitlines() if "ray::" in line and not line.lstrip().startswith("Z")]
 
 
-@pytest.mark.parametrize("fault, line", [
+CASES = {  # fault -> the job's one line
     # rank 1 also takes longer to build than worker_timeout_s: the start is bounded by worker_start_timeout_s
-    (f"worker_init@1:1:SLEEP{TIMEOUT_S + 1},worker_train@1:3:STOP",
-     f"policy worker 1 did not answer train_step within {TIMEOUT_S} s and does not answer a ping (hung or stopped)"),
-    ("worker_rollout@1:8", "policy worker 1 died during rollout (ActorDiedError)"),
-])
-def test_a_hung_or_dead_worker_ends_the_job_with_one_line_and_resume_continues(tmp_path, fault, line):
-    run = tmp_path / "run"
+    f"worker_init@1:1:SLEEP{TIMEOUT_S + 1},worker_train@1:3:STOP":
+        f"policy worker 1 did not answer train_step within {TIMEOUT_S} s and does not answer a ping (hung or stopped)",
+    "worker_rollout@1:8": "policy worker 1 died during rollout (ActorDiedError)",
+}
+
+
+@pytest.fixture(scope="module")
+def failed_and_resumed(tmp_path_factory):
+    """Each case's run (two workers, the fault on rank 1), then its `rl resume` with one worker: the cases' runs side
+    by side (each its own Ray), then their resumes side by side; the Ray processes live before and after the runs."""
+    runs = {fault: tmp_path_factory.mktemp("worker_failure") / "run" for fault in CASES}
     before = set(_ray_processes())
-    proc, seconds = _cli(["train", "configs/tiny_grpo.yaml", "--run-dir", str(run)], TWO_WORKERS + DEVICE, fault)
+    with ThreadPoolExecutor(max_workers=len(CASES)) as pool:
+        trained = dict(zip(runs, pool.map(lambda f: _cli(["train", "configs/tiny_grpo.yaml", "--run-dir", str(runs[f])],
+                                                              TWO_WORKERS + DEVICE, f), runs)))
+        after = set(_ray_processes())
+        resumed = dict(zip(runs, pool.map(lambda f: _cli(["resume", str(runs[f])], ["runtime.num_workers=1", *DEVICE])[0],
+                                          runs)))
+    return {f: (runs[f], *trained[f], resumed[f]) for f in runs}, before, after
+
+
+@pytest.mark.parametrize("fault", list(CASES))
+def test_a_hung_or_dead_worker_ends_the_job_with_one_line_and_resume_continues(failed_and_resumed, fault):
+    cases, before, after = failed_and_resumed
+    run, proc, seconds, resumed = cases[fault]
     assert proc.returncode == 4, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
     ours = [s for s in proc.stderr.splitlines() if s.startswith("rl train: ")]
-    assert ours == [f"rl train: {line}; the newest checkpoint holds: rl resume {run}"], proc.stderr[-3000:]
+    assert ours == [f"rl train: {CASES[fault]}; the newest checkpoint holds: rl resume {run}"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert seconds < 120  # bounded: the timeout, a ping's grace, Ray's start and teardown
-    assert set(_ray_processes()) <= before  # the stopped worker was killed with the others
+    assert after <= before  # the stopped worker was killed with the others (both runs ended by now)
 
-    proc, _ = _cli(["resume", str(run)], ["runtime.num_workers=1", *DEVICE])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "stage 0 (grpo): 5 steps so far" in proc.stdout
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "stage 0 (grpo): 5 steps so far" in resumed.stdout
     audit = TrajectoryStore.for_run_dir(run).audit()
     assert audit["trained_twice"] == 0 and audit["link_mismatch"] == 0 and audit["prompts_open"] == 0, audit
