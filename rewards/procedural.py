@@ -20,6 +20,7 @@ import random
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
+from rewards.dataset_io import DatasetError
 from rewards.task import Problem, Task, Trajectory, Verdict, VerifyContext
 
 HELDOUT_MODULUS = 10
@@ -123,11 +124,17 @@ class ProceduralTask(Task):
                 if len(problems) == cfg.num_heldout:
                     break
             else:
-                raise ValueError(
-                    f"dataset {cfg.name!r} (type {self.kind}) found only {len(problems)} distinct held-out "
-                    f"instances of num_heldout={cfg.num_heldout}: the instance space is too small; lower num_heldout")
+                raise DatasetError(f"dataset {cfg.name!r} (type {self.kind})",
+                                   f"found only {len(problems)} distinct held-out instances of num_heldout="
+                                   f"{cfg.num_heldout}: the instance space is too small; lower num_heldout")
             self._heldout = problems
         return list(self._heldout)
+
+    def scan(self) -> None:
+        """What a job checks before anything starts (rl/job.py `open_job`; `rl validate` too): that the held-out
+        set can be drawn. A space too small for num_heldout is one line (a DatasetError), not a crash at the
+        first evaluation after a stage of training."""
+        self.heldout()
 
     def reasoning(self, response: str) -> str:
         """ℓ for the length penalty: the scratchpad, every character before the final answer line (newlines

@@ -45,9 +45,13 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
+    from rewards.procedural import ProceduralTask
     from rl.memory import check  # torch (a meta-device model): after the recipe itself checked out
 
     try:
+        for task in (d.build() for d in recipe.datasets):
+            if isinstance(task, ProceduralTask):  # its held-out set, drawn in milliseconds (files: the job scans them)
+                task.scan()
         memory = check(recipe)
     except ValueError as e:
         print(f"rl validate: {e}", file=sys.stderr)

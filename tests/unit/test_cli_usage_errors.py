@@ -29,6 +29,19 @@ def test_usage_errors_are_one_line_exit_2(args, needle):
     assert len(lines) == 1 and needle in lines[0], proc.stderr
 
 
+def test_a_procedural_heldout_set_too_large_for_its_space_is_one_line_before_training(tmp_path):
+    """One- and two-digit sums have 100 instances, ~10 of them held out: 16 cannot be drawn. Said by `rl validate`,
+    and by `rl train` before any training (it was a traceback at the first evaluation, after the SFT stage)."""
+    sets = [a for s in ("datasets.0.max_digits=1", "datasets.0.num_heldout=16", "logging.wandb=false") for a in ("--set", s)]
+    line = "dataset 'arith' (type arithmetic): found only 7 distinct held-out instances of num_heldout=16: the instance space"
+    run_dir = tmp_path / "run"
+    for args in (["validate", "configs/quickstart.yaml"], ["train", "configs/quickstart.yaml", "--run-dir", str(run_dir)]):
+        proc = subprocess.run([*CLI, *args, *sets], capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and line in lines[0], proc.stderr[-2000:]
+    assert not run_dir.exists()  # refused before the run directory, the store or any worker
+
+
 @pytest.mark.parametrize("ray", ["false", "true"])
 def test_a_kv_memory_fraction_too_small_for_one_sequence_is_one_line_exit_2(tmp_path, ray):
     """Said by the engine as it starts, in-process or in a Ray worker's constructor (then as the worker's failure
