@@ -50,10 +50,9 @@ KVTensors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 _FMT = {"dense": 0, "fp8": 1, "fp4": 2}
 LOG2E = 1.4426950408889634
 # fp4 tile load and decode (see _load_fp4_halves): 0 / 1 Triton ops on a 2-D / 3-D tile, 2 / 3 the same
-# tiles decoded by inline PTX (CUDA only; the interpreter and other devices run 0 / 1 instead); 4 decode 0's
-# per-element scale loads with the PTX decode (no broadcast and reshape of the scales; 0 off CUDA); the bench's
-# --sweep times them all; ASYNCRL_FP4_DECODE sets the default (for an A/B of whole engine steps)
-FP4_DECODE = int(os.environ.get("ASYNCRL_FP4_DECODE", "2"))
+# tiles decoded by inline PTX (CUDA only; the interpreter and other devices run 0 / 1 instead); the
+# bench's --sweep times them all
+FP4_DECODE = 2
 FP4_SC_WORDS = True  # decode 2 / 3: fp4 scales loaded as int32 words where aligned (_load_scale_bytes)
 # default fp4 split count: the decode-2 kernel at block_n 128, 4 warps takes 128 registers and ~60 KB of
 # shared memory, so 3 programs fit an H200 SM; a grid of one full wave of them (B=8, KVH=8: 6 splits) was
@@ -202,15 +201,14 @@ def _load_fp4_halves(ptr, sc_ptr, row, sc_row, valid, DH: tl.constexpr, BLOCK_N:
     DECODE 0: load [BLOCK_N, D / 2] bytes and gather each byte's scale (repeated addresses, served by
     L1); 1: load [BLOCK_N, D / 16, 8] bytes against [BLOCK_N, D / 16] scales (a broadcast) and flatten;
     2 / 3: as 0 / 1 but the scales are loaded once per block ([BLOCK_N, D / 16], contiguous) and
-    broadcast, and the nibbles are decoded by inline PTX (`_E2M1X8_F16_ASM`, CUDA only); 4: 0's loads, 2's
-    PTX decode (no broadcast or reshape of the scales)."""
+    broadcast, and the nibbles are decoded by inline PTX (`_E2M1X8_F16_ASM`, CUDA only)."""
     NB: tl.constexpr = DH // 8
-    if DECODE == 0 or DECODE == 4:
+    if DECODE == 0:
         i = tl.arange(0, DH)
         p = tl.load(ptr + row[:, None] + i[None, :], mask=valid[:, None], other=0)
         sb = tl.load(sc_ptr + sc_row[:, None] + (i // 8)[None, :], mask=valid[:, None], other=0)
         sc = sb.to(tl.float8e4nv, bitcast=True).to(tl.float16)
-        lo, hi = _e2m1_scaled_f16(p, sc, DECODE == 4)
+        lo, hi = _e2m1_scaled_f16(p, sc, False)
     elif DECODE == 2:
         i = tl.arange(0, DH)
         p = tl.load(ptr + row[:, None] + i[None, :], mask=valid[:, None], other=0)
