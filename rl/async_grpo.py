@@ -31,7 +31,7 @@ same loop with no overlap between rollout and training (the baseline).
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from rewards.task import Problem
 from rl import reconfigure, repercussion
@@ -109,6 +109,8 @@ class AsyncGRPO:
         self.finished: dict[str, list[Sample]] = defaultdict(list)  # prompt_id -> rewarded samples
         self.load = [0] * self.n_workers  # unfinished samples per worker
         self.pending_rewards: list[tuple[object, list[Generation]]] = []
+        self.unverified: Counter[str] = Counter()  # prompt_id -> its samples with a verdict still out
+        self.closed_unverified: set[str] = set()  # closed groups (filtered, stale, discarded) with verdicts still out
         self.effort_of: dict[str, int | None] = {}  # sample_id -> effort level, while in flight
         self.clock = RolloutClock()
         self._writer_seen = job.store.writer_s  # the store's writer seconds already in the clock
@@ -207,6 +209,7 @@ class AsyncGRPO:
             t0 = time.perf_counter()
             verdicts = rewards.get(fut)
             clock.verify_s += time.perf_counter() - t0
+            self.unverified.subtract(prompt_id_of(g.sample_id) for g in gens)
             samples = [self.job.renderer.to_sample(*self.prompts[prompt_id_of(g.sample_id)], g, verdict,
                                           status="discarded" if self.disp.is_discarded(prompt_id_of(g.sample_id)) else "finished",
                                           effort=self.effort_of.pop(g.sample_id),
@@ -218,8 +221,14 @@ class AsyncGRPO:
             self.job.store.add_samples(samples)
             clock.store_s += time.perf_counter() - t0
             for s in samples:
-                if s.status == "finished":
+                if s.status == "finished" and s.prompt_id not in self.closed_unverified:
                     self.finished[s.prompt_id].append(s)
+            for pid in {s.prompt_id for s in samples}:
+                if self.unverified[pid] <= 0:
+                    del self.unverified[pid]
+                    if pid in self.closed_unverified:
+                        self.closed_unverified.discard(pid)
+                        self.forget(pid)
         if self.filters_uniform:
             self.filter_uniform_groups()
         self.record_closed()
@@ -255,12 +264,26 @@ class AsyncGRPO:
         return self.clock.store_writer_s
 
     def record_closed(self) -> None:
+        """The outcomes of the groups that left without training; what the controller held for them goes (now, or
+        when their last verdict comes in: a group can close before its verdicts do)."""
         by_outcome: dict[str, list[str]] = defaultdict(list)
         for pid, outcome in self.disp.drain_closed():
             by_outcome[outcome].append(pid)
-            self.finished.pop(pid, None)
+            if self.unverified[pid] > 0:
+                self.closed_unverified.add(pid)
+                self.finished.pop(pid, None)
+            else:
+                del self.unverified[pid]
+                self.forget(pid)
         for outcome, pids in by_outcome.items():
             self.job.store.set_outcome(pids, outcome)
+
+    def forget(self, pid: str) -> None:
+        """A group that is trained or closed: its prompt, teacher and rewarded samples are not needed again (a job
+        that filters most groups, DAPO's dynamic sampling, kept every filtered prompt until it ended)."""
+        self.prompts.pop(pid, None)
+        self.teacher_of.pop(pid, None)
+        self.finished.pop(pid, None)
 
     def tokens_of(self, pid: str) -> tuple[int, int]:
         ss = self.finished[pid]
@@ -415,6 +438,7 @@ class AsyncGRPO:
         for g in gens:
             disp.on_finished(FinishedMeta(g.sample_id, prompt_id_of(g.sample_id), len(g.response_tokens),
                                           min(g.policy_versions)))
+        self.unverified.update(prompt_id_of(g.sample_id) for g in gens)
         if gens:
             items = [self.job.renderer.trajectory(self.prompts[prompt_id_of(g.sample_id)][1], g) for g in gens]
             t0 = time.perf_counter()
@@ -471,8 +495,7 @@ class AsyncGRPO:
         job.store.mark_trained([s.sample_id for s in samples], version)
         job.store.set_outcome(batch, "trained")
         for pid in batch:
-            self.prompts.pop(pid, None)
-            self.teacher_of.pop(pid, None)
+            self.forget(pid)
         clock.train_s += time.perf_counter() - t_train
 
         trained_version = version - 1  # the weights this step's gradient was taken at

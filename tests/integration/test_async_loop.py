@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from rl import reconfigure
-from rl.async_grpo import run_async_grpo
+from rl.async_grpo import AsyncGRPO, run_async_grpo
 from rl.config import Recipe
 from rl.job import open_job
 from rl.preempt import Preempted
@@ -246,6 +246,45 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_full_batch
     # in-process the verdicts come with the call (no reward actor), so every batch formed from verified groups while
     # the engine generated: taken without a wait (a Ray run waits only where nothing generates)
     assert last["rollout/reward_waits_total"] == 0 and last["time/reward_wait_s"] == 0
+
+
+@pytest.mark.parametrize("ray", [False, True], ids=["in-process", "ray"])
+def test_the_controller_lets_go_of_groups_that_are_trained_or_filtered(tmp_path, ray):
+    """What the controller holds for a group (its prompt, teacher, rewarded samples) goes when the group is trained
+    or closes without training: with dynamic sampling dropping most groups, a job kept every filtered prompt until
+    it ended (memory that grew with the run). On Ray the verdicts come from a reward actor a call later, so a group
+    can close before its verdicts are in; what it holds goes when the last one comes."""
+    dataset = sums_dataset(tmp_path, "first_char_even")  # a coin per sample: groups of 2 are uniform half the time
+    runtime = {"ray": True, "num_workers": 1, "num_cpus": 2, "num_reward_workers": 1} if ray else {"ray": False}
+    # warm-up discard (seed §5.2.2: a group with a response under 12 tokens, one that ended at EOS, is dropped whole in
+    # the first 2 steps): a group that closes when its last sample finishes, its verdicts still out on Ray
+    dispatch = {**RECIPE["stages"][0]["dispatch"], "warmup_discard": {"steps": 2, "min_response_tokens": 12}}
+    recipe = Recipe.model_validate({**RECIPE, "datasets": [dataset], "runtime": runtime, "checkpoint": {"every_steps": 0},
+                                    "stages": [{**RECIPE["stages"][0], "max_steps": 4, "dynamic_sampling": True,
+                                                "dispatch": dispatch}]})
+    stage = recipe.stages[0]
+    run_dir = tmp_path / "run"
+    with open_job(recipe, run_dir, say=lambda m: None) as job:
+        job.state.stage_t0 = time.monotonic()
+        job.policy.begin_stage(stage)
+        loop = AsyncGRPO(job, stage, 0)
+        held = []
+        step = loop.train_step
+
+        def counting_step(batch, *rest):  # the groups held at each train step: bounded by what is in flight
+            held.append(len(loop.prompts))
+            return step(batch, *rest)
+
+        loop.train_step = counting_step
+        loop.run()
+    with sqlite3.connect(run_dir / "trajectories.db") as c:
+        outcome = dict(c.execute("select prompt_id, outcome from prompts"))
+    gone = {p for p, o in outcome.items() if o in ("trained", "filtered", "dropped_stale", "discarded")}
+    assert {"trained", "filtered", "discarded"} <= set(outcome.values()) and len(held) == 4
+    assert not gone & (set(loop.prompts) | set(loop.teacher_of) | set(loop.finished))
+    assert not loop.unverified and not loop.closed_unverified
+    # in flight (max_inflight 8 = 4 groups of 2) + ready + the next batch's: never every prompt drawn so far
+    assert max(held) <= 4 + 2 * PROMPTS * (LAG + 1) < len(outcome)
 
 
 def test_a_time_budget_ends_the_stage_inside_a_rollout_phase_that_never_fills_a_batch(tmp_path):
