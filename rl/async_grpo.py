@@ -429,7 +429,7 @@ class AsyncGRPO:
         for w, r in enumerate(results):
             self.load[w] -= len(r.finished)
         if results:
-            clock.concurrency.append(sum(r.generated / max(r.steps, 1) for r in results))
+            clock.add_concurrency(sum(r.generated / max(r.steps, 1) for r in results))
             clock.engine_s += max(r.seconds for r in results)
             clock.engine_steps += max(r.steps for r in results)
             clock.prefill_calls += sum(r.prefill_calls for r in results)
@@ -507,7 +507,7 @@ class AsyncGRPO:
             "rollout/response_len": len(versions) / len(samples),
             "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "rollout/tokens_per_s": clock.generated_tokens / max(clock.rollout_s, 1e-9),
-            "rollout/concurrency_mean": sum(clock.concurrency) / max(len(clock.concurrency), 1),
+            "rollout/concurrency_mean": clock.concurrency_mean,
             "rollout/prompts_too_long": self.prompts_too_long,
             "async/max_version_lag": max(trained_version - v for v in versions) if versions else 0,
             "async/stale_token_frac": sum(v < trained_version for v in versions) / max(len(versions), 1),

@@ -49,7 +49,9 @@ plain JSON: no class names, so renaming a Python class never breaks a resume.
   Prompt      {prompt_id, dataset, text, tokens [int], answer, group_size, policy_version, config_version}
   Problem     the task's problem, field by field (ckpt_records.problem_to_record: the one place to adapt)
   Clock       {concurrency [float], interrupt_s [float], interrupt_late_steps [int], rollout_s, train_s,
-               generated_tokens, bytes_moved, pipelined_calls (absent from older checkpoints: 0)}
+               generated_tokens, bytes_moved, pipelined_calls (absent from older checkpoints: 0), ...,
+               concurrency_sum, concurrency_calls (absent from older checkpoints: from their whole concurrency
+               list); concurrency holds the last RolloutClock's window of calls}
   Live        {version, mixture {dataset: float}, caps {dataset: int}, assignment {dataset: teacher},
                teachers {name: {name, checkpoint, datasets}}, history [{version, status, train_step, time, patch}]}
   RandomState [version, [int] * 625, gauss_next | null]          (Python's random.Random.getstate())

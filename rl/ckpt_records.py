@@ -81,7 +81,10 @@ def clock_to_record(c: RolloutClock) -> dict:
 
 
 def clock_from_record(d: dict) -> RolloutClock:
-    return from_fields(RolloutClock, d, "clock")
+    clock = from_fields(RolloutClock, d, "clock")
+    if "concurrency_calls" not in d:  # written before the window (RolloutClock.concurrency): it holds every call
+        clock.concurrency_sum, clock.concurrency_calls = float(sum(clock.concurrency)), len(clock.concurrency)
+    return clock
 
 
 def live_config_to_record(live: LiveConfig) -> dict:

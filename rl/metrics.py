@@ -68,12 +68,18 @@ def rollout_breakdown(samples) -> dict[str, float]:
     return out
 
 
+CONCURRENCY_WINDOW = 50_000
+"""Rollout calls whose concurrency RolloutClock keeps one by one (benches read them all: a few thousand calls)."""
+
+
 @dataclass
 class RolloutClock:
     """Concurrency and time accounting of the rollout phases (metrics and benchmarks)."""
 
     concurrency: list[float] = field(default_factory=list)
-    """Sequences generating per engine step (tokens generated ÷ steps), summed over engines, per call."""
+    """Sequences generating per engine step (tokens generated ÷ steps), summed over engines, per call: the last
+    CONCURRENCY_WINDOW calls or more (`add_concurrency`; a day's run makes millions of calls, each checkpoint
+    stores the list, and the mean is taken at every train step); the whole stage's mean is `concurrency_mean`."""
     interrupt_s: list[float] = field(default_factory=list)
     """Signal-to-idle time of every interrupt."""
     interrupt_late_steps: list[int] = field(default_factory=list)
@@ -113,3 +119,18 @@ class RolloutClock:
     not part of rollout_s."""
     uniform_groups_skipped: int = 0
     """Groups left out of train steps because every advantage was 0 (GRPOStage.skip_uniform_groups)."""
+    concurrency_sum: float = 0.0
+    """Σ `concurrency` over every call of the stage, those the window let go included (a checkpoint written before
+    the window has neither field: `ckpt_records.clock_from_record` takes them from its whole list)."""
+    concurrency_calls: int = 0
+
+    def add_concurrency(self, x: float) -> None:
+        self.concurrency.append(x)
+        self.concurrency_sum += x
+        self.concurrency_calls += 1
+        if len(self.concurrency) >= 2 * CONCURRENCY_WINDOW:  # amortised: one cut per CONCURRENCY_WINDOW calls
+            del self.concurrency[:-CONCURRENCY_WINDOW]
+
+    @property
+    def concurrency_mean(self) -> float:
+        return self.concurrency_sum / max(self.concurrency_calls, 1)

@@ -19,7 +19,7 @@ from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig, ReverseConfig
 from rewards.longtail import LongTailConfig
 from rl import ckpt_records as rec
-from rl import reconfigure
+from rl import metrics, reconfigure
 from rl.metrics import RolloutClock
 from rl.checkpoint import CheckpointError, CheckpointManager, flatten_tree, load_tree, save_tree, unflatten_tree
 from rl.config import Recipe
@@ -96,6 +96,24 @@ def test_small_records_round_trip():
     restored = random.Random(0)
     restored.setstate(rec.random_state_from_record(_json(rec.random_state_to_record(rng.getstate()))))
     assert [restored.random() for _ in range(5)] == [rng.random() for _ in range(5)]
+
+
+def test_clock_keeps_a_window_of_calls_and_the_whole_stage_mean(monkeypatch):
+    """RolloutClock.concurrency keeps the last CONCURRENCY_WINDOW calls (it grew by one a call for the whole stage,
+    into every checkpoint); concurrency_mean still covers every call, also after a checkpoint's round trip. A clock
+    written before the window (no concurrency_sum / concurrency_calls) takes them from its whole list."""
+    monkeypatch.setattr(metrics, "CONCURRENCY_WINDOW", 4)
+    clock = RolloutClock()
+    for x in range(1, 12):
+        clock.add_concurrency(float(x))
+    assert 4 <= len(clock.concurrency) < 8 and clock.concurrency[-1] == 11.0
+    assert clock.concurrency_mean == 6.0 and clock.concurrency_calls == 11
+    back = rec.clock_from_record(_json(rec.clock_to_record(clock)))
+    assert back == clock and back.concurrency_mean == 6.0
+    old = {k: v for k, v in rec.clock_to_record(_async_state()["clock"]).items()
+           if k not in ("concurrency_sum", "concurrency_calls")}
+    restored = rec.clock_from_record(_json(old))
+    assert (restored.concurrency_sum, restored.concurrency_calls, restored.concurrency_mean) == (3.75, 2, 1.875)
 
 
 def test_record_with_an_unexpected_or_missing_field_is_refused():
