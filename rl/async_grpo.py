@@ -174,11 +174,11 @@ class AsyncGRPO:
         for t in tickets:
             # With effort conditioning the group is M_b samples at each level b (one group to the dispatcher).
             levels = [b for b in effort.levels for _ in range(effort.samples_per_level)] if effort else [None] * t.group_size
-            problem, tokens_of, dropped = job.renderer.draw_fitting(self.streams[t.dataset], levels)
+            problem, rendered, dropped = job.renderer.draw_fitting(self.streams[t.dataset], levels)
             self.prompts_too_long += dropped  # longer than the engine takes: skipped, counted, never generated
-            prompt = Prompt(t.prompt_id, t.dataset, job.renderer.prompt_text(problem),
-                            tokens_of[None] if None in tokens_of else job.renderer.prompt_tokens(problem),
-                            problem.answer, t.group_size, t.version, self.live.version)
+            plain = rendered[None] if None in rendered else job.renderer.render(problem)  # the prompt without effort
+            prompt = Prompt(t.prompt_id, t.dataset, plain.text, plain.ids, problem.answer, t.group_size, t.version,
+                            self.live.version)
             self.teacher_of[t.prompt_id] = self.live.teacher_for(t.dataset)
             self.prompts[t.prompt_id] = (prompt, problem)
             prompts.append(prompt)
@@ -187,7 +187,7 @@ class AsyncGRPO:
                 self.load[w] += 1
                 sid = f"{t.prompt_id}-{j}"
                 self.effort_of[sid] = b
-                toks = tokens_of[b]
+                toks = rendered[b].ids
                 forced = job.tasks[t.dataset].response_budget(problem, j)
                 per_worker[w].append(GenerationRequest(
                     sid, toks, forced or job.recipe.max_response_tokens, seed=job.renderer.sample_seed(sid),

@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from model.tokenizer import Tokenizer
 from rewards.effort import EffortConfig, with_effort
@@ -25,6 +26,38 @@ from rl.repercussion import failure_of
 from rl.types import Prompt, Sample, Turn
 from rollout.tool_calls import render_tools_into_prompt
 from rollout.types import Generation
+
+
+class Rendered(NamedTuple):
+    """A prompt as the policy sees it: the text exactly as tokenised, and its ids."""
+
+    text: str
+    ids: tuple[int, ...]
+
+
+RENDER_CACHE_TOKENS = 1 << 21
+"""Prompt tokens the Renderer keeps rendered (~75 MB at most as Python ints; a 5,000-row file of 80-token chat prompts
+takes 0.4M): an RL job draws a file dataset's prompts once an epoch, and rendering + tokenising is most of what
+releasing a group costs the controller (bench/prompt_release.py)."""
+
+
+class _RenderCache:
+    """Rendered prompts by (prompt, effort): the rendering is a function of those alone (the tokenizer and the tool
+    declarations are the Renderer's own), so a hit is the same text and ids, whichever problem asks. The oldest
+    entries go first past RENDER_CACHE_TOKENS."""
+
+    def __init__(self):
+        self.entries: dict[tuple, Rendered] = {}
+        self.tokens = 0
+
+    def get(self, key: tuple) -> Rendered | None:
+        return self.entries.get(key)
+
+    def put(self, key: tuple, r: Rendered) -> None:
+        self.entries[key] = r
+        self.tokens += len(r.ids)
+        while self.tokens > RENDER_CACHE_TOKENS and len(self.entries) > 1:
+            self.tokens -= len(self.entries.pop(next(iter(self.entries))).ids)
 
 
 def sample_seed(run_seed: int, sample_id: str) -> int:
@@ -45,6 +78,7 @@ class Renderer:
     tools: tuple | None = None
     """Multi-turn tool calls (issue #16): (format, ToolSpecs[, instructions]) declared in every prompt's system
     prompt (rollout/tool_calls.render_tools_into_prompt); None: no tools."""
+    _cache: _RenderCache = field(default_factory=_RenderCache, init=False, repr=False, compare=False)
 
     def prompt_text(self, problem: Problem, effort: int | None = None) -> str:
         """The prompt exactly as tokenised: the effort prefix (seed §5.1.4), then the problem (with the tool
@@ -61,27 +95,38 @@ class Renderer:
         fmt, specs, *rest = self.tools
         return specs, fmt, (rest[0] if rest else None)
 
-    def prompt_tokens(self, problem: Problem, effort: int | None = None) -> tuple[int, ...]:
-        """The prompt's ids; with `add_bos` they start with one BOS (a chat template that writes BOS gets no second)."""
+    def render(self, problem: Problem, effort: int | None = None) -> Rendered:
+        """The prompt's text (`prompt_text`) and its ids from that one rendering; with `add_bos` the ids start with
+        one BOS (a chat template that writes BOS gets no second)."""
+        key = (problem.prompt, effort)
+        if (hit := self._cache.get(key)) is not None:
+            return hit
         tok = self.tokenizer
-        ids = tok.encode(self.prompt_text(problem, effort))
-        return tuple([tok.bos_id, *ids] if tok.add_bos and ids[:1] != [tok.bos_id] else ids)
+        text = self.prompt_text(problem, effort)
+        ids = tok.encode(text)
+        out = Rendered(text, tuple([tok.bos_id, *ids] if tok.add_bos and ids[:1] != [tok.bos_id] else ids))
+        self._cache.put(key, out)
+        return out
+
+    def prompt_tokens(self, problem: Problem, effort: int | None = None) -> tuple[int, ...]:
+        return self.render(problem, effort).ids
 
     def fits(self, prompt_tokens: Sequence[int]) -> bool:
         return self.max_prompt_tokens is None or len(prompt_tokens) <= self.max_prompt_tokens
 
     def draw_fitting(self, stream: Iterator[Problem], efforts: Sequence[int | None] = (None,),
-                     max_dropped: int = 1000) -> tuple[Problem, dict[int | None, tuple[int, ...]], int]:
-        """The next problem of `stream` whose prompt fits at every effort level in `efforts`, its prompt ids per
-        level, and how many problems before it were dropped as too long. `max_dropped` in a row is a recipe
+                     max_dropped: int = 1000) -> tuple[Problem, dict[int | None, Rendered], int]:
+        """The next problem of `stream` whose prompt fits at every effort level in `efforts`, its rendered prompt
+        per level, and how many problems before it were dropped as too long. `max_dropped` in a row is a recipe
         error (one line), not a reason to spin forever."""
         for dropped in range(max_dropped + 1):
             problem = next(stream)
-            ids = {b: self.prompt_tokens(problem, b) for b in dict.fromkeys(efforts)}
-            if all(self.fits(t) for t in ids.values()):
-                return problem, ids, dropped
+            rendered = {b: self.render(problem, b) for b in dict.fromkeys(efforts)}
+            if all(self.fits(r.ids) for r in rendered.values()):
+                return problem, rendered, dropped
+        longest = max(len(r.ids) for r in rendered.values())
         raise ValueError(f"{max_dropped + 1} prompts in a row of dataset {problem.dataset!r} are longer than "
-                         f"engine.max_prompt_tokens={self.max_prompt_tokens} (the last has {max(map(len, ids.values()))} tokens)")
+                         f"engine.max_prompt_tokens={self.max_prompt_tokens} (the last has {longest} tokens)")
 
     def sample_seed(self, sample_id: str) -> int:
         return sample_seed(self.run_seed, sample_id)

@@ -52,7 +52,7 @@ def test_draw_fitting_skips_and_counts_long_prompts():
     cursor = Cursor(Lengths("len"), seed_offset=0)
     drawn = [r.draw_fitting(cursor) for _ in range(3)]
     assert [(p.problem_id, d) for p, _, d in drawn] == [("len:0", 0), ("len:2", 1), ("len:4", 1)]
-    assert drawn[0][1] == {None: (1, *CharTokenizer().encode("xxx"))} and cursor.drawn == 5  # the stream position counts drops
+    assert drawn[0][1] == {None: ("xxx", (1, *CharTokenizer().encode("xxx")))} and cursor.drawn == 5  # drops count
     assert Renderer(CharTokenizer(), {}).draw_fitting(Cursor(Lengths("len"), 0))[2] == 0  # no limit: nothing dropped
     # with effort levels a prompt must fit under every level's prefix
     effort = EffortConfig(levels=[25, 100])
@@ -60,7 +60,7 @@ def test_draw_fitting_skips_and_counts_long_prompts():
     r2 = Renderer(CharTokenizer(), {}, effort, max_prompt_tokens=long_prefix)
     assert r2.fits(r2.prompt_tokens(Problem("p", "d", "xxxx"), 25))  # "xxxx" fits at level 25, not at 100
     _, ids, dropped = r2.draw_fitting(Cursor(Lengths("e", (4, 3)), 0), [25, 25, 100, 100])
-    assert sorted(ids) == [25, 100] and dropped == 1 and len(ids[100]) == long_prefix
+    assert sorted(ids) == [25, 100] and dropped == 1 and len(ids[100].ids) == long_prefix
     with pytest.raises(ValueError, match=r"4 prompts in a row of dataset 'len' are longer than engine.max_prompt_tokens=2"):
         Renderer(CharTokenizer(), {}, max_prompt_tokens=2).draw_fitting(Cursor(Lengths("len"), 0), max_dropped=3)
 

@@ -10,6 +10,7 @@ from model.tokenizer import CharTokenizer, Tokenizer
 from rewards.config import ArithmeticConfig, CustomTaskConfig
 from rewards.effort import EffortConfig, effort_prefix, with_effort
 from rewards.task import Message, Problem, Task, Trajectory, Turn, Verdict, VerifyContext, missing_task_methods
+from rl import rendering
 from rl.rendering import Renderer
 from rl.runtime import verify_one
 from rollout.types import Generation
@@ -99,3 +100,39 @@ def test_tokenizer_protocol_and_recipe_field():
     tok = CharTokenizerConfig().build()
     assert isinstance(tok, Tokenizer) and tok.vocab_size == 99
     assert tok.apply_chat_template([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]) == "a\nb"
+
+
+class CountingTokenizer(CharTokenizer):
+    """The char tokenizer, counting the texts it encodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoded = 0
+
+    def encode(self, text, **kw):
+        self.encoded += 1
+        return super().encode(text, **kw)
+
+
+def test_renderer_renders_a_prompt_once_and_answers_again_from_its_cache(monkeypatch):
+    """A file dataset's prompts come back every epoch: the second time a prompt (at an effort level) is rendered it is
+    the first rendering's text and ids, without the chat template or the tokenizer. Keyed by what is rendered, not by
+    the problem id; the oldest renderings go past RENDER_CACHE_TOKENS."""
+    tok = CountingTokenizer()
+    r = Renderer(tok, {}, EffortConfig(levels=[25, 75]))
+    chat, other = Problem("d:1", "d", CHAT), Problem("d:1", "d", "pal noon?")  # the same id, another prompt
+    first = [r.render(chat), r.render(chat, 75), r.render(other)]
+    assert tok.encoded == 3 and len({x.text for x in first}) == 3
+    again = [r.render(Problem("d:9", "d", CHAT)), r.render(chat, 75), r.render(other)]
+    assert again == first and tok.encoded == 3
+    fresh = Renderer(CharTokenizer(), {}, EffortConfig(levels=[25, 75]))
+    assert [fresh.render(chat), fresh.render(chat, 75), fresh.render(other)] == first  # what an uncached one renders
+    assert r.prompt_tokens(chat) == first[0].ids and r.prompt_text(chat) == first[0].text
+    monkeypatch.setattr(rendering, "RENDER_CACHE_TOKENS", len(first[0].ids) + len(first[2].ids))
+    small = Renderer(tok, {})
+    small.render(chat), small.render(other), small.render(Problem("d:2", "d", "pal x?"))  # chat's rendering goes
+    n = tok.encoded
+    small.render(Problem("d:2", "d", "pal x?")), small.render(other)
+    assert tok.encoded == n
+    small.render(chat)
+    assert tok.encoded == n + 1
