@@ -174,7 +174,7 @@ class Renderer:
             sample_id=g.sample_id, prompt_id=prompt.prompt_id, dataset=prompt.dataset,
             group_id=prompt.prompt_id if effort is None else f"{prompt.prompt_id}@{effort}",
             prompt_tokens=g.prompt_tokens, response_tokens=g.response_tokens,
-            prompt_text=prompt.text if effort is None else self.prompt_text(problem, effort), response_text=text, behavior_logprobs_T=g.logprobs,
+            prompt_text=prompt.text if effort is None else self.render(problem, effort).text, response_text=text, behavior_logprobs_T=g.logprobs,
             policy_versions_T=g.policy_versions, reward=reward, correct=verdict.correct,
             finish_reason=g.finish_reason, status=status, routing_trace=g.routing_trace,
             timings={"finished_at": time.time(), "generate_s": g.generate_s},
