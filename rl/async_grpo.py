@@ -269,11 +269,10 @@ class AsyncGRPO:
         by_outcome: dict[str, list[str]] = defaultdict(list)
         for pid, outcome in self.disp.drain_closed():
             by_outcome[outcome].append(pid)
-            if self.unverified[pid] > 0:
+            if self.unverified[pid] > 0:  # (collect_rewards keeps only positive counts)
                 self.closed_unverified.add(pid)
                 self.finished.pop(pid, None)
             else:
-                del self.unverified[pid]
                 self.forget(pid)
         for outcome, pids in by_outcome.items():
             self.job.store.set_outcome(pids, outcome)

@@ -98,7 +98,8 @@ class Renderer:
     def render(self, problem: Problem, effort: int | None = None) -> Rendered:
         """The prompt's text (`prompt_text`) and its ids from that one rendering; with `add_bos` the ids start with
         one BOS (a chat template that writes BOS gets no second)."""
-        key = (problem.prompt, effort)
+        prompt = problem.prompt  # a custom task's messages may come as a list: hashed as the tuple they render as
+        key = (prompt if isinstance(prompt, str) else tuple(prompt), effort)
         if (hit := self._cache.get(key)) is not None:
             return hit
         tok = self.tokenizer

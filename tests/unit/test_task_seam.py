@@ -128,6 +128,7 @@ def test_renderer_renders_a_prompt_once_and_answers_again_from_its_cache(monkeyp
     fresh = Renderer(CharTokenizer(), {}, EffortConfig(levels=[25, 75]))
     assert [fresh.render(chat), fresh.render(chat, 75), fresh.render(other)] == first  # what an uncached one renders
     assert r.prompt_tokens(chat) == first[0].ids and r.prompt_text(chat) == first[0].text
+    assert r.render(Problem("d:3", "d", list(CHAT))) == first[0] and tok.encoded == 3  # messages given as a list
     monkeypatch.setattr(rendering, "RENDER_CACHE_TOKENS", len(first[0].ids) + len(first[2].ids))
     small = Renderer(tok, {})
     small.render(chat), small.render(other), small.render(Problem("d:2", "d", "pal x?"))  # chat's rendering goes
