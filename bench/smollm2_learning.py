@@ -6,6 +6,7 @@ original one.
     python bench/smollm2_learning.py --phase opd  [--minutes 6]   [--out runs/smollm2-bench]   # after the arms
     python bench/smollm2_learning.py --quick                       # CPU, one step of each: the plumbing only
     python bench/smollm2_learning.py --phase arms --arm sft_grpo=sft_grpo [--sft-share 0.4]   # + SFT, then GRPO
+    python bench/smollm2_learning.py --phase arms --arm split=sft_grpo_split   # the same on two halves of the file
 
 `arms` runs `rl train configs/smollm2_grpo.yaml` and `rl train configs/smollm2_sft.yaml` at the same time,
 one per GPU when there are two (CUDA_VISIBLE_DEVICES=0 and 1), each for --minutes; `opd` runs
@@ -33,8 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 RECIPES = {"grpo": "configs/smollm2_grpo.yaml", "sft": "configs/smollm2_sft.yaml", "opd": "configs/smollm2_opd.yaml",
-           "sft_grpo": "configs/smollm2_sft_grpo.yaml"}
-"""The arms' recipes. `sft_grpo` (SFT, then GRPO, splitting the minutes by --sft-share) runs only as an --arm."""
+           "sft_grpo": "configs/smollm2_sft_grpo.yaml", "sft_grpo_split": "configs/smollm2_sft_grpo_split.yaml"}
+"""The arms' recipes. `sft_grpo` (SFT, then GRPO, splitting the minutes by --sft-share) and `sft_grpo_split` (the
+same, SFT on the first half of the training file and GRPO on the other half) run only as an --arm."""
+TWO_STAGES = ("sft_grpo", "sft_grpo_split")
 QUICK = ["run.device=cpu", "run.num_threads=1", "runtime.ray=false", "stages.0.max_steps=1", "eval.max_problems=2",
          "engine.max_new_tokens=16", "engine.max_batch_size=8", "logging.wandb=false", "checkpoint.every_steps=0"]
 QUICK_STAGE = {"grpo": ["stages.0.prompts_per_step=2", "stages.0.group_size=2", "stages.0.micro_batch_size=4",
@@ -45,13 +48,14 @@ QUICK_STAGE["opd"] = QUICK_STAGE["grpo"]
 # and the stage would end at its minutes with no step
 QUICK_STAGE["sft_grpo"] = QUICK_STAGE["sft"] + [k.replace("stages.0.", "stages.1.") for k in QUICK_STAGE["grpo"]] + [
     "stages.1.max_steps=1", "stages.1.dynamic_sampling=false"]
+QUICK_STAGE["sft_grpo_split"] = QUICK_STAGE["sft_grpo"]
 
 
 def _launch(arm: str, out: Path, minutes: float, quick: bool, gpu: int | None, extra: list[str] = (),
             base: str | None = None, sft_share: float = 0.4) -> subprocess.Popen:
     base = base or arm
     budget = ([f"stages.0.max_minutes={minutes * sft_share:.3g}", f"stages.1.max_minutes={minutes * (1 - sft_share):.3g}"]
-              if base == "sft_grpo" else [f"stages.0.max_minutes={minutes}"])  # the same minutes in all, split
+              if base in TWO_STAGES else [f"stages.0.max_minutes={minutes}"])  # the same minutes in all, split
     sets = [*budget, "logging.progress_bar=false", *extra]
     if quick:
         sets += QUICK + QUICK_STAGE[base]
@@ -270,8 +274,8 @@ def main() -> None:
     arms = {arm: arm for arm in ("grpo", "sft", "opd")}
     for item in args.arm:
         name, sep, base = item.partition("=")
-        if not sep or base not in ("grpo", "sft", "sft_grpo") or not name.isidentifier() or name in arms:
-            ap.error(f"--arm {item!r}: expected NAME=BASE with a new NAME and BASE one of grpo, sft, sft_grpo")
+        if not sep or base not in ("grpo", "sft", *TWO_STAGES) or not name.isidentifier() or name in arms:
+            ap.error(f"--arm {item!r}: expected NAME=BASE with a new NAME and BASE one of grpo, sft, {', '.join(TWO_STAGES)}")
         arms[name] = base
     bad = [a for a in args.only if a not in arms or a == "opd"]
     if bad:

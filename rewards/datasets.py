@@ -102,8 +102,12 @@ class _FileDatasetConfig(StrictConfig):
     """{fraction, seed} of the file's prompts, or {path} of another file; never in the train stream."""
     seed: int = 0
     """Seed of the train stream's shuffles."""
+    skip_rows: int = Field(0, ge=0)
+    """Leave out the first this many rows of the file (before `max_rows` and the split): two datasets over one
+    file, one with `max_rows: N` and one with `skip_rows: N`, split its rows, e.g. SFT rows for one stage and
+    RL prompts for the next (`stages[i].datasets`)."""
     max_rows: int | None = Field(None, gt=0)
-    """Use only the first this many rows of the file (before the split)."""
+    """Use only the first this many rows of the file (after `skip_rows`; before the split)."""
 
     @field_validator("verifier", mode="before")
     @classmethod
@@ -118,8 +122,9 @@ class _FileDatasetConfig(StrictConfig):
             raise ValueError("chat applies to a text prompt; messages are chat already")
         if self.heldout.split is not None and self.type != "hf_disk":
             raise ValueError(f"heldout.split applies to hf_disk datasets only, not to {self.type}")
-        for path, split in self.sources():
-            for n, row in iter_rows(self.type, path, limit=min(PREVIEW_ROWS, self.max_rows or PREVIEW_ROWS), split=split):
+        for i, (path, split) in enumerate(self.sources()):
+            preview = min(PREVIEW_ROWS, self.max_rows or PREVIEW_ROWS)
+            for n, row in train_rows(self, path, split, preview) if i == 0 else iter_rows(self.type, path, limit=preview, split=split):
                 row_problem(self, path, n, row)
         return self
 
@@ -218,6 +223,19 @@ def _with_system(cfg: _FileDatasetConfig, prompt: str | tuple[Message, ...]) -> 
     return (Message("system", cfg.system), *prompt)
 
 
+def train_rows(cfg: _FileDatasetConfig, path: Path, split: str | None, limit: int | None) -> Iterator[tuple[int, dict]]:
+    """(row number, row) of the train file after its first `skip_rows` rows, `limit` of them at most; DatasetError
+    when none is left."""
+    rows = iter_rows(cfg.type, path, limit=None if limit is None else cfg.skip_rows + limit, split=split)
+    kept = 0
+    for i, (n, row) in enumerate(rows):
+        if i >= cfg.skip_rows:
+            kept += 1
+            yield n, row
+    if not kept:
+        raise DatasetError(path, f"no rows after the first {cfg.skip_rows} (skip_rows)")
+
+
 def row_problem(cfg: _FileDatasetConfig, path: Path, n: int, row: Mapping, problem_id: str = "") -> Problem:
     """The problem of row `n` of `path`; DatasetError (file, row, field) when the row does not fit the config."""
     prompt = _text(cfg, path, n, row, cfg.prompt) if cfg.prompt is not None else _messages(cfg, path, n, row)
@@ -261,7 +279,8 @@ class FileDataset(Task):
         out = []
         math_answers = isinstance(cfg.verifier, MathVerifierConfig) or (
             isinstance(cfg.verifier, RegexVerifierConfig) and cfg.verifier.compare == "math")
-        for n, row in iter_rows(cfg.type, path, limit=cfg.max_rows if prefix == "" else None, split=split):
+        rows = train_rows(cfg, path, split, cfg.max_rows) if prefix == "" else iter_rows(cfg.type, path, split=split)
+        for n, row in rows:
             p = row_problem(cfg, path, n, row, f"{cfg.name}:{prefix}{n}")
             if math_answers and not parse_reference(p.answer, cfg.verifier.timeout_s):
                 raise DatasetError(path, f"{_short_repr(p.answer)} is not parseable by math-verify (verifier: math)",

@@ -97,7 +97,8 @@ class AsyncGRPO:
 
     def __init__(self, job: Job, stage: GRPOStage, stage_idx: int):
         self.job, self.stage, self.stage_idx = job, stage, stage_idx
-        recipe, tasks = job.recipe, job.tasks
+        recipe, tasks = job.recipe, job.stage_tasks(stage)
+        self.tasks = tasks
         self.policy = job.policy
         self.n_workers = len(self.policy)
         self.disp = Dispatcher(stage.dispatch, datasets=list(tasks), group_size=stage.group_size,
@@ -297,7 +298,7 @@ class AsyncGRPO:
         """Apply (new config version) or refuse one patch; `pid`: answer that inbox entry."""
         job, step = self.job, self.job.state.global_step
         try:
-            new = reconfigure.apply_patch(self.live, patch, list(job.tasks), job.recipe.model.vocab_size, step)
+            new = reconfigure.apply_patch(self.live, patch, list(self.tasks), job.recipe.model.vocab_size, step)
         except reconfigure.ReconfigError as e:
             result = {"status": "refused", "reason": str(e), "patch": patch.model_dump(mode="json", exclude_defaults=True)}
             job.store.add_config_version(None, "refused", result["patch"], step, reason=str(e))

@@ -90,6 +90,9 @@ class SFTStage(StrictConfig):
     """Wall-clock budget; the stage ends at whichever of max_steps / max_minutes comes first."""
     batch_size: int = Field(64, gt=0)
     """Demonstrations per optimizer step."""
+    datasets: list[str] | None = Field(None, min_length=1)
+    """The datasets this stage draws its prompts from (names in `datasets:`); None: all of them. A pipeline may SFT on
+    one set and run RL on another (seed §5.1.1: cold-start SFT data, then RL prompts)."""
     micro_batch_size: int | None = Field(None, gt=0)
     """Demonstrations per forward/backward (gradients accumulate over a step); None: a worker's whole share."""
     micro_batch_tokens: int | None = Field(None, gt=0)
@@ -139,6 +142,9 @@ class GRPOStage(StrictConfig):
     and at every rollout call, so a rollout phase that has not filled its batch ends there too)."""
     prompts_per_step: int = Field(32, gt=0)
     """Groups (prompts) per train batch."""
+    datasets: list[str] | None = Field(None, min_length=1)
+    """The datasets this stage draws its prompts from (names in `datasets:`); None: all of them. A pipeline may SFT on
+    one set and run RL on another (seed §5.1.1: cold-start SFT data, then RL prompts)."""
     group_size: int = Field(8, ge=2)
     """Samples per prompt; advantages are relative within the group."""
     clip_low: float = Field(0.2, ge=0, lt=1)
@@ -424,6 +430,9 @@ class EvalConfig(StrictConfig):
     """Sampling temperature at evaluation (0: greedy)."""
     max_problems: int | None = Field(None, gt=0)
     """Evaluate at most this many held-out problems per dataset (default: all)."""
+    datasets: list[str] | None = Field(None, min_length=1)
+    """Evaluate these datasets' held-out problems (names in `datasets:`); None: every dataset's. Two datasets that
+    split one file between stages share a held-out file: evaluate it once."""
     before_training: bool = False
     """Also evaluate the initial policy before the first stage (logged at step 0, `init_acc` in the
     RESULT line), with the same generation budget as every later evaluation (verl's val_before_train)."""
@@ -581,24 +590,38 @@ class Recipe(StrictConfig):
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must be unique, got {names}")
+        for where, chosen in [(f"stages.{i}.datasets", s.datasets) for i, s in enumerate(self.stages)] + [
+                ("eval.datasets", self.eval.datasets)]:
+            unknown = sorted(set(chosen or ()) - set(names))
+            if unknown:
+                raise ValueError(f"{where} names unknown datasets {unknown}; datasets are {names}")
         for i, stage in enumerate(self.stages):
             if isinstance(stage, GRPOStage):
-                unknown = sorted((set(stage.dispatch.dataset_max_inflight) | set(stage.dispatch.mixture)) - set(names))
+                own = self.stage_datasets(stage)
+                unknown = sorted((set(stage.dispatch.dataset_max_inflight) | set(stage.dispatch.mixture)) - set(own))
                 if unknown:
-                    raise ValueError(f"stages.{i}.dispatch names unknown datasets {unknown}; datasets are {names}")
+                    raise ValueError(f"stages.{i}.dispatch names unknown datasets {unknown}; the stage's datasets are {own}")
         return self
+
+    def stage_datasets(self, stage: "SFTStage | GRPOStage") -> list[str]:
+        """The names of the datasets a stage draws from, in recipe order."""
+        return [d.name for d in self.datasets if stage.datasets is None or d.name in stage.datasets]
+
+    def eval_datasets(self) -> list[str]:
+        """The names of the datasets whose held-out problems are evaluated, in recipe order."""
+        return [d.name for d in self.datasets if self.eval.datasets is None or d.name in self.eval.datasets]
 
     @model_validator(mode="after")
     def validate_teachers(self) -> "Recipe":
-        names = [d.name for d in self.datasets]
         for i, stage in enumerate(self.stages):
             if isinstance(stage, OPDStage):
+                names = self.stage_datasets(stage)
                 pool = stage.teachers
                 for t in pool.teachers:
                     unknown = sorted(set(t.datasets) - set(names))
                     if unknown:
                         raise ValueError(f"stages.{i}.teachers: teacher {t.name!r} serves unknown datasets {unknown}; "
-                                         f"datasets are {names}")
+                                         f"the stage's datasets are {names}")
                 unserved = [d for d in names if pool.teacher_for(d) is None]
                 if unserved and stage.kl_weight > 0:
                     raise ValueError(f"stages.{i}.teachers: no teacher serves datasets {unserved}")

@@ -38,7 +38,7 @@ def run_sft(job: Job, stage: SFTStage, stage_idx: int) -> StageResult:
     worker; every loss ÷ the whole batch's tokens) and takes one optimizer step."""
     policy = job.policy
     policy.begin_stage(stage)
-    demos = DemonstrationStream(job.tasks, job.renderer, stage, seed_offset=1000 + stage_idx,
+    demos = DemonstrationStream(job.stage_tasks(stage), job.renderer, stage, seed_offset=1000 + stage_idx,
                                 rng_seed=f"sft:{job.recipe.run.seed}:{stage_idx}")
     start = 0
     restored = job.checkpointer.restore_stage(job)

@@ -107,7 +107,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(recipe.run.num_threads)
     tok = recipe.tokenizer.build()
-    tasks = {d.name: d.build() for d in recipe.datasets}
+    tasks = {d.name: d.build() for d in recipe.datasets if d.name in recipe.eval_datasets()}
     try:  # dataset files are read again (they may have changed since training): a bad row is one line
         for task in tasks.values():
             if callable(getattr(task, "scan", None)):

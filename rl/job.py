@@ -125,6 +125,10 @@ class Job:
     def tasks(self) -> Mapping[str, Task]:
         return self.renderer.tasks
 
+    def stage_tasks(self, stage: SFTStage | GRPOStage) -> dict[str, Task]:
+        """The tasks a stage draws its prompts from (`stages[i].datasets`, default all)."""
+        return {d: self.tasks[d] for d in self.recipe.stage_datasets(stage)}
+
     def deadline(self, stage: SFTStage | GRPOStage) -> float | None:
         """The `time.monotonic()` at which the stage's wall-clock budget ends (the minutes spent before a resume
         counted); None without a budget."""
@@ -148,7 +152,8 @@ class Job:
         if effort is None and self.recipe.effort is not None:
             effort = self.recipe.effort.levels[-1]
         cfg = self.recipe.eval
-        return evaluation.evaluate(self.policy.generate, self.renderer, self.tasks, max_new_tokens=self.recipe.max_response_tokens,
+        tasks = {d: self.tasks[d] for d in self.recipe.eval_datasets()}
+        return evaluation.evaluate(self.policy.generate, self.renderer, tasks, max_new_tokens=self.recipe.max_response_tokens,
                                    temperature=cfg.temperature, max_problems=cfg.max_problems, effort=effort)
 
     def advance_version(self) -> int:

@@ -91,10 +91,17 @@ def distance_sub(rng):
     return f"A trail is {a} km long. {name} has walked {b} km of it. How many km are left?", a - b, _sub_solution(a, b, " km")
 
 
+def _mul_solution(k: int, a: int, unit: str = "") -> str:
+    """k * a worked by place value, tens then ones ("9 * 47 = 9 * 40 + 9 * 7 = 360 + 63 = 423"): every step
+    is a one-digit product or an addition, so the method carries over to products the training file lacks."""
+    tens, ones = a - a % 10, a % 10
+    steps = f"{k} * {a} = " + (f"{k} * {tens} + {k} * {ones} = {k * tens} + {k * ones} = " if ones else "")
+    return f"{steps}{k * a}{unit}. The answer is {k * a}."
+
+
 def boxes_mul(rng):
     a, k = _two_digit(rng), rng.randint(2, 9)
-    return (f"Each box holds {a} pencils. How many pencils are in {k} boxes?", a * k,
-            f"{k} * {a} = {a * k} pencils. The answer is {a * k}.")
+    return (f"Each box holds {a} pencils. How many pencils are in {k} boxes?", a * k, _mul_solution(k, a, " pencils"))
 
 
 def share_two_step(rng):

@@ -262,3 +262,17 @@ def test_json_safe():
 
     assert json_safe({"a": [b"\xff", datetime.datetime(2024, 1, 2, 3, 4), decimal.Decimal("1.5")], 1: (1, None)}) == \
         {"a": ["/w==", "2024-01-02T03:04:00", "1.5"], "1": [1, None]}
+
+
+def test_skip_rows_and_max_rows_split_one_file_between_two_datasets(tmp_path):
+    _write(tmp_path / "test.jsonl", [{"q": "new=", "a": "1"}])
+    held = {"path": str(tmp_path / "test.jsonl")}
+    first, rest = _task(tmp_path, heldout=held, max_rows=20), _task(tmp_path, heldout=held, skip_rows=20)
+    window = _task(tmp_path, heldout=held, skip_rows=20, max_rows=5)
+    rows = [sorted(p.metadata["row_number"] for p in itertools.islice(t.train_stream(), n)) for t, n in
+            ((first, 20), (rest, 30), (window, 5))]
+    assert rows == [list(range(1, 21)), list(range(21, 51)), list(range(21, 26))]  # one epoch each: the rows, once
+    assert rest.scan().startswith("dataset add: 30 train rows, 1 held out")
+    assert [p.answer for p in rest.heldout()] == ["1"]  # the held-out file is read whole
+    with pytest.raises(ValidationError, match=re.escape("d.jsonl: no rows after the first 50 (skip_rows)")):
+        _task(tmp_path, heldout=held, skip_rows=50)

@@ -419,3 +419,23 @@ def test_chunked_prefill_of_a_csa2_model_is_refused(in_tmp):
 def load_recipe_text_ok(text: str) -> bool:
     Path("r.yaml").write_text(text)
     return load_recipe("r.yaml").model.is_sparse
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["stages.0.datasets=[nope]"], "stages.0.datasets names unknown datasets ['nope']; datasets are ['arith']"),
+    (["eval.datasets=[arith, other]"], "eval.datasets names unknown datasets ['other']; datasets are ['arith']"),
+    (["stages.1.datasets=[]"], "stages.1.datasets"),
+])
+def test_stage_and_eval_datasets_must_name_recipe_datasets(in_tmp, overrides, expected):
+    assert expected in error_of(GOOD, overrides)
+
+
+def test_a_stage_uses_its_own_datasets_and_its_dispatch_may_name_only_those(in_tmp):
+    two = edit("    max_digits: 3\n", "    max_digits: 3\n  - type: arithmetic\n    name: big\n    max_digits: 5\n")
+    Path("r.yaml").write_text(two)
+    recipe = load_recipe("r.yaml", ["stages.1.datasets=[big]", "eval.datasets=[arith]"])
+    assert [recipe.stage_datasets(s) for s in recipe.stages] == [["arith", "big"], ["big"]]
+    assert recipe.eval_datasets() == ["arith"]
+    assert load_recipe("r.yaml").eval_datasets() == ["arith", "big"]
+    msg = error_of(two, ["stages.1.datasets=[big]", "stages.1.dispatch.mixture={arith: 1.0}"])
+    assert "stages.1.dispatch names unknown datasets ['arith']; the stage's datasets are ['big']" in msg

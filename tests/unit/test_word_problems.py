@@ -24,6 +24,11 @@ def _rows(name: str) -> list[dict]:
     return [json.loads(line) for line in (DATA / name).read_text().splitlines()]
 
 
+def _chain(text: str) -> list[int]:
+    """The value of each side of "9 * 47 = 9 * 40 + 9 * 7 = 360 + 63 = 423" (integer division for /)."""
+    return [eval(side.replace("/", "//"), {"__builtins__": {}}) for side in text.split(" = ")]
+
+
 def test_the_shipped_files_are_the_generators_output(tmp_path):
     _generator().main(["--out", str(tmp_path)])
     for name in ("word_problems_train.jsonl", "word_problems_test.jsonl"):
@@ -37,10 +42,11 @@ def test_answers_solutions_and_splits():
     assert len({r["kind"] for r in train}) == len(_generator().KINDS)
     for r in train + test:
         assert r["question"].isascii() and r["solution"].isascii()
-        steps = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", r["solution"])
-        assert steps and all(int(c) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b),
-                                        "/": int(a) // int(b)}[op] for a, op, b, c in steps), r
-        assert int(steps[-1][3]) == int(r["answer"]) and r["solution"].endswith(f"The answer is {r['answer']}.")
+        chains = [_chain(c) for c in re.findall(r"\d[\d +*/-]* = [\d =+*/-]*\d", r["solution"])]
+        assert chains and all(len(set(c)) == 1 for c in chains), r  # every side of every "a = b = c" is equal
+        assert chains[-1][-1] == int(r["answer"]) and r["solution"].endswith(f"The answer is {r['answer']}.")
+        if r["kind"] == "boxes_mul" and int(re.search(r"holds (\d+)", r["question"]).group(1)) % 10:
+            assert len(chains[0]) == 4, r  # k * ab = k * a0 + k * b = .. + .. = product: the method, not the product alone
         numbers = [int(n) for n in re.findall(r"\d+", r["question"])]  # two-digit operands, one-digit multipliers and shares
         assert all(2 <= n <= 99 for n in numbers) and any(n >= 10 for n in numbers), r
 
