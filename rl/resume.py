@@ -47,6 +47,10 @@ def check_resumable(saved: Recipe, recipe: Recipe) -> None:
     kinds = [s["type"] for s in old["stages"]], [s["type"] for s in new["stages"]]
     if kinds[0] != kinds[1]:
         raise CheckpointError(f"cannot resume: the stages change from {kinds[0]} to {kinds[1]}")
+    for i, (a, b) in enumerate(zip(saved.stages, recipe.stages)):  # a stage's streams and groups are per dataset
+        if saved.stage_datasets(a) != recipe.stage_datasets(b):
+            raise CheckpointError(f"cannot resume: the recipe changes stages.{i}.datasets ({saved.stage_datasets(a)} -> "
+                                  f"{recipe.stage_datasets(b)}); start a new run directory instead")
 
 
 def _first_diff(a, b, path: str) -> str:

@@ -4,6 +4,7 @@ rollback, recipe compatibility, the signal guard."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -175,6 +176,14 @@ def test_resume_compatibility():
     changed["stages"][0]["max_steps"] = 999  # budget: compatible
     changed["logging"] = {"wandb": False}
     check_resumable(base, recipe_from_yaml(_yaml(changed)))
+    changed["stages"][0]["datasets"] = ["arith"]  # the same datasets, named: compatible
+    changed["eval"] = {"datasets": ["arith"]}
+    check_resumable(base, recipe_from_yaml(_yaml(changed)))
+    two = minimal_recipe_dict()
+    two["datasets"].append({"type": "arithmetic", "name": "big", "max_digits": 5, "num_heldout": 8})
+    saved, narrowed = recipe_from_yaml(_yaml(two)), dict(two, stages=[{"type": "sft", "max_steps": 10, "datasets": ["big"]}])
+    with pytest.raises(CheckpointError, match=re.escape("stages.0.datasets (['arith', 'big'] -> ['big'])")):
+        check_resumable(saved, recipe_from_yaml(_yaml(narrowed)))
     changed["model"] = dict(changed.get("model", {}), hidden_size=32, head_dim=8)
     with pytest.raises(CheckpointError, match=r"model\.(head_dim|hidden_size)"):
         check_resumable(base, recipe_from_yaml(_yaml(changed)))
