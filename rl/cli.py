@@ -125,7 +125,8 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
         recipe = load_recipe(run_dir / "recipe.yaml")
         teachers = {t.name: t for st in recipe.stages if isinstance(st, OPDStage) for t in st.teachers.teachers}
         known = rc.LiveConfig(0, {}, {}, {}, teachers)
-        rc.check_patch(known, patch, [d.name for d in recipe.datasets], recipe.model.vocab_size)
+        rl_datasets = recipe.datasets_of_rl_stages()  # the running stage's loop checks its own
+        rc.check_patch(known, patch, rl_datasets, recipe.model.vocab_size)
     except rc.ReconfigError as e:
         print(f"rl reconfigure: bad patch: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

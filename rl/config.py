@@ -607,6 +607,11 @@ class Recipe(StrictConfig):
         """The names of the datasets a stage draws from, in recipe order."""
         return [d.name for d in self.datasets if stage.datasets is None or d.name in stage.datasets]
 
+    def datasets_of_rl_stages(self) -> list[str]:
+        """The names of the datasets some GRPO or OPD stage draws from (what a live patch may name), in recipe order."""
+        used = {d for s in self.stages if isinstance(s, GRPOStage) for d in self.stage_datasets(s)}
+        return [d.name for d in self.datasets if d.name in used]
+
     def eval_datasets(self) -> list[str]:
         """The names of the datasets whose held-out problems are evaluated, in recipe order."""
         return [d.name for d in self.datasets if self.eval.datasets is None or d.name in self.eval.datasets]

@@ -113,7 +113,8 @@ def check_patch(live: LiveConfig, patch: ReconfigPatch, datasets: list[str], stu
                          ("teachers", patch.teachers)):
         unknown = sorted(set(mapping or {}) - names)
         if unknown:
-            raise ReconfigError(f"{key} names unknown datasets {unknown}; the run's datasets are {sorted(names)}")
+            raise ReconfigError(f"{key} names unknown datasets {unknown}; the datasets its GRPO/OPD stages draw from are "
+                                  f"{sorted(names)}")
     if patch.mixture is not None:
         bad = {k: v for k, v in patch.mixture.items() if v < 0}
         if bad:

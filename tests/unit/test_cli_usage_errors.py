@@ -97,3 +97,22 @@ def test_every_subcommand_fails_with_one_line_under_its_own_prefix(tmp_path, arg
     lines = proc.stderr.strip().splitlines()
     prefix = "rl models fetch: " if argv[0] == "models" else f"rl {argv[0]}: "
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(prefix), proc.stderr
+
+
+def test_a_live_patch_may_name_only_datasets_a_grpo_stage_draws_from(tmp_path):
+    import yaml
+
+    recipe = {"datasets": [{"type": "arithmetic", "name": "sft_only", "num_heldout": 8},
+                           {"type": "arithmetic", "name": "rl", "max_digits": 3, "num_heldout": 8}],
+              "stages": [{"type": "sft", "max_steps": 2, "datasets": ["sft_only"]},
+                         {"type": "grpo", "max_steps": 2, "datasets": ["rl"]}], "logging": {"wandb": False}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+
+    def err(patch: str) -> str:
+        proc = subprocess.run([*CLI, "reconfigure", str(tmp_path), "--set", patch], capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        return lines[0]
+    assert err("mixture.sft_only=1") == ("rl reconfigure: bad patch: mixture names unknown datasets ['sft_only']; "
+                                         "the datasets its GRPO/OPD stages draw from are ['rl']")
+    assert "no job is running" in err("mixture.rl=2")  # a valid patch, refused only because nothing runs here
