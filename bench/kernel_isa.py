@@ -50,6 +50,9 @@ def smem_tiles(ttgir: str, block_n: int) -> int:
     """TTGIR `local_alloc`s of a register tensor with at least `block_n` rows: tiles written to shared memory from
     registers (async copies allocate their buffers without a source and do not count)."""
     rows = re.findall(r"ttg\.local_alloc %\S+ : \(tensor<(\d+)x", ttgir)
+    # Gluon states its conversions: a blocked register tile converted to an operand layout goes through shared memory
+    # (the Gluon kernel's K tile arrives from a linear layout, asserted trivial; its V tile takes the trip)
+    rows += re.findall(r"ttg\.convert_layout %\S+ : tensor<(\d+)x\d+x\w+, #blocked\d*> -> tensor<[^>]*dot_op", ttgir)
     return sum(int(r) >= block_n for r in rows)
 
 
@@ -75,12 +78,39 @@ def compile_variant(fmt: int, block_n: int, num_stages: int | None, fp4_decode: 
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=aligned)
     options = {"num_warps": 4, **({"num_stages": num_stages} if num_stages else {})}
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return compiled.asm["ttgir"], _sass(compiled)
+
+
+def compile_gluon(block_n: int):
+    """The Gluon FP4 kernel (model/kernels/decode_attention_gluon.py) compiled for sm_90: (ttgir, sass)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from model.kernels.decode_attention_gluon import fp4_decode_partial_kernel as kernel
+
+    names = kernel.arg_names
+    ptrs = {"q_ptr": "*bf16", "bt_ptr": "*i64", "lens_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
+    consts = {"H": SHAPE["H"], "G": SHAPE["G"], "D": SHAPE["D"], "PAGE": SHAPE["PAGE"], "BLOCK_N": block_n,
+              "PREFETCH": False}
+    sig = {n: ptrs.get(n) or ("*u8" if n.endswith("_ptr") else "constexpr" if n in consts else
+                              "fp32" if n in ("qk_scale", "out_scale") else "i32") for n in names}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if sig[n] not in ("constexpr", "fp32") and n not in ("n_splits", "s_ksh", "s_vsh")}
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
+                         attrs=aligned)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return compiled.asm["ttgir"], _sass(compiled)
+
+
+def _sass(compiled) -> str:
+    import triton
+
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    return compiled.asm["ttgir"], sass
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
 def main() -> None:
@@ -89,23 +119,26 @@ def main() -> None:
     ap.add_argument("--block-n", default="64", help="comma list of KV rows per tile")
     ap.add_argument("--fp4-decodes", default="2", help="comma list of FP4 tile decodes (decode_attention FP4_DECODE)")
     ap.add_argument("--dump", type=Path, help="write each variant's TTGIR and SASS here")
+    ap.add_argument("--gluon", action="store_true", help="also the Gluon FP4 kernel (decode_attention_gluon.py)")
     args = ap.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     variants = [("bf16", 0, int(bn), None, 2) for bn in args.block_n.split(",")] + [
         ("fp4", 2, int(bn), 2, int(d)) for bn in args.block_n.split(",") for d in args.fp4_decodes.split(",")]
     result: dict[str, int] = {}
     print(f"{'variant':<22}" + "".join(f"{f:>8}" for f in (*FAMILIES, "all", "tiles")))
+    if args.gluon:
+        variants += [("fp4_gluon", 2, int(bn), None, None) for bn in args.block_n.split(",")]
     for name, fmt, bn, stages, dec in variants:
-        ttgir, sass = compile_variant(fmt, bn, stages, dec)
+        ttgir, sass = compile_gluon(bn) if name == "fp4_gluon" else compile_variant(fmt, bn, stages, dec)
         counts, tiles = sass_counts(sass), smem_tiles(ttgir, bn)
-        tag = f"{name} n{bn}" + (f" decode{dec}" if fmt == 2 else "")
+        tag = f"{name} n{bn}" + (f" decode{dec}" if dec is not None and fmt == 2 else "")
         print(f"{tag:<22}" + "".join(f"{counts[f]:>8}" for f in (*FAMILIES, "all")) + f"{tiles:>8}")
         if args.dump:
             args.dump.mkdir(parents=True, exist_ok=True)
             stem = tag.replace(" ", "_")
             (args.dump / f"{stem}.ttgir").write_text(ttgir)
             (args.dump / f"{stem}.sass").write_text(sass)
-        key = name if len(variants) == 2 else tag.replace(" ", "_")
+        key = name if len(variants) == 2 or len(variants) == 3 and args.gluon else tag.replace(" ", "_")
         result.update({f"{key}_sts": counts["STS"], f"{key}_lds": counts["LDS"], f"{key}_ldsm": counts["LDSM"],
                        f"{key}_ldgsts": counts["LDGSTS"], f"{key}_smem_tiles": tiles, f"{key}_instructions": counts["all"]})
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))

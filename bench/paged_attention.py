@@ -64,6 +64,8 @@ def main() -> None:
     ap.add_argument("--fp4-decodes", default="2", help="fp4 tile decodes to sweep (decode_attention FP4_DECODE: "
                     "0 / 1 Triton 2-D / 3-D tiles, 2 / 3 the same decoded by inline PTX)")
     ap.add_argument("--budget-s", type=float, default=40.0, help="seconds of sweep per point and format (compiles)")
+    ap.add_argument("--fp4-kernels", default="triton", help="comma list of fp4 kernels timed at their default launch "
+                    "(decode_attention fp4_kernel: triton, gluon); the first is the one swept and reported as fp4")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
     if args.quick or not torch.cuda.is_available():  # interpreter: parity of both formats on a tiny shape
@@ -82,6 +84,7 @@ def main() -> None:
     from model.kernels.gemv import graph_us
 
     result: dict[str, object] = {}
+    fp4_first = args.fp4_kernels.split(",")[0]
     for name in args.points.split(","):
         batch, lo, hi, table_tokens = POINTS[name]
         q, k, v, table, lens = _cache(batch, lo, hi, table_tokens, "cuda", gen)
@@ -90,6 +93,8 @@ def main() -> None:
         default = {}
         for fmt, (kk, vv) in caches.items():
             def run(**kw):
+                if fmt == "fp4":
+                    kw.setdefault("fp4_kernel", fp4_first)
                 return decode_attention(q, kk, vv, table, lens, PAGE, kv_format=fmt, **kw)
 
             default[fmt] = graph_us(run)
@@ -116,6 +121,16 @@ def main() -> None:
                   ", ".join(f"{c} {us:.2f}" for us, c in timed[:6]))
             result[f"{name}_{fmt if fmt == 'fp4' else 'bf16'}_us"] = round(default[fmt], 2)
         result[f"{name}_fp4_over_bf16"] = round(default["fp4"] / default["dense"], 3)
+        for kernel in args.fp4_kernels.split(",")[1:]:  # the others at their default launch, beside the first
+            kk, vv = caches["fp4"]
+            out = decode_attention(q, kk, vv, table, lens, PAGE, kv_format="fp4", fp4_kernel=kernel)
+            first = decode_attention(q, kk, vv, table, lens, PAGE, kv_format="fp4", fp4_kernel=fp4_first)
+            us = graph_us(lambda: decode_attention(q, kk, vv, table, lens, PAGE, kv_format="fp4", fp4_kernel=kernel))
+            diff = (out.float() - first.float()).abs().max().item()
+            print(f"{name} fp4 {kernel}: default {us:.2f} us; max |{kernel} - {fp4_first}| {diff:.3g}")
+            result[f"{name}_fp4_{kernel}_us"] = round(us, 2)
+            result[f"{name}_fp4_{kernel}_over_bf16"] = round(us / default["dense"], 3)
+            result[f"{name}_fp4_{kernel}_max_diff"] = round(diff, 4)
         del caches
         torch.cuda.empty_cache()
     print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()))

@@ -33,6 +33,7 @@ Arithmetic: scores and the output accumulate in float32. The products run on ten
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Literal
@@ -66,6 +67,17 @@ BLOCK_N = {"dense": 64, "fp8": 64, "fp4": 128}
 # device time in CUDA-graph replay (bench/paged_attention.py): batch 64 30.5 -> 27.3 us, batch 1 7.2 -> 5.5 us,
 # batch 256 93.6 -> 92.8 us; longer contexts keep the tiles above (2K: 128-token tiles; 16K: level with bf16).
 FP4_SHORT_CONTEXT = 512
+# fp4 kernel on CUDA: "gluon" (model/kernels/decode_attention_gluon.py: the decoded K tile built in the tensor-core
+# operand layout, no shared-memory round trip) where `_gluon_fp4_refusal` lets it, or "triton" (_decode_partial_kernel,
+# also the path of float32 q, the interpreter and other head sizes). H200, Qwen3-0.6B attention, graph-replay device
+# time (BENCHMARKS.md, "FP4 decode attention in Gluon"), best Gluon launch against Triton's default: b1 5.52 -> 4.65
+# us, b64 27.3 -> 21.3, b256 92.5 -> 81.1, b64 at 2K 132.1 -> 129.7, b16 at 16K 248.5 -> 240.5 (bf16: 4.88, 25.7,
+# 79.0, 128.9, 253.2)
+FP4_KERNEL = os.environ.get("ASYNCRL_FP4_KERNEL", "triton")
+GLUON_PREFETCH = False  # the next tile's loads one iteration ahead: slower on the H200 (repacking the carried bytes)
+# Gluon launch at contexts past FP4_SHORT_CONTEXT: about this many programs per SM in splits (b64 at 2K: 4 splits,
+# b16 at 16K: 16; the same sweep)
+GLUON_PROGRAMS_PER_SM = 16
 
 
 # -- PyTorch reference -----------------------------------------------------------------------------
@@ -348,11 +360,36 @@ def _split_pair(x: KVTensors, kv_format: KVFormat) -> tuple[torch.Tensor, torch.
     return data.view(torch.uint8), scale.view(torch.uint8)
 
 
+@functools.cache
+def _gluon_missing() -> str | None:
+    """Why this Triton has no Gluon kernel to offer (None: it has)."""
+    try:
+        import model.kernels.decode_attention_gluon  # noqa: F401  (triton.experimental.gluon: Triton >= 3.5)
+    except Exception as e:  # noqa: BLE001  (an ImportError, or an API this Triton spells differently)
+        return f"Gluon is not available in Triton {triton.__version__} ({type(e).__name__}: {e})"
+    return None
+
+
+def _gluon_fp4_refusal(q: torch.Tensor, G: int, block_n: int | None) -> str | None:
+    """Why the Gluon FP4 kernel cannot take this call (None: it can)."""
+    if q.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "it runs compiled on CUDA only"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"q is {q.dtype} (float32 q keeps the Triton kernel's float32 products)"
+    if q.shape[-1] not in (64, 128):
+        return f"head_dim {q.shape[-1]} is not 64 or 128"
+    if G > 16:
+        return f"{G} query heads per KV head (at most 16)"
+    if block_n not in (None, 32, 64):
+        return f"block_n {block_n} (32 or 64)"
+    return _gluon_missing()
+
+
 def decode_attention(
     q: torch.Tensor, k: KVTensors, v: KVTensors, block_table: torch.Tensor, context_lens: torch.Tensor,
     block_size: int, *, kv_format: KVFormat = "dense", sm_scale: float | None = None,
     max_context_len: int | None = None, num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4,
-    num_stages: int | None = None, fp4_decode: int | None = None,
+    num_stages: int | None = None, fp4_decode: int | None = None, fp4_kernel: str | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per sequence) -> attention output [B, H, D] in q.dtype.
 
@@ -387,6 +424,20 @@ def decode_attention(
     fp4_gain = 2.0**14 if fmt == 2 else 1.0  # the E2M1 bit placement's 2^-14, on K and on V
     max_len = block_table.shape[1] * block_size if max_context_len is None else max_context_len
     programs = B * KVH
+    gluon = False
+    if fmt == 2:
+        kernel = FP4_KERNEL if fp4_kernel is None else fp4_kernel
+        if kernel not in ("triton", "gluon"):
+            raise ValueError(f"fp4_kernel must be 'triton' or 'gluon', got {kernel!r}")
+        refusal = _gluon_fp4_refusal(q, G, block_n) if kernel == "gluon" else "not asked for"
+        if refusal is not None and fp4_kernel == "gluon":
+            raise ValueError(f"fp4_kernel='gluon' cannot run this call: {refusal}")
+        gluon = refusal is None
+    if gluon:  # 64-token tiles (32 for short contexts while the programs do not fill the SMs); no pipeline stages
+        short = max_len <= FP4_SHORT_CONTEXT
+        block_n = (32 if short and programs < _num_sms(q.device) else 64) if block_n is None else block_n
+        if num_splits is None and not short:
+            num_splits = triton.cdiv(GLUON_PROGRAMS_PER_SM * _num_sms(q.device), programs)
     if fmt == 2 and max_len <= FP4_SHORT_CONTEXT:  # a rollout's short contexts (FP4_SHORT_CONTEXT says why)
         block_n = (32 if programs < _num_sms(q.device) else 64) if block_n is None else block_n
         num_stages = 2 if num_stages is None else num_stages
@@ -416,6 +467,16 @@ def decode_attention(
     launch = {} if num_stages is None else {"num_stages": num_stages}
     sc_words = fmt == 2 and FP4_SC_WORDS and D % 64 == 0 and all(
         t.data_ptr() % 4 == 0 and t.stride(0) % 4 == 0 and t.stride(1) % 4 == 0 for t in (ks, vs))
+    if gluon:
+        from model.kernels.decode_attention_gluon import fp4_decode_partial_kernel
+
+        fp4_decode_partial_kernel[(B, KVH, num_splits)](
+            q, kd, ks, vd, vs, block_table, context_lens, o_part, lse, sm_scale * LOG2E * fp4_gain, fp4_gain,
+            q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), *sk, vd.stride(0), vd.stride(1), *sv,
+            block_table.stride(0), chunk, num_splits, H=H, G=G, D=D, PAGE=block_size, BLOCK_N=block_n,
+            PREFETCH=GLUON_PREFETCH, num_warps=4)
+        _merge_splits_kernel[(B * H,)](o_part, lse, out, num_splits, D=D, S_PAD=triton.next_power_of_2(num_splits))
+        return out
     _decode_partial_kernel[(B, KVH, num_splits)](
         q, kd, ks_t, vd, vs_t, block_table, context_lens, o_part, lse,
         sm_scale * LOG2E * fp4_gain, fp4_gain,

@@ -140,3 +140,46 @@ def test_fp4_short_context_default_launch_matches_reference(wave):
     out = kern.decode_attention(q.to(DEVICE), _to(kc, DEVICE), _to(vc, DEVICE), table.to(DEVICE), lens_t.to(DEVICE),
                                 16, kv_format="fp4").cpu()
     assert torch.isfinite(out).all() and torch.allclose(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+GLUON_CASES = [  # (q dtype, lens, H, KVH, D, block_size, block_n, num_splits)
+    (torch.bfloat16, [37, 0, 300, 5], 8, 2, 128, 16, 64, None),
+    (torch.bfloat16, [37, 0, 300, 5], 16, 8, 128, 16, 32, 3),  # the Qwen3-0.6B heads, splits
+    (torch.float16, [200, 77, 1], 4, 1, 64, 16, 64, None),  # head_dim 64, G = 4
+    (torch.bfloat16, [50, 19], 6, 3, 128, 1, 64, 2),  # slot list (block_size 1)
+    (torch.bfloat16, [129, 64, 63], 32, 2, 64, 16, None, None),  # G = 16, the default launch
+]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Gluon kernel runs compiled on CUDA only")
+@pytest.mark.parametrize("prefetch", [False, True], ids=["loads-in-turn", "prefetch"])
+@pytest.mark.parametrize("case", GLUON_CASES, ids=[str(i) for i in range(len(GLUON_CASES))])
+def test_gluon_fp4_kernel_matches_reference(case, prefetch, monkeypatch):
+    """model/kernels/decode_attention_gluon.py (K decoded in the mma operand layout, channels permuted) against the
+    reference; NaN in every block no sequence owns, so a wrong row or a read past a length shows."""
+    monkeypatch.setattr(kern, "GLUON_PREFETCH", prefetch)
+    qdt, lens, H, KVH, D, bs, bn, splits = case
+    q, k, v, table, lens_t = _paged_case(lens, H=H, KVH=KVH, D=D, block_size=bs, seed=len(lens) + D)
+    q = q.to(qdt)
+    kc, vc = fp4.quantize(k), fp4.quantize(v)
+    ref = kern.decode_attention_ref(q, kc, vc, table, lens_t, bs, kv_format="fp4")
+    out = kern.decode_attention(q.to(DEVICE), _to(kc, DEVICE), _to(vc, DEVICE), table.to(DEVICE), lens_t.to(DEVICE),
+                                bs, kv_format="fp4", block_n=bn, num_splits=splits, fp4_kernel="gluon").cpu()
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out.float(), ref.float(), **TOL[torch.bfloat16])
+    assert (out[lens_t == 0] == 0).all()
+
+
+def test_gluon_fp4_kernel_refuses_what_it_cannot_run():
+    """Asked for explicitly, the Gluon kernel names why a call is not its own (one line); never on another path."""
+    q, k, v, table, lens_t = _paged_case([20, 9], H=4, KVH=2, D=64, block_size=16)
+    kc, vc = _to(fp4.quantize(k), DEVICE), _to(fp4.quantize(v), DEVICE)
+    args = (table.to(DEVICE), lens_t.to(DEVICE), 16)
+    with pytest.raises(ValueError, match="float32 q keeps" if DEVICE == "cuda" else "CUDA only"):
+        kern.decode_attention(q.to(DEVICE), kc, vc, *args, kv_format="fp4", fp4_kernel="gluon")
+    with pytest.raises(ValueError, match="'triton' or 'gluon'"):
+        kern.decode_attention(q.to(DEVICE), kc, vc, *args, kv_format="fp4", fp4_kernel="cuda")
+    if DEVICE == "cuda":
+        with pytest.raises(ValueError, match="block_n 128"):
+            kern.decode_attention(q.to(DEVICE, torch.bfloat16), kc, vc, *args, kv_format="fp4", fp4_kernel="gluon",
+                                  block_n=128)

@@ -38,16 +38,22 @@ def test_smem_tiles_count_register_tiles_of_at_least_block_n_rows():
     %w = ttg.local_alloc : () -> !ttg.memdesc<1x64x64xi8, #shared1, #smem, mutable>
     %k = ttg.local_alloc %b : (tensor<64x64xf16, #blocked1>) -> !ttg.memdesc<64x64xf16, #shared, #smem>
     %v = ttg.local_alloc %c : (tensor<128x64xf16, #blocked1>) -> !ttg.memdesc<128x64xf16, #shared, #smem>
+    %kt = ttg.convert_layout %d : tensor<128x64xf16, #linear> -> tensor<128x64xf16, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 2}>>
+    %vt = ttg.convert_layout %e : tensor<64x128xf16, #blocked5> -> tensor<64x128xf16, #ttg.dot_op<{opIdx = 1, parent = #mma, kWidth = 2}>>
+    %pa = ttg.convert_layout %f : tensor<16x64xf16, #mma> -> tensor<16x64xf16, #ttg.dot_op<{opIdx = 0, parent = #mma, kWidth = 2}>>
     """
-    assert isa.smem_tiles(ttgir, 64) == 2 and isa.smem_tiles(ttgir, 128) == 1
+    assert isa.smem_tiles(ttgir, 64) == 3 and isa.smem_tiles(ttgir, 128) == 1  # %k, %v, %vt; then %v
 
 
 def test_the_decode_kernel_compiles_for_sm90_here_and_bf16_tiles_arrive_by_async_copy():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the tests interpret kernels; this compiles
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_isa.py"), "--quick"], capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_isa.py"), "--quick", "--gluon"], capture_output=True,
                           text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = dict(kv.split("=") for kv in proc.stdout.strip().splitlines()[-1].removeprefix("RESULT ").split())
     r = {k: int(v) for k, v in r.items()}
     assert r["bf16_ldgsts"] > 0 and r["bf16_smem_tiles"] == 0  # K and V tiles reach shared memory by async copy
     assert r["fp4_ldgsts"] > 0 and r["fp4_instructions"] > 0  # FP4's bytes too (its decoded tiles: BENCHMARKS.md)
+    assert r["fp4_smem_tiles"] == 4  # Triton: the decoded K and V halves each through shared memory
+    assert r["fp4_gluon_smem_tiles"] == 1  # Gluon: V only; K decoded in the mma operand layout
+    assert r["fp4_gluon_sts"] < r["fp4_sts"]
