@@ -235,6 +235,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="smollm2,qwen3")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--long", action="store_true", help="CUDA: also 2K context at batch 64 and 16K at batch 16, bf16 and fp4")
+    ap.add_argument("--long-only", action="store_true", help="CUDA: only the long contexts of --long")
     ap.add_argument("--overlap-only", action="store_true",
                     help="only the engine's default against sampling after the replay and plain steps, side by side, for each "
                          "shape at batch 1, 64, 256, and FP4 against bf16 KV at batch 64")
@@ -243,6 +244,10 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     torch.set_num_threads(2 if device == "cpu" else torch.get_num_threads())
     result: dict[str, float] = {}
+    if args.long_only:
+        long_contexts(args.shapes.split(",")[-1] if device == "cuda" else None, device, result)
+        print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
+        return
     if args.overlap_only:
         overlap_side_by_side(args.shapes.split(",") if device == "cuda" else ["tiny"], device, result,
                              tuple(int(b) for b in args.batches.split(",")))
@@ -311,15 +316,21 @@ def main() -> None:
         result[f"group_wall_s_{tag}"] = wall
     result["group_speedup_shared"] = result["group_wall_s_unshared"] / result["group_wall_s_shared"]
     del model
-    if device == "cuda" and args.long:
-        for b, ctx in ((64, 2048), (16, 16384)):
-            for kv in ("bf16", "fp4"):
-                ms = long_context_ms_per_step(shapes[-1], device, b, ctx, 64, kv)
-                print(f"{shapes[-1]:<9}{kv:<6}{b:>6} context {ctx}: {ms:.2f} ms/step", flush=True)
-                result[f"{kv}_ms_per_step_b{b}_{ctx // 1024}k"] = ms
-            result[f"fp4_over_bf16_b{b}_{ctx // 1024}k"] = result[f"fp4_ms_per_step_b{b}_{ctx // 1024}k"] / result[f"bf16_ms_per_step_b{b}_{ctx // 1024}k"]
+    long_contexts(args.shapes.split(",")[-1] if device == "cuda" and args.long else None, device, result)
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
 
+
+def long_contexts(shape: str | None, device: str, result: dict) -> None:
+    """--long: decode ms/step at 2K (batch 64) and 16K (batch 16), bf16 and FP4 KV, and FP4 / bf16."""
+    if shape is None:
+        return
+    for b, ctx in ((64, 2048), (16, 16384)):
+        for kv in ("bf16", "fp4"):
+            ms = long_context_ms_per_step(shape, device, b, ctx, 64, kv)
+            print(f"{shape:<9}{kv:<6}{b:>6} context {ctx}: {ms:.2f} ms/step", flush=True)
+            result[f"{kv}_ms_per_step_b{b}_{ctx // 1024}k"] = ms
+        k = f"b{b}_{ctx // 1024}k"
+        result[f"fp4_over_bf16_{k}"] = result[f"fp4_ms_per_step_{k}"] / result[f"bf16_ms_per_step_{k}"]
 
 if __name__ == "__main__":
     main()
