@@ -44,7 +44,7 @@ import triton.language as tl
 
 from model import fp4 as fp4_ref
 from model import fp8 as fp8_ref
-from model.kernels.fp4 import _e2m1_f16_bits
+from model.kernels.fp4 import E2M1X8_F16_PTX, _e2m1_f16_bits
 
 KVFormat = Literal["dense", "fp8", "fp4"]
 KVTensors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -74,6 +74,7 @@ FP4_SHORT_CONTEXT = 512
 # us, b64 27.3 -> 21.3, b256 92.5 -> 81.1, b64 at 2K 132.1 -> 129.7, b16 at 16K 248.5 -> 240.5 (bf16: 4.88, 25.7,
 # 79.0, 128.9, 253.2)
 FP4_KERNEL = os.environ.get("ASYNCRL_FP4_KERNEL", "triton")
+GLUON_STAGES = int(os.environ.get("ASYNCRL_GLUON_STAGES", "0"))  # K/V bytes through a ring of this many shared-memory tiles (0: loaded to registers)
 GLUON_PREFETCH = False  # the next tile's loads one iteration ahead: slower on the H200 (repacking the carried bytes)
 # Gluon launch at contexts past FP4_SHORT_CONTEXT: about this many programs per SM in splits (b64 at 2K: 4 splits,
 # b16 at 16K: 16; the same sweep)
@@ -145,36 +146,7 @@ def _mm_nn(a, b, USE_DOT: tl.constexpr, IEEE: tl.constexpr):
         return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
 
 
-# E2M1 -> fp16 in PTX, 4 bytes (8 values) per call: $4 holds bytes b0..b3, $5 / $6 the fp16 scales of
-# elements (0, 1) / (2, 3); out $0 / $1 = low nibbles of (b0, b1) / (b2, b3), $2 / $3 = high nibbles,
-# each an f16x2. A nibble is moved to the top of a zeroed byte by `and` (+ `shl` for the low ones), then
-# `prmt` spreads two bytes into the upper bytes of the halves: the sign lands on bit 15 and the
-# magnitude's bits (12..14) are copied down to 9..11 by one shift and one `lop3` ((y | y >> 3) & mask),
-# which gives the fp16 bits (c & 7) << 9 | (c & 8) << 12 of _e2m1_f16_bits; then one mul.f16x2 per pair.
-_E2M1X8_F16_ASM = tl.constexpr("""
-{
-.reg .b32 xh, xl, y, z;
-and.b32 xh, $4, 0xF0F0F0F0;
-shl.b32 xl, $4, 4;
-and.b32 xl, xl, 0xF0F0F0F0;
-prmt.b32 y, xl, 0, 0x1404;
-shr.b32 z, y, 3;
-lop3.b32 $0, y, z, 0x8E008E00, 0xA8;
-prmt.b32 y, xl, 0, 0x3424;
-shr.b32 z, y, 3;
-lop3.b32 $1, y, z, 0x8E008E00, 0xA8;
-prmt.b32 y, xh, 0, 0x1404;
-shr.b32 z, y, 3;
-lop3.b32 $2, y, z, 0x8E008E00, 0xA8;
-prmt.b32 y, xh, 0, 0x3424;
-shr.b32 z, y, 3;
-lop3.b32 $3, y, z, 0x8E008E00, 0xA8;
-mul.rn.f16x2 $0, $0, $5;
-mul.rn.f16x2 $1, $1, $6;
-mul.rn.f16x2 $2, $2, $5;
-mul.rn.f16x2 $3, $3, $6;
-}
-""")
+_E2M1X8_F16_ASM = tl.constexpr(E2M1X8_F16_PTX)  # model/kernels/fp4.py says what it computes
 
 
 @triton.jit
@@ -474,7 +446,7 @@ def decode_attention(
             q, kd, ks, vd, vs, block_table, context_lens, o_part, lse, sm_scale * LOG2E * fp4_gain, fp4_gain,
             q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), *sk, vd.stride(0), vd.stride(1), *sv,
             block_table.stride(0), chunk, num_splits, H=H, G=G, D=D, PAGE=block_size, BLOCK_N=block_n,
-            PREFETCH=GLUON_PREFETCH, num_warps=4)
+            PREFETCH=GLUON_PREFETCH, STAGES=GLUON_STAGES, num_warps=4)
         _merge_splits_kernel[(B * H,)](o_part, lse, out, num_splits, D=D, S_PAD=triton.next_power_of_2(num_splits))
         return out
     _decode_partial_kernel[(B, KVH, num_splits)](

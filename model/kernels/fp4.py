@@ -268,6 +268,38 @@ def _e2m1_bits(code):
     return mag | ((code & 8) << 28)
 
 
+# E2M1 -> fp16 in PTX, 4 bytes (8 values) per call: $4 holds bytes b0..b3, $5 / $6 the fp16 scales of
+# elements (0, 1) / (2, 3); out $0 / $1 = low nibbles of (b0, b1) / (b2, b3), $2 / $3 = high nibbles,
+# each an f16x2. A nibble is moved to the top of a zeroed byte by `and` (+ `shl` for the low ones), then
+# `prmt` spreads two bytes into the upper bytes of the halves: the sign lands on bit 15 and the
+# magnitude's bits (12..14) are copied down to 9..11 by one shift and one `lop3` ((y | y >> 3) & mask),
+# which gives the fp16 bits (c & 7) << 9 | (c & 8) << 12 of _e2m1_f16_bits; then one mul.f16x2 per pair.
+E2M1X8_F16_PTX = """
+{
+.reg .b32 xh, xl, y, z;
+and.b32 xh, $4, 0xF0F0F0F0;
+shl.b32 xl, $4, 4;
+and.b32 xl, xl, 0xF0F0F0F0;
+prmt.b32 y, xl, 0, 0x1404;
+shr.b32 z, y, 3;
+lop3.b32 $0, y, z, 0x8E008E00, 0xA8;
+prmt.b32 y, xl, 0, 0x3424;
+shr.b32 z, y, 3;
+lop3.b32 $1, y, z, 0x8E008E00, 0xA8;
+prmt.b32 y, xh, 0, 0x1404;
+shr.b32 z, y, 3;
+lop3.b32 $2, y, z, 0x8E008E00, 0xA8;
+prmt.b32 y, xh, 0, 0x3424;
+shr.b32 z, y, 3;
+lop3.b32 $3, y, z, 0x8E008E00, 0xA8;
+mul.rn.f16x2 $0, $0, $5;
+mul.rn.f16x2 $1, $1, $6;
+mul.rn.f16x2 $2, $2, $5;
+mul.rn.f16x2 $3, $3, $6;
+}
+"""
+
+
 @triton.jit
 def _e2m1_f16_bits(code):
     """Low nibble of `code` -> fp16 holding E2M1(nibble) · 2^-14 exactly: E2M1's exponent and mantissa
