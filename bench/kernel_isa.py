@@ -92,7 +92,7 @@ def compile_gluon(block_n: int):
     names = kernel.arg_names
     ptrs = {"q_ptr": "*bf16", "bt_ptr": "*i64", "lens_ptr": "*i32", "o_ptr": "*fp32", "lse_ptr": "*fp32"}
     consts = {"H": SHAPE["H"], "G": SHAPE["G"], "D": SHAPE["D"], "PAGE": SHAPE["PAGE"], "BLOCK_N": block_n,
-              "PREFETCH": False, "STAGES": 0}
+              "PREFETCH": False}
     sig = {n: ptrs.get(n) or ("*u8" if n.endswith("_ptr") else "constexpr" if n in consts else
                               "fp32" if n in ("qk_scale", "out_scale") else "i32") for n in names}
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names

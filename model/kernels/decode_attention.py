@@ -74,7 +74,6 @@ FP4_SHORT_CONTEXT = 512
 # us, b64 27.3 -> 21.3, b256 92.5 -> 81.1, b64 at 2K 132.1 -> 129.7, b16 at 16K 248.5 -> 240.5 (bf16: 4.88, 25.7,
 # 79.0, 128.9, 253.2)
 FP4_KERNEL = os.environ.get("ASYNCRL_FP4_KERNEL", "triton")
-GLUON_STAGES = int(os.environ.get("ASYNCRL_GLUON_STAGES", "0"))  # K/V bytes through a ring of this many shared-memory tiles (0: loaded to registers)
 GLUON_PREFETCH = False  # the next tile's loads one iteration ahead: slower on the H200 (repacking the carried bytes)
 # Gluon launch at contexts past FP4_SHORT_CONTEXT: about this many programs per SM in splits (b64 at 2K: 4 splits,
 # b16 at 16K: 16; the same sweep)
@@ -446,7 +445,7 @@ def decode_attention(
             q, kd, ks, vd, vs, block_table, context_lens, o_part, lse, sm_scale * LOG2E * fp4_gain, fp4_gain,
             q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), *sk, vd.stride(0), vd.stride(1), *sv,
             block_table.stride(0), chunk, num_splits, H=H, G=G, D=D, PAGE=block_size, BLOCK_N=block_n,
-            PREFETCH=GLUON_PREFETCH, STAGES=GLUON_STAGES, num_warps=4)
+            PREFETCH=GLUON_PREFETCH, num_warps=4)
         _merge_splits_kernel[(B * H,)](o_part, lse, out, num_splits, D=D, S_PAD=triton.next_power_of_2(num_splits))
         return out
     _decode_partial_kernel[(B, KVH, num_splits)](

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from model.kernels.fp4 import E2M1X8_F16_PTX
 
@@ -75,34 +75,11 @@ def _tile_loads(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, n0, end, kvh, s_kt, s_kh, 
 
 
 @gluon.jit
-def _tile_copies(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, n0, end, kvh, s_kt, s_kh, s_kst, s_ksh, s_vt, s_vh, s_vst, s_vsh,
-                 kb, ksb, vb, vsb, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, DB: gl.constexpr, BL: gl.constexpr,
-                 SCL: gl.constexpr):
-    """Asynchronous copies of the tile at n0's K and V bytes and scales into the shared buffers kb, ksb, vb, vsb (rows
-    at or past `end` are zero-filled: nothing read). Bytes: a lane's 16 contiguous bytes; scales: 4 bytes a lane."""
-    n = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, BL))
-    valid = n < end
-    slot = gl.load(bt_row + n // PAGE, mask=valid, other=0).to(gl.int64) * PAGE + n % PAGE
-    b = gl.arange(0, DB, layout=gl.SliceLayout(0, BL))
-    async_copy.async_copy_global_to_shared(kb, k_ptr + (slot * s_kt + kvh * s_kh)[:, None] + b[None, :], valid[:, None])
-    async_copy.async_copy_global_to_shared(vb, v_ptr + (slot * s_vt + kvh * s_vh)[:, None] + b[None, :], valid[:, None])
-    n_sc = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, SCL))
-    sc_valid = n_sc < end
-    slot_sc = gl.load(bt_row + n_sc // PAGE, mask=sc_valid, other=0).to(gl.int64) * PAGE + n_sc % PAGE
-    jb = gl.arange(0, DB // 8, layout=gl.SliceLayout(0, SCL))
-    async_copy.async_copy_global_to_shared(ksb, ks_ptr + (slot_sc * s_kst + kvh * s_ksh)[:, None] + jb[None, :],
-                                           sc_valid[:, None])
-    async_copy.async_copy_global_to_shared(vsb, vs_ptr + (slot_sc * s_vst + kvh * s_vsh)[:, None] + jb[None, :],
-                                           sc_valid[:, None])
-    async_copy.commit_group()
-
-
-@gluon.jit
 def fp4_decode_partial_kernel(
     q_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, bt_ptr, lens_ptr, o_ptr, lse_ptr, qk_scale, out_scale,
     s_qb, s_qh, s_kt, s_kh, s_kst, s_ksh, s_vt, s_vh, s_vst, s_vsh, s_bt, chunk, n_splits,
     H: gl.constexpr, G: gl.constexpr, D: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-    PREFETCH: gl.constexpr, STAGES: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     DB: gl.constexpr = D // 2
     TB: gl.constexpr = DB // 4  # bytes of one token row per lane
@@ -112,9 +89,6 @@ def fp4_decode_partial_kernel(
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     VEC: gl.constexpr = gl.SliceLayout(1, MMA)
-    NB: gl.constexpr = DB // 8
-    SCL: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (NB // 4), NB // 4], [4, 1], [1, 0])  # scale copies: 4 B a lane
-    SMEM: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
 
     b = gl.program_id(0)
     kvh = gl.program_id(1)
@@ -134,35 +108,12 @@ def fp4_decode_partial_kernel(
     acc = gl.zeros([16, D], gl.float32, layout=MMA)
     m_i = gl.full([16], float("-inf"), gl.float32, layout=VEC)
     l_i = gl.zeros([16], gl.float32, layout=VEC)
-    if STAGES > 0:  # a ring of STAGES tiles in shared memory filled by asynchronous copies, STAGES - 1 ahead
-        kbuf = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, DB], SMEM)
-        vbuf = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, DB], SMEM)
-        ksbuf = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, NB], SMEM)
-        vsbuf = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK_N, NB], SMEM)
-        for i in gl.static_range(STAGES - 1):
-            _tile_copies(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start + i * BLOCK_N, end, kvh, s_kt, s_kh, s_kst, s_ksh,
-                         s_vt, s_vh, s_vst, s_vsh, kbuf.index(i), ksbuf.index(i), vbuf.index(i), vsbuf.index(i),
-                         PAGE, BLOCK_N, DB, BL, SCL)
     # PREFETCH: each iteration issues the next tile's loads before decoding this one (registers double-buffered)
     if PREFETCH:
         kp, ksb, vp, vsb = _tile_loads(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, start, end, kvh, s_kt, s_kh, s_kst, s_ksh,
                                        s_vt, s_vh, s_vst, s_vsh, PAGE, BLOCK_N, DB, BL, P3)
-    it = 0
     for n0 in range(start, end, BLOCK_N):
-        if STAGES > 0:
-            async_copy.wait_group(STAGES - 2)  # this thread's copies of tile `it` are in
-            gl.thread_barrier()  # everyone's are, and everyone is done with the stage the next copies overwrite
-            nxt = (it + STAGES - 1) % STAGES
-            _tile_copies(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, n0 + (STAGES - 1) * BLOCK_N, end, kvh, s_kt, s_kh,
-                         s_kst, s_ksh, s_vt, s_vh, s_vst, s_vsh, kbuf.index(nxt), ksbuf.index(nxt), vbuf.index(nxt),
-                         vsbuf.index(nxt), PAGE, BLOCK_N, DB, BL, SCL)
-            cur = it % STAGES
-            kp = kbuf.index(cur).load(BL)
-            vp = vbuf.index(cur).load(BL)
-            ksb = ksbuf.index(cur).load(gl.SliceLayout(2, P3))
-            vsb = vsbuf.index(cur).load(gl.SliceLayout(2, P3))
-            it += 1
-        elif PREFETCH:
+        if PREFETCH:
             nkp, nksb, nvp, nvsb = _tile_loads(k_ptr, ks_ptr, v_ptr, vs_ptr, bt_row, n0 + BLOCK_N, end, kvh, s_kt,
                                                s_kh, s_kst, s_ksh, s_vt, s_vh, s_vst, s_vsh, PAGE, BLOCK_N, DB, BL, P3)
         else:
