@@ -67,9 +67,9 @@ BLOCK_N = {"dense": 64, "fp8": 64, "fp4": 128}
 # device time in CUDA-graph replay (bench/paged_attention.py): batch 64 30.5 -> 27.3 us, batch 1 7.2 -> 5.5 us,
 # batch 256 93.6 -> 92.8 us; longer contexts keep the tiles above (2K: 128-token tiles; 16K: level with bf16).
 FP4_SHORT_CONTEXT = 512
-# fp4 kernel on CUDA: "gluon" (model/kernels/decode_attention_gluon.py: the decoded K tile built in the tensor-core
-# operand layout, no shared-memory round trip) where `_gluon_fp4_refusal` lets it, or "triton" (_decode_partial_kernel,
-# also the path of float32 q, the interpreter and other head sizes). H200, Qwen3-0.6B attention, graph-replay device
+# fp4 kernel: "triton" (_decode_partial_kernel, the default) or, on CUDA where `_gluon_fp4_refusal` lets it, "gluon"
+# (model/kernels/decode_attention_gluon.py: the decoded K tile built in the tensor-core operand layout, no shared-memory
+# round trip; opt-in with ASYNCRL_FP4_KERNEL=gluon until its engine-level timing is side by side). H200, Qwen3-0.6B attention, graph-replay device
 # time (BENCHMARKS.md, "FP4 decode attention in Gluon"), best Gluon launch against Triton's default: b1 5.52 -> 4.65
 # us, b64 27.3 -> 21.3, b256 92.5 -> 81.1, b64 at 2K 132.1 -> 129.7, b16 at 16K 248.5 -> 240.5 (bf16: 4.88, 25.7,
 # 79.0, 128.9, 253.2)
@@ -446,15 +446,14 @@ def decode_attention(
             q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), *sk, vd.stride(0), vd.stride(1), *sv,
             block_table.stride(0), chunk, num_splits, H=H, G=G, D=D, PAGE=block_size, BLOCK_N=block_n,
             PREFETCH=GLUON_PREFETCH, num_warps=4)
-        _merge_splits_kernel[(B * H,)](o_part, lse, out, num_splits, D=D, S_PAD=triton.next_power_of_2(num_splits))
-        return out
-    _decode_partial_kernel[(B, KVH, num_splits)](
-        q, kd, ks_t, vd, vs_t, block_table, context_lens, o_part, lse,
-        sm_scale * LOG2E * fp4_gain, fp4_gain,
-        q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), *sk, vd.stride(0), vd.stride(1), *sv,
-        block_table.stride(0), chunk, num_splits,
-        H=H, G=G, G_PAD=G_PAD, D=D, PAGE=block_size, BLOCK_N=block_n, FMT=fmt, CD=cd_tl, IEEE=ieee or interpreted,
-        USE_DOT=use_dot, FP4_DECODE=fp4_decode, SC_WORDS=sc_words, num_warps=num_warps, **launch,
-    )
+    else:
+        _decode_partial_kernel[(B, KVH, num_splits)](
+            q, kd, ks_t, vd, vs_t, block_table, context_lens, o_part, lse,
+            sm_scale * LOG2E * fp4_gain, fp4_gain,
+            q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), *sk, vd.stride(0), vd.stride(1), *sv,
+            block_table.stride(0), chunk, num_splits,
+            H=H, G=G, G_PAD=G_PAD, D=D, PAGE=block_size, BLOCK_N=block_n, FMT=fmt, CD=cd_tl, IEEE=ieee or interpreted,
+            USE_DOT=use_dot, FP4_DECODE=fp4_decode, SC_WORDS=sc_words, num_warps=num_warps, **launch,
+        )
     _merge_splits_kernel[(B * H,)](o_part, lse, out, num_splits, D=D, S_PAD=triton.next_power_of_2(num_splits))
     return out
