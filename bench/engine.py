@@ -332,5 +332,6 @@ def long_contexts(shape: str | None, device: str, result: dict) -> None:
         k = f"b{b}_{ctx // 1024}k"
         result[f"fp4_over_bf16_{k}"] = result[f"fp4_ms_per_step_{k}"] / result[f"bf16_ms_per_step_{k}"]
 
+
 if __name__ == "__main__":
     main()
