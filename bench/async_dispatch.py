@@ -80,6 +80,7 @@ def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = Tr
         "interrupt_p99_steps": late[min(len(late) - 1, math.ceil(0.99 * len(late)) - 1)],
         "rollout_s": clock.rollout_s,
         "train_s": clock.train_s,
+        "weight_update_s": clock.weight_update_s,  # of train_s
         "wall_s": wall,
         "engine_share": clock.engine_s / max(clock.rollout_s, 1e-9),  # the rest: controller and round trips
         "controller_share": (clock.verify_s + clock.store_s + clock.dispatch_s) / max(clock.rollout_s, 1e-9),
@@ -162,7 +163,7 @@ def main() -> None:
     rows = list(by.values())
     cols = ["policy", "trained_samples_per_s", "gen_tokens_per_s", "concurrency_mean", "concurrency_std",
             "concurrency_held", "idle_frac", "reprefill_tokens", "interrupt_p99_steps", "rollout_s", "train_s",
-            "steady_samples_per_s", "steady_tokens_per_s"]
+            "weight_update_s", "steady_samples_per_s", "steady_tokens_per_s"]
     print(f"long-tail lengths: median {a.median}, sigma {a.sigma} (p99/p50 = {math.exp(2.326 * a.sigma):.1f}), "
           f"max {a.max_tokens}; {a.prompts}x{a.group} samples per step, {a.steps} steps; device {a.device}")
     print(" | ".join(c[:14].rjust(14) for c in cols))
@@ -246,7 +247,7 @@ def _print_rows(rows: dict[str, dict]) -> None:
         print(f"{name:<18} rollout {r['gen_tokens_per_s']:>9.0f} tok/s ({r['steady_tokens_per_s']:.0f} steady)  trained {r['trained_samples_per_s']:>7.1f} samples/s  "
               f"interrupt p99 {r['interrupt_p99_steps']} steps  rollout {r['rollout_s']:.1f} s (engine share "
               f"{r['engine_share']:.2f}, verdicts + store + new prompts {r['controller_share']:.2f}; prefills in "
-              f"{r['prefill_step_frac']:.2f} of steps)  train {r['train_s']:.1f} s")
+              f"{r['prefill_step_frac']:.2f} of steps)  train {r['train_s']:.1f} s (weight update {r['weight_update_s']:.2f} s)")
 
 
 if __name__ == "__main__":

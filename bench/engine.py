@@ -240,10 +240,19 @@ def main() -> None:
                     help="only the engine's default against sampling after the replay and plain steps, side by side, for each "
                          "shape at batch 1, 64, 256, and FP4 against bf16 KV at batch 64")
     ap.add_argument("--batches", default="1,64,256", help="--overlap-only on CUDA: the batches (bf16, then FP4)")
+    ap.add_argument("--fp4-kernels", default=None,
+                    help="CUDA: only bf16 against FP4 KV with each of these FP4 attention kernels (e.g. triton,gluon), "
+                         "in turn per point (--batches at 128+256 tokens, then 2K and 16K contexts), --rounds times")
+    ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     torch.set_num_threads(2 if device == "cpu" else torch.get_num_threads())
     result: dict[str, float] = {}
+    if args.fp4_kernels:
+        fp4_kernels_side_by_side(args.shapes.split(",")[-1], device, result, args.fp4_kernels.split(","),
+                                 tuple(int(b) for b in args.batches.split(",")), args.rounds)
+        print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
+        return
     if args.long_only:
         long_contexts(args.shapes.split(",")[-1] if device == "cuda" else None, device, result)
         print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
@@ -318,6 +327,40 @@ def main() -> None:
     del model
     long_contexts(args.shapes.split(",")[-1] if device == "cuda" and args.long else None, device, result)
     print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
+
+
+def fp4_kernels_side_by_side(shape: str, device: str, result: dict, kernels: list[str], batches: tuple[int, ...],
+                             rounds: int) -> None:
+    """bf16 KV against FP4 KV read by each FP4 attention kernel, in turn at every point and `rounds` times (the
+    median kept): batches at 128-token prompts + 256 new tokens, then batch 64 at 2K and batch 16 at 16K context
+    (64 new tokens). The same weights for every arm (one model per KV format, built once)."""
+    from model.kernels import decode_attention as attention
+
+    if device != "cuda":  # the FP4 kernels' timings mean nothing on the CPU: the tiny shape's plumbing only
+        shape, batches, kernels = "tiny", (1,), ["triton"]
+    models = {kv: build(shape, device, kv, max_pos=16384 + 128) for kv in ("bf16", "fp4")}
+    points = [(b, 128, 256) for b in batches] + ([(64, 2048, 64), (16, 16384, 64)] if device == "cuda" else [])
+    arms = ["bf16"] + [f"fp4_{k}" for k in kernels]
+    default = attention.FP4_KERNEL
+    for b, prompt, new in points:
+        times: dict[str, list[float]] = {a: [] for a in arms}
+        for _ in range(rounds):
+            for arm in arms:
+                attention.FP4_KERNEL = arm.removeprefix("fp4_") if arm != "bf16" else default
+                try:
+                    times[arm].append(engine_ms_per_step(models[arm.split("_")[0]], b, prompt, new, device)[0])
+                finally:
+                    attention.FP4_KERNEL = default
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+        tag = f"b{b}" + (f"_{prompt // 1024}k" if prompt >= 1024 else "")
+        ms = {a: sorted(t)[len(t) // 2] for a, t in times.items()}
+        for a in arms:
+            result[f"{a}_ms_per_step_{tag}"] = ms[a]
+            if a != "bf16":
+                result[f"{a}_over_bf16_{tag}"] = ms[a] / ms["bf16"]
+        print(f"{shape} {tag}: " + "; ".join(f"{a} {ms[a]:.3f} ms/step {[round(x, 3) for x in times[a]]}" for a in arms),
+              flush=True)
 
 
 def long_contexts(shape: str | None, device: str, result: dict) -> None:

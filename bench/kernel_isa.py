@@ -82,11 +82,13 @@ def compile_variant(fmt: int, block_n: int, num_stages: int | None, fp4_decode: 
 
 
 def compile_gluon(block_n: int):
-    """The Gluon FP4 kernel (model/kernels/decode_attention_gluon.py) compiled for sm_90: (ttgir, sass)."""
+    """The Gluon FP4 kernel (model/kernels/decode_attention_gluon.py) compiled for sm_90 under the launch's register cap
+    (decode_attention.GLUON_MAXNREG): (ttgir, sass, registers per thread, stack bytes per thread: spills)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from model.kernels.decode_attention import GLUON_MAXNREG
     from model.kernels.decode_attention_gluon import fp4_decode_partial_kernel as kernel
 
     names = kernel.arg_names
@@ -99,18 +101,21 @@ def compile_gluon(block_n: int):
                if sig[n] not in ("constexpr", "fp32") and n not in ("n_splits", "s_ksh", "s_vsh")}
     src = GluonASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()},
                          attrs=aligned)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return compiled.asm["ttgir"], _sass(compiled)
+    options = {"num_warps": 4, **({"maxnreg": GLUON_MAXNREG} if GLUON_MAXNREG else {})}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    usage = _sass(compiled, "-res-usage")  # "REG:128 STACK:0 SHARED:1024 ..."
+    regs, stack = (int(re.search(rf"{f}:(\d+)", usage).group(1)) for f in ("REG", "STACK"))
+    return compiled.asm["ttgir"], _sass(compiled), regs, stack
 
 
-def _sass(compiled) -> str:
+def _sass(compiled, what: str = "-sass") -> str:
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(tool), what, f.name], capture_output=True, text=True, check=True).stdout
 
 
 def main() -> None:
@@ -129,7 +134,12 @@ def main() -> None:
     if args.gluon:
         variants += [("fp4_gluon", 2, int(bn), None, None) for bn in args.block_n.split(",")]
     for name, fmt, bn, stages, dec in variants:
-        ttgir, sass = compile_gluon(bn) if name == "fp4_gluon" else compile_variant(fmt, bn, stages, dec)
+        if name == "fp4_gluon":
+            ttgir, sass, regs, stack = compile_gluon(bn)
+            result.update({f"fp4_gluon_n{bn}_registers": regs, f"fp4_gluon_n{bn}_stack_bytes": stack})
+            print(f"fp4_gluon n{bn}: {regs} registers a thread, {stack} bytes of stack (spills)")
+        else:
+            ttgir, sass = compile_variant(fmt, bn, stages, dec)
         counts, tiles = sass_counts(sass), smem_tiles(ttgir, bn)
         tag = f"{name} n{bn}" + (f" decode{dec}" if dec is not None and fmt == 2 else "")
         print(f"{tag:<22}" + "".join(f"{counts[f]:>8}" for f in (*FAMILIES, "all")) + f"{tiles:>8}")

@@ -490,7 +490,9 @@ class AsyncGRPO:
         if isinstance(stage, OPDStage):
             metrics["opd/teachers_in_step"] = len(set(teacher.values()))  # across ranks, not rank 0's
         fault_point("train")
+        t_update = time.perf_counter()
         version = job.advance_version()
+        clock.weight_update_s += time.perf_counter() - t_update
         disp.on_train_step()
         job.store.mark_trained([s.sample_id for s in samples], version)
         job.store.set_outcome(batch, "trained")
@@ -536,6 +538,7 @@ class AsyncGRPO:
             "rollout/prefill_calls_total": clock.prefill_calls,
             "train/uniform_groups_skipped_total": clock.uniform_groups_skipped,
             "time/train_s": clock.train_s,
+            "time/weight_update_s": clock.weight_update_s,  # of train_s: the engines take the new weights
             "time/checkpoint_s": clock.checkpoint_s,  # periodic checkpoints taken at token boundaries (not in rollout_s)
         })
         metrics.update(rollout_breakdown(samples))

@@ -89,6 +89,11 @@ class RolloutClock:
     rollout_s: float = 0.0
     """Seconds of the rollout phases (generating until a train batch is ready), periodic checkpoints apart."""
     train_s: float = 0.0
+    """Seconds of the train steps (the optimizer steps, their bookkeeping and the weight update)."""
+    weight_update_s: float = 0.0
+    """Of train_s: seconds of the weight updates after the optimizer steps (`policy.update_weights`: the engines'
+    bf16 copy refreshed and their fused weights rebuilt; on Ray workers, with the round trip). Absent from older
+    checkpoints: 0."""
     generated_tokens: int = 0
     bytes_moved: int = 0
     engine_s: float = 0.0

@@ -67,17 +67,22 @@ BLOCK_N = {"dense": 64, "fp8": 64, "fp4": 128}
 # device time in CUDA-graph replay (bench/paged_attention.py): batch 64 30.5 -> 27.3 us, batch 1 7.2 -> 5.5 us,
 # batch 256 93.6 -> 92.8 us; longer contexts keep the tiles above (2K: 128-token tiles; 16K: level with bf16).
 FP4_SHORT_CONTEXT = 512
-# fp4 kernel: "triton" (_decode_partial_kernel, the default) or, on CUDA where `_gluon_fp4_refusal` lets it, "gluon"
-# (model/kernels/decode_attention_gluon.py: the decoded K tile built in the tensor-core operand layout, no shared-memory
-# round trip; opt-in with ASYNCRL_FP4_KERNEL=gluon until its engine-level timing is side by side). H200, Qwen3-0.6B attention, graph-replay device
-# time (BENCHMARKS.md, "FP4 decode attention in Gluon"), best Gluon launch against Triton's default: b1 5.52 -> 4.65
-# us, b64 27.3 -> 21.3, b256 92.5 -> 81.1, b64 at 2K 132.1 -> 129.7, b16 at 16K 248.5 -> 240.5 (bf16: 4.88, 25.7,
-# 79.0, 128.9, 253.2)
-FP4_KERNEL = os.environ.get("ASYNCRL_FP4_KERNEL", "triton")
+# fp4 kernel: "gluon" (the default where `_gluon_fp4_refusal` lets it: CUDA, bf16/fp16 q, head_dim 64/128;
+# model/kernels/decode_attention_gluon.py: the decoded K tile built in the tensor-core operand layout, no shared-memory
+# round trip) or "triton" (_decode_partial_kernel: every other call, and ASYNCRL_FP4_KERNEL=triton). H200 engine,
+# Qwen3-0.6B shape, FP4 ms/step Triton -> Gluon side by side in one run (BENCHMARKS.md, "FP4 decode attention faster
+# than bf16 in the engine"): see GLUON_MAXNREG's figures; graph-replay device time of one call at b16 16K 248.5 -> 240.5 us
+FP4_KERNEL = os.environ.get("ASYNCRL_FP4_KERNEL", "gluon")
 GLUON_PREFETCH = False  # the next tile's loads one iteration ahead: slower on the H200 (repacking the carried bytes)
 # Gluon launch at contexts past FP4_SHORT_CONTEXT: about this many programs per SM in splits (b64 at 2K: 4 splits,
 # b16 at 16K: 16; the same sweep)
 GLUON_PROGRAMS_PER_SM = 16
+# registers per thread the Gluon launch caps (None: ptxas's choice). Uncapped, ptxas gives the 64-token tile 130
+# registers: 3 programs (12 warps) per SM. At 128 it spills nothing (bench/kernel_isa.py --gluon) and 4 fit, which hides
+# a third more of HBM's latency: H200 engine, Qwen3-0.6B shape, FP4 ms/step uncapped -> capped 8.36 -> 7.58 at b16
+# 16K, 5.14 -> 4.77 at b64 2K, 1.98 -> 1.85 at b64, 3.96 -> 3.66 at b256 (bf16: 8.16, 4.92, 1.92, 3.84;
+# BENCHMARKS.md, "FP4 decode attention faster than bf16 in the engine")
+GLUON_MAXNREG = 128
 
 
 # -- PyTorch reference -----------------------------------------------------------------------------
@@ -445,7 +450,7 @@ def decode_attention(
             q, kd, ks, vd, vs, block_table, context_lens, o_part, lse, sm_scale * LOG2E * fp4_gain, fp4_gain,
             q.stride(0), q.stride(1), kd.stride(0), kd.stride(1), *sk, vd.stride(0), vd.stride(1), *sv,
             block_table.stride(0), chunk, num_splits, H=H, G=G, D=D, PAGE=block_size, BLOCK_N=block_n,
-            PREFETCH=GLUON_PREFETCH, num_warps=4)
+            PREFETCH=GLUON_PREFETCH, num_warps=4, **({"maxnreg": GLUON_MAXNREG} if GLUON_MAXNREG else {}))
     else:
         _decode_partial_kernel[(B, KVH, num_splits)](
             q, kd, ks_t, vd, vs_t, block_table, context_lens, o_part, lse,

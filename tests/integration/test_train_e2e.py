@@ -85,6 +85,8 @@ def test_metrics_logged_to_jsonl_and_wandb_offline(tiny_run):
         assert steps > 0 and 0 < r["rollout/prefill_calls_total"] - before["rollout/prefill_calls_total"] <= steps
         for key in ("time/verify_s", "time/store_s", "time/dispatch_s"):  # the controller's: verdicts, store, prompts
             assert 0 < r[key] - before[key] < r["time/rollout_s"] - before["time/rollout_s"], key
+        # the train phase's: the weight update after the optimizer step is one part of it
+        assert 0 < r["time/weight_update_s"] - before["time/weight_update_s"] < r["time/train_s"] - before["time/train_s"]
     assert any("eval/accuracy" in r for r in records)
     pytest.importorskip("wandb")
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run directory missing"

@@ -119,16 +119,20 @@ def test_fp4_decode_variants_match_reference(decode, words, monkeypatch):
         kc, vc = fp4.quantize(k), fp4.quantize(v)
         ref = kern.decode_attention_ref(q, kc, vc, table, lens_t, bs, kv_format="fp4")
         out = kern.decode_attention(q.to(DEVICE), _to(kc, DEVICE), _to(vc, DEVICE), table.to(DEVICE),
-                                    lens_t.to(DEVICE), bs, kv_format="fp4", block_n=bn, fp4_decode=decode).cpu()
+                                    lens_t.to(DEVICE), bs, kv_format="fp4", block_n=bn, fp4_decode=decode,
+                                    fp4_kernel="triton").cpu()
         assert torch.isfinite(out).all()
         assert torch.allclose(out.float(), ref.float(), **TOL[qdt])
 
 
+@pytest.mark.parametrize("kernel", ["triton", pytest.param("gluon", marks=pytest.mark.skipif(
+    DEVICE != "cuda", reason="the Gluon kernel runs compiled on CUDA only"))])
 @pytest.mark.parametrize("wave", [False, True], ids=["few-programs", "a-wave"])
-def test_fp4_short_context_default_launch_matches_reference(wave):
+def test_fp4_short_context_default_launch_matches_reference(wave, kernel):
     """The fp4 launch chosen for block tables of <= FP4_SHORT_CONTEXT tokens (a rollout's decode): 32-token tiles
     when the (sequence, KV head) programs are fewer than the SMs, 64-token tiles in two splits when they fill one
-    to four waves; both in two pipeline stages. Lengths spread over the table, one sequence empty."""
+    to four waves (the Triton kernel in two pipeline stages; the Gluon one under its register cap). Lengths spread
+    over the table, one sequence empty."""
     sms, KVH = kern._num_sms(torch.device(DEVICE)), 2 if wave else 1
     B = -(-sms // KVH) if wave else 1
     lens = [int(x) for x in torch.linspace(0, 70, B).round()] if B > 1 else [57]
@@ -138,7 +142,7 @@ def test_fp4_short_context_default_launch_matches_reference(wave):
     kc, vc = fp4.quantize(k), fp4.quantize(v)
     ref = kern.decode_attention_ref(q, kc, vc, table, lens_t, 16, kv_format="fp4")
     out = kern.decode_attention(q.to(DEVICE), _to(kc, DEVICE), _to(vc, DEVICE), table.to(DEVICE), lens_t.to(DEVICE),
-                                16, kv_format="fp4").cpu()
+                                16, kv_format="fp4", fp4_kernel=kernel).cpu()
     assert torch.isfinite(out).all() and torch.allclose(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 

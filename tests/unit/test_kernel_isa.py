@@ -57,3 +57,5 @@ def test_the_decode_kernel_compiles_for_sm90_here_and_bf16_tiles_arrive_by_async
     assert r["fp4_smem_tiles"] == 4  # Triton: the decoded K and V halves each through shared memory
     assert r["fp4_gluon_smem_tiles"] == 1  # Gluon: V only; K decoded in the mma operand layout
     assert r["fp4_gluon_sts"] < r["fp4_sts"]
+    # under the launch's register cap (4 programs an SM) the 64-token tile spills nothing
+    assert 0 < r["fp4_gluon_n64_registers"] <= 128 and r["fp4_gluon_n64_stack_bytes"] == 0
