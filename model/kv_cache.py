@@ -212,6 +212,29 @@ def fake_quant(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------------
 
 
+QUANTISED_KV_MIN_CAPABILITY = (8, 9)
+"""The FP8 and FP4 formats' kernels on CUDA (quantise, paged decode attention, Triton and Gluon) convert E4M3 values
+and scales with Triton's `float8e4nv` and PTX's e4m3 conversions, which exist from compute capability 8.9 (Ada,
+Hopper) on."""
+
+
+class KVFormatDeviceError(ValueError):
+    """A quantised KV format on a GPU its kernels cannot run on (`rl train` prints it, exit 2)."""
+
+
+def quantised_kv_refusal(kv_dtype: str, device: str | torch.device) -> str | None:
+    """Why `kv_dtype` cannot be the engine's KV format on `device` (None: it can)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not kv_format(kv_dtype).quantised:
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) >= QUANTISED_KV_MIN_CAPABILITY:
+        return None
+    need = ".".join(map(str, QUANTISED_KV_MIN_CAPABILITY))
+    return (f"model.kv_cache.dtype={kv_dtype} needs a GPU of compute capability {need} or newer (E4M3 conversions in "
+            f"its kernels); {device} is {cap[0]}.{cap[1]}: use kv_cache.dtype bf16")
+
+
 class PagedKVCache:
     def __init__(
         self,
@@ -229,6 +252,8 @@ class PagedKVCache:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.format = kv_format(kv_dtype)
+        if num_layers and (refusal := quantised_kv_refusal(kv_dtype, device)) is not None:
+            raise KVFormatDeviceError(refusal)
         # One slot past the pool is a scratch slot: padding writes land there, so `write` never needs
         # to look at the mask on the host (no sync in the token loop).
         self._scratch = num_blocks * block_size

@@ -83,6 +83,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = False, break_lock: bool = False) -> int:
     from model.chat_template import ChatTemplateError
     from model.formats import CheckpointFormatError
+    from model.kv_cache import KVFormatDeviceError
     from rewards.dataset_io import DatasetError
     from rl.checkpoint import CheckpointError
     from rl.driver import train  # heavy: torch
@@ -96,7 +97,7 @@ def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = F
     try:
         summary = train(recipe, run_dir, resume=resume, overwrite=overwrite, break_lock=break_lock)
     except (CheckpointError, CheckpointFormatError, ChatTemplateError, StoreError, DatasetError, RunDirError,
-            SandboxStartError, PlacementError, KVPoolSizeError) as e:
+            SandboxStartError, PlacementError, KVPoolSizeError, KVFormatDeviceError) as e:
         print(f"{prefix}: {str(e).strip().splitlines()[-1]}", file=sys.stderr)  # a worker's: its own last line
         return EXIT_BAD_INPUT
     except WorkerFailure as e:
