@@ -213,9 +213,9 @@ def fake_quant(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
 
 
 QUANTISED_KV_MIN_CAPABILITY = (8, 9)
-"""The FP8 and FP4 formats' kernels on CUDA (quantise, paged decode attention, Triton and Gluon) convert E4M3 values
-and scales with Triton's `float8e4nv` and PTX's e4m3 conversions, which exist from compute capability 8.9 (Ada,
-Hopper) on."""
+"""The FP8 and FP4 formats' paged decode-attention kernels on CUDA (model/kernels/decode_attention.py, and the Gluon
+one) convert E4M3 values and scales with Triton's `float8e4nv`, which Triton offers from compute capability 8.9
+(Ada, Hopper) on."""
 
 
 class KVFormatDeviceError(ValueError):
@@ -232,7 +232,7 @@ def quantised_kv_refusal(kv_dtype: str, device: str | torch.device) -> str | Non
         return None
     need = ".".join(map(str, QUANTISED_KV_MIN_CAPABILITY))
     return (f"model.kv_cache.dtype={kv_dtype} needs a GPU of compute capability {need} or newer (E4M3 conversions in "
-            f"its kernels); {device} is {cap[0]}.{cap[1]}: use kv_cache.dtype bf16")
+            f"its attention kernels); {device} is {cap[0]}.{cap[1]}: use kv_cache.dtype bf16")
 
 
 class PagedKVCache:

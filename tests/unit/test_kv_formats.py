@@ -182,7 +182,7 @@ def test_fp4_interrupt_resume_equals_uninterrupted():
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
 def test_a_quantised_kv_cache_on_a_gpu_older_than_8_9_is_one_line(kv_dtype, monkeypatch):
-    """The FP8/FP4 kernels convert E4M3 with instructions of compute capability 8.9+: on an older GPU the cache is
+    """The FP8/FP4 attention kernels convert E4M3 with Triton's float8e4nv (compute capability 8.9+): on an older GPU the cache is
     refused before anything is allocated, in one line naming the field, the device's capability and the way out
     (the capability is faked: this is the check's logic, not a GPU's)."""
     from model.kv_cache import KVFormatDeviceError, quantised_kv_refusal
@@ -192,7 +192,7 @@ def test_a_quantised_kv_cache_on_a_gpu_older_than_8_9_is_one_line(kv_dtype, monk
         PagedKVCache(num_layers=2, num_blocks=4, block_size=4, num_kv_heads=2, head_dim=32, kv_dtype=kv_dtype,
                      device="cuda")
     assert str(e.value) == (f"model.kv_cache.dtype={kv_dtype} needs a GPU of compute capability 8.9 or newer (E4M3 "
-                            "conversions in its kernels); cuda is 8.0: use kv_cache.dtype bf16")
+                            "conversions in its attention kernels); cuda is 8.0: use kv_cache.dtype bf16")
     assert quantised_kv_refusal("bf16", "cuda") is None  # bf16 runs anywhere
     assert quantised_kv_refusal(kv_dtype, "cpu") is None  # the CPU path runs the PyTorch code
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
