@@ -362,6 +362,8 @@ class Decoder(nn.Module):
     def reset_parameters(self) -> None:
         std = self.config.init_std
         for name, p in self.named_parameters():
+            if p.is_meta:  # a shape-only model (rl/memory.py counts its parameters): no values to draw
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("proj.bias"):

@@ -69,3 +69,18 @@ def test_the_estimate_counts_a_kv_pool_sized_by_a_fraction_of_free_memory():
     recipe = load_recipe("configs/quickstart.yaml", ["engine.kv_memory_fraction=0.1"])
     parts, (capacity, _) = estimate(recipe), device_capacity(recipe)
     assert parts["kv_pool"] == pytest.approx(0.1 * (capacity - parts["weights"]))
+
+
+def test_validate_counts_a_shape_only_model_without_initialising_it():
+    """The meta-device model's parameters are counted without drawing their values: torch.nn.init is as it was
+    afterwards, and `rl validate` never imports torch._dynamo (drawing values on meta tensors does, ~1.5 s of
+    every validate on this machine)."""
+    import torch
+
+    before = torch.nn.init.normal_, torch.nn.init.kaiming_uniform_
+    estimate(load_recipe("configs/quickstart.yaml", []))
+    assert (torch.nn.init.normal_, torch.nn.init.kaiming_uniform_) == before
+    code = ("import sys; from rl.cli import main; rc = main(['validate', 'configs/tiny_grpo.yaml']); "
+            "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo', rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.splitlines()[-1] == "no dynamo 0", proc.stderr[-2000:]
