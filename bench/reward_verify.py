@@ -24,7 +24,8 @@ import ray  # noqa: E402
 
 from rewards.task import Problem, Trajectory  # noqa: E402
 from rl.config import Recipe  # noqa: E402
-from rl.runtime import HEALTH, RewardWorker, verify_one  # noqa: E402
+from rl.reward_worker import RewardWorker, verify_one  # noqa: E402
+from rl.runtime import HEALTH  # noqa: E402
 
 
 class BenchRewardWorker(RewardWorker):

@@ -103,3 +103,13 @@ def release(group) -> None:
         from ray.util.placement_group import remove_placement_group
 
         remove_placement_group(group)
+
+
+def node_ip() -> str | None:
+    """This process's node address as Ray knows it (None outside Ray: the in-process runtime runs without Ray
+    installed)."""
+    try:
+        import ray
+    except ImportError:
+        return None
+    return ray.util.get_node_ip_address() if ray.is_initialized() else None

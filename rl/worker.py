@@ -32,6 +32,7 @@ from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.faults import fault_point
 from rl.objectives import build_objective
 from rl.parallel import Single, build_data_parallel, trainer_state_bytes
+from rl.placement import node_ip
 from rl.tool_turns import ToolTurns, generate_with_tools
 from rl.trainer import StepMetrics, TrainBatch, Trainer
 from rollout.engine import Engine
@@ -82,16 +83,6 @@ def initial_weights(recipe: Recipe) -> Path | None:
     if recipe.run.init_checkpoint is not None:
         return Path(recipe.run.init_checkpoint)
     return None if recipe.model.init is None else Path(resolve_model_source(recipe.model.init))
-
-
-def _node_ip() -> str | None:
-    """This worker's node address as Ray knows it (None outside Ray: the in-process runtime runs without Ray
-    installed)."""
-    try:
-        import ray
-    except ImportError:
-        return None
-    return ray.util.get_node_ip_address() if ray.is_initialized() else None
 
 
 def interface_of(ip: str) -> str | None:
@@ -193,7 +184,7 @@ class PolicyWorker:
         knows it, so that ranks on other nodes reach it; a port free on that address now."""
         import socket
 
-        ip = _node_ip()
+        ip = node_ip()
         with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
             s.bind((ip, 0))
             port = s.getsockname()[1]
@@ -208,7 +199,7 @@ class PolicyWorker:
         rows of it and the engine's full copy is gathered from the shards."""
         from datetime import timedelta
 
-        iface = interface_of(_node_ip())
+        iface = interface_of(node_ip())
         if iface is not None:  # gloo and NCCL's bootstrap would take the hostname's address: often 127.0.0.1
             os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
             os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
@@ -451,6 +442,6 @@ class PolicyWorker:
                 "reprefill_tokens": self.engine.stats.reprefill_tokens,
                 "free_blocks": self.engine.cache.num_free_blocks,
                 "weights_checksum": float(sum(p.detach().double().sum() for p in self._full_weights().parameters())),
-                "node_ip": _node_ip(),
+                "node_ip": node_ip(),
                 "trainer_state_bytes": trainer_state_bytes(self.model, self.trainer.opt if self.trainer else None),
                 "peak_device_bytes": torch.cuda.max_memory_allocated() if self.recipe.run.device == "cuda" else 0}

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from rewards import Trajectory
 from rl.config import Recipe
-from rl.runtime import RewardWorker
+from rl.reward_worker import RewardWorker
 from sandbox_client import LocalServer
 from tests.tasks.python_answers import PythonAnswers
 

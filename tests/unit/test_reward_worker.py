@@ -1,8 +1,14 @@
-"""RewardWorker.verify (rl/runtime.py): each dataset's samples in one batch where the task verifies batches, the
-verdicts back in the order given; a batch that raises is verified one by one (pure logic: stand-in tasks)."""
+"""RewardWorker.verify (rl/reward_worker.py): each dataset's samples in one batch where the task verifies batches, the
+verdicts back in the order given; a batch that raises is verified one by one (pure logic: stand-in tasks). And the
+module a Ray reward actor imports stays light: no torch."""
+
+import subprocess
+import sys
+
+import pytest
 
 from rewards.task import Problem, Trajectory, Verdict, VerifyContext
-from rl.runtime import RewardWorker
+from rl.reward_worker import RewardWorker
 
 
 class Batched:
@@ -51,3 +57,16 @@ def test_a_batch_that_raises_is_verified_one_by_one_and_the_failure_stays_the_sa
     got = _worker({"a": a}).verify([_traj("a", 0, "1"), _traj("a", 1, "boom"), _traj("a", 2, "3")])
     assert [v.reason for v in got[::2]] == ["one 1", "one 3"] and got[0].correct
     assert got[1].reason == "verifier error: ValueError: bad row" and not got[1].correct
+
+
+@pytest.mark.parametrize("recipe", ["configs/tiny_grpo.yaml", "configs/smollm2_grpo.yaml"])
+def test_a_reward_worker_is_built_without_torch(recipe):
+    """A Ray reward actor imports its class's module (rl/reward_worker.py) and builds the recipe's tasks: neither
+    imports torch, Triton or SQLAlchemy (rl/runtime.py, the old home, imports all three: seconds of every reward
+    actor's start on a 2-core machine)."""
+    code = ("import sys; from rl.reward_worker import RewardWorker; from rl.recipe_io import load_recipe; "
+            f"w = RewardWorker(load_recipe({recipe!r}, [])); assert w.tasks; "
+            "print(sorted(m for m in ('torch', 'triton', 'sqlalchemy') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines()[-1] == "[]"

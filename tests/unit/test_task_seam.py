@@ -12,7 +12,7 @@ from rewards.effort import EffortConfig, effort_prefix, with_effort
 from rewards.task import Message, Problem, Task, Trajectory, Turn, Verdict, VerifyContext, missing_task_methods
 from rl import rendering
 from rl.rendering import Renderer
-from rl.runtime import verify_one
+from rl.reward_worker import verify_one
 from rollout.types import Generation
 from tests.tasks.palindromes import NotATask, Palindromes
 
