@@ -7,6 +7,7 @@ original one.
     python bench/smollm2_learning.py --quick                       # CPU, one step of each: the plumbing only
     python bench/smollm2_learning.py --phase arms --arm sft_grpo=sft_grpo [--sft-share 0.4]   # + SFT, then GRPO
     python bench/smollm2_learning.py --phase arms --arm split=sft_grpo_split   # the same on two halves of the file
+    python bench/smollm2_learning.py --phase arms --arm fresh=sft_grpo_fresh   # SFT on the file, GRPO on other questions
 
 `arms` runs `rl train configs/smollm2_grpo.yaml` and `rl train configs/smollm2_sft.yaml` at the same time,
 one per GPU when there are two (CUDA_VISIBLE_DEVICES=0 and 1), each for --minutes; `opd` runs
@@ -34,10 +35,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 RECIPES = {"grpo": "configs/smollm2_grpo.yaml", "sft": "configs/smollm2_sft.yaml", "opd": "configs/smollm2_opd.yaml",
-           "sft_grpo": "configs/smollm2_sft_grpo.yaml", "sft_grpo_split": "configs/smollm2_sft_grpo_split.yaml"}
+           "sft_grpo": "configs/smollm2_sft_grpo.yaml", "sft_grpo_split": "configs/smollm2_sft_grpo_split.yaml",
+           "sft_grpo_fresh": "configs/smollm2_sft_grpo_fresh.yaml"}
 """The arms' recipes. `sft_grpo` (SFT, then GRPO, splitting the minutes by --sft-share) and `sft_grpo_split` (the
-same, SFT on the first half of the training file and GRPO on the other half) run only as an --arm."""
-TWO_STAGES = ("sft_grpo", "sft_grpo_split")
+same, SFT on the first half of the training file and GRPO on the other half) and `sft_grpo_fresh` (SFT on the
+whole file, GRPO on the RL prompt file's other questions) run only as an --arm."""
+TWO_STAGES = ("sft_grpo", "sft_grpo_split", "sft_grpo_fresh")
 QUICK = ["run.device=cpu", "run.num_threads=1", "runtime.ray=false", "stages.0.max_steps=1", "eval.max_problems=2",
          "engine.max_new_tokens=16", "engine.max_batch_size=8", "logging.wandb=false", "checkpoint.every_steps=0"]
 QUICK_STAGE = {"grpo": ["stages.0.prompts_per_step=2", "stages.0.group_size=2", "stages.0.micro_batch_size=4",
@@ -48,7 +51,7 @@ QUICK_STAGE["opd"] = QUICK_STAGE["grpo"]
 # and the stage would end at its minutes with no step
 QUICK_STAGE["sft_grpo"] = QUICK_STAGE["sft"] + [k.replace("stages.0.", "stages.1.") for k in QUICK_STAGE["grpo"]] + [
     "stages.1.max_steps=1", "stages.1.dynamic_sampling=false"]
-QUICK_STAGE["sft_grpo_split"] = QUICK_STAGE["sft_grpo"]
+QUICK_STAGE["sft_grpo_split"] = QUICK_STAGE["sft_grpo_fresh"] = QUICK_STAGE["sft_grpo"]
 
 
 def _launch(arm: str, out: Path, minutes: float, quick: bool, gpu: int | None, extra: list[str] = (),
@@ -86,6 +89,7 @@ def _wait(procs: dict[str, subprocess.Popen], out: Path) -> None:
 
 
 TRAIN_FILE, TEST_FILE = ROOT / "configs/data/word_problems_train.jsonl", ROOT / "configs/data/word_problems_test.jsonl"
+RL_FILE = ROOT / "configs/data/word_problems_rl.jsonl"  # the `sft_grpo_fresh` arm's GRPO prompts
 TRAIN_SPLIT = ["--set", f"datasets.0.heldout.path={TRAIN_FILE}"]
 
 
@@ -137,7 +141,7 @@ def per_kind(run_dir: Path) -> dict[str, dict[str, float]]:
         import re
         import sqlite3
 
-        _, by_text = _kinds(TRAIN_FILE)
+        by_text = {**_kinds(TRAIN_FILE)[1], **_kinds(RL_FILE)[1]}
         with sqlite3.connect(db) as c:
             last = c.execute("select max(train_step) from samples").fetchone()[0]
             rows = c.execute("select prompt_text, correct from samples where train_step > ?", ((last or 0) - 10,)).fetchall()

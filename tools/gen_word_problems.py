@@ -1,15 +1,17 @@
 """Short arithmetic word problems as JSONL: the verifiable chat task of the GRPO recipe from an instruct model
 (issue #14, item 5) and of its SFT control arm.
 
-    python tools/gen_word_problems.py          # writes configs/data/word_problems_{train,test}.jsonl
-    python tools/gen_word_problems.py --out DIR --train 5000 --test 512 --seed 0
+    python tools/gen_word_problems.py          # writes configs/data/word_problems_{train,test,rl}.jsonl
+    python tools/gen_word_problems.py --out DIR --train 5000 --test 512 --rl 5000 --seed 0
 
 Each line is {"question", "answer", "solution", "kind"}: `answer` is the number as text; `solution` a short
 worked solution ending with "The answer is N." (the SFT target, `demonstration: solution`); `kind` names the
 template. Problems use one operation on two-digit numbers (add, subtract, or multiply by one digit), about
 apples, money and distances, or as a plain "What is a + b?"; a share are two-step (add, then share equally).
 Every question and solution is printable ASCII (the char tokenizer reads them too). The output depends only
-on the arguments; no test question occurs in the train file.
+on the arguments; no test question occurs in the train file, and the `rl` file (RL prompts of an SFT-then-GRPO
+pipeline, configs/smollm2_sft_grpo_fresh.yaml) shares no question with either: it is drawn after them from the same
+random stream, so adding it leaves the train and test files as they were.
 """
 
 from __future__ import annotations
@@ -150,14 +152,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=OUT, help="output directory (default configs/data)")
     p.add_argument("--train", type=int, default=5000, help="train rows")
     p.add_argument("--test", type=int, default=512, help="held-out rows")
+    p.add_argument("--rl", type=int, default=5000, help="rows of the RL prompt file, disjoint from train and test")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     rng = random.Random(a.seed)
     test = generate(a.test, rng)
     train = generate(a.train, rng, exclude={r["question"] for r in test})
+    rl = generate(a.rl, rng, exclude={r["question"] for r in test + train})
     write_jsonl(a.out / "word_problems_test.jsonl", test)
     write_jsonl(a.out / "word_problems_train.jsonl", train)
-    print(f"wrote {len(train)} train and {len(test)} test rows to {a.out}")
+    write_jsonl(a.out / "word_problems_rl.jsonl", rl)
+    print(f"wrote {len(train)} train, {len(test)} test and {len(rl)} RL rows to {a.out}")
 
 
 if __name__ == "__main__":
