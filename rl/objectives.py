@@ -72,6 +72,7 @@ class SFTObjective:
     """Cross-entropy on the demonstrations' response tokens (and EOS)."""
 
     routing_replay = False
+    pads = True  # `Objective.pads`
 
     def __init__(self, stage: SFTStage, **_handles):
         self.micro_batch_size, self.micro_batch_tokens = stage.micro_batch_size, stage.micro_batch_tokens
@@ -87,6 +88,8 @@ class SFTObjective:
 
 class GRPOObjective:
     """The clipped, staleness-masked policy loss of rl/losses.py on whole groups."""
+
+    pads = True  # `Objective.pads`: the reference policy has the policy's positions
 
     def __init__(self, stage: GRPOStage, *, model: Decoder, temperature: float, current_version: int,
                  reference: Decoder | None = None, **_handles):
@@ -144,6 +147,8 @@ class GRPOObjective:
 
 class OPDObjective(GRPOObjective):
     """Full-vocabulary reverse KL to each row's teacher (seed §5.2.4), optionally plus the GRPO loss."""
+
+    pads = False  # the teachers read the packed ids; their position limits are their own
 
     def __init__(self, stage: OPDStage, *, model: Decoder, temperature: float, current_version: int, pool,
                  reference: Decoder | None = None):

@@ -56,13 +56,33 @@ class PackedBatch:
         return torch.arange(T, device=self.input_ids.device) < self.lengths[:, None]
 
 
+SEQ_BUCKET_CUDA = 64
+"""On CUDA the trainer pads a micro-batch's length up to a multiple of this (`Trainer.seq_bucket`). Attention in
+training (`F.scaled_dot_product_attention`, which takes cuDNN's kernels on an H200) builds a cuDNN graph for every
+new shape, ~40 ms each for the forward and again for the backward, once per process: a fresh Ray actor, whose
+micro-batches of a long-tail workload nearly all have lengths it has not seen, spent ~0.65 s of a ~1.7 s step on
+them (BENCHMARKS.md, "The actor's train step"). In buckets of 64 a 512-token recipe has at most 8 lengths; the
+extra positions are right padding, masked out of every loss, and cost no time on a launch-bound GPU step. On the
+CPU (compute-bound, no cuDNN) the trainer does not pad."""
+
+
+def padded_length(T: int, pad_to: int = 1, max_len: int | None = None) -> int:
+    """`T` rounded up to a multiple of `pad_to`, but not past `max_len` (the model's positions); never below `T`."""
+    if pad_to <= 1:
+        return T
+    up = -(-T // pad_to) * pad_to
+    return max(T, min(up, max_len)) if max_len is not None else up
+
+
 def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]],
          behavior_B: Sequence[Sequence[float]] | None = None, routing_B: Sequence | None = None,
          versions_B: Sequence[Sequence[int]] | None = None, device: str | torch.device = "cpu",
-         loss_masks_B: Sequence[Sequence[int] | None] | None = None) -> PackedBatch:
-    """`loss_masks_B`: per response token 1 (trained) or 0 (a tool's output, appended, not sampled); None: all 1."""
+         loss_masks_B: Sequence[Sequence[int] | None] | None = None, pad_to: int = 1,
+         max_len: int | None = None) -> PackedBatch:
+    """`loss_masks_B`: per response token 1 (trained) or 0 (a tool's output, appended, not sampled); None: all 1.
+    `pad_to`, `max_len`: the padded length, `padded_length` of the longest row's."""
     seqs = [list(p) + list(r) for p, r in zip(prompts_B, responses_B)]
-    B, T = len(seqs), max(len(s) for s in seqs) - 1
+    B, T = len(seqs), padded_length(max(len(s) for s in seqs) - 1, pad_to, max_len)
     input_ids = torch.zeros(B, T, dtype=torch.long)
     targets = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T)
@@ -134,10 +154,11 @@ class TrainBatch:
                 for f in fields(self) if f.name.endswith("_B")}
         return TrainBatch(num_tokens=self.num_tokens, **pick)
 
-    def pack(self, device: str | torch.device, routing: bool = False) -> PackedBatch:
+    def pack(self, device: str | torch.device, routing: bool = False, pad_to: int = 1,
+             max_len: int | None = None) -> PackedBatch:
         return pack(self.prompts_B, self.responses_B, self.behavior_logprobs_B,
                     routing_B=self.routing_B if routing else None, versions_B=self.versions_B, device=device,
-                    loss_masks_B=self.loss_masks_B)
+                    loss_masks_B=self.loss_masks_B, pad_to=pad_to, max_len=max_len)
 
 
 @dataclass
@@ -163,6 +184,9 @@ class Objective(Protocol):
     """Padded tokens per forward/backward at most; set, it replaces micro_batch_size (`micro_batches`)."""
     routing_replay: bool
     """Pack the rows' recorded routing traces for the forward to replay (MoE, seed §5.2.1)."""
+    pads: bool
+    """The trainer may pad micro-batches past their longest row (`Trainer.seq_bucket`): False where another
+    model reads the packed ids and its position limit is not the policy's (OPD teachers)."""
 
     def __call__(self, model: Decoder, b: PackedBatch, rows: TrainBatch, upcoming: TrainBatch | None) -> LossTerms:
         """The micro-batch's loss; `upcoming`: the next micro-batch's rows, for prefetching (OPD teachers)."""
@@ -273,11 +297,15 @@ def micro_batches(batch: TrainBatch, rows: int | None, tokens: int | None) -> li
 
 class Trainer:
     def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu", total_steps: int | None = None,
-                 autocast: torch.dtype | None = None, parallel: Single | None = None):
+                 autocast: torch.dtype | None = None, parallel: Single | None = None, seq_bucket: int | None = None):
         """total_steps: the stage's optimizer steps (the cosine schedule decays over them). autocast: the
         forward's compute dtype under mixed precision (master weights, gradients and AdamW stay the model's).
         parallel: the data-parallel strategy over `model` (rl/parallel.py; default: one rank)."""
         self.model, self.optim_cfg, self.device, self.autocast = model, optim, device, autocast
+        self.seq_bucket = seq_bucket if seq_bucket is not None else (
+            SEQ_BUCKET_CUDA if torch.device(device).type == "cuda" else 1)
+        """Micro-batch lengths are padded up to a multiple of this (`SEQ_BUCKET_CUDA` says why), for objectives
+        that allow it (`Objective.pads`)."""
         self.parallel = parallel if parallel is not None else Single(model)
         self.opt, self.sched = build_optimizer(model, optim, total_steps)
 
@@ -321,7 +349,9 @@ class Trainer:
                     with autocast:
                         return idle_loss(model, self.device), None
                 rows = micro[k]
-                b = rows.pack(self.device, routing=objective.routing_replay)
+                b = rows.pack(self.device, routing=objective.routing_replay,
+                              pad_to=self.seq_bucket if objective.pads else 1,
+                              max_len=self.model.config.max_position_embeddings)
                 with autocast:
                     terms = objective(model, b, rows, micro[k + 1] if k + 1 < len(micro) else None)
                 tokens = float(b.mask.sum())

@@ -210,3 +210,53 @@ def test_mini_batch_groups_deal_whole_groups_balanced_with_a_group_per_worker():
     assert all(len(p) >= 3 for p in mini_batch_groups(groups, 4, n_workers=3))
     assert mini_batch_groups(groups, 1, n_workers=2) == [list(range(8))]
     assert mini_batch_groups(groups[:1], 4, n_workers=2) == [[0]]
+
+
+def test_padded_length_rounds_up_to_the_bucket_within_the_models_positions():
+    from rl.trainer import padded_length
+
+    assert [padded_length(t, 64) for t in (1, 63, 64, 65, 250)] == [64, 64, 64, 128, 256]
+    assert padded_length(250, 1) == 250 and padded_length(250, 64, max_len=255) == 255
+    assert padded_length(300, 64, max_len=255) == 300  # never below the longest row (the model refuses it itself)
+
+
+@pytest.mark.parametrize("case", ["sft", "grpo", "grpo_moe_replay"])
+def test_micro_batches_padded_to_a_bucket_take_the_unpadded_step(case):
+    """The CUDA trainer pads each micro-batch's length up to a multiple of `seq_bucket` (one cuDNN attention graph
+    per bucket, not per length): the extra positions are right padding, so the gradients and the metrics are the
+    unpadded step's. MoE with routing replay: the padded positions carry no trace and no loss."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    moe = case == "grpo_moe_replay"
+    model = Decoder(debug_config(moe=moe)).float()
+    rows = _rows(12)
+    if moe:
+        g = np.random.default_rng(0)
+        traces = [g.integers(0, 4, (len(p) + len(r) - 1, 2, 2)).astype(np.int16)
+                  for p, r in zip(rows.prompts_B, rows.responses_B)]
+        rows = TrainBatch(**{**rows.__dict__, "routing_B": traces})
+    stage = SFTStage(micro_batch_size=5) if case == "sft" else GRPOStage(group_size=4, micro_batch_size=5)
+
+    def make(m):
+        return (SFTObjective(stage) if case == "sft"
+                else GRPOObjective(stage, model=m, temperature=1.0, current_version=0))
+
+    assert make(model).pads and rows.pack("cpu", pad_to=16).input_ids.shape[1] == 16  # rows of at most 13 tokens
+    plain, padded = (Trainer(copy.deepcopy(model), OptimConfig(), seq_bucket=b) for b in (1, 16))
+    assert make(plain.model).routing_replay == moe
+    m1, m2 = (merge_step_metrics([t.accumulate(rows, make(t.model))]) for t in (plain, padded))
+    for a, b in zip(plain.model.parameters(), padded.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    assert m1.keys() == m2.keys()
+    for k in m1:
+        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
+
+
+def test_opd_does_not_pad_and_the_cpu_trainer_does_not_either():
+    from rl.objectives import OPDObjective
+    from rl.trainer import SEQ_BUCKET_CUDA
+
+    assert OPDObjective.pads is False  # its teachers read the packed ids with their own position limits
+    model = Decoder(debug_config(moe=False))
+    assert Trainer(model, OptimConfig()).seq_bucket == 1 and SEQ_BUCKET_CUDA == 64
