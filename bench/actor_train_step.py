@@ -11,6 +11,14 @@ responses (log-normal around 32 tokens, as the dispatch bench's workload), rando
 advantages and MoE routing traces. The in-process arm runs last, in the driver, after the actors are gone; it is
 a process that the two steps before have warmed for *these* shapes, as the actors are for theirs.
 Last line: RESULT threaded_ms=.. plain_ms=.. inprocess_ms=.. threaded_over_inprocess=.. (medians inside the worker)
+
+    python bench/actor_train_step.py --fresh-lengths  # in-process, a new batch (new lengths) every step
+
+`--fresh-lengths` measures what the runtime meets instead: every step a batch never seen (new seed, so new
+micro-batch lengths), in one fresh process, first with micro-batch lengths padded to buckets of 64
+(`Trainer.seq_bucket`, the CUDA default) and then unpadded (bucket 1), each arm `--steps` steps after 2 untimed.
+On CUDA, attention builds a cuDNN graph for every new length, once per process (rl/trainer.py SEQ_BUCKET_CUDA).
+Last line: RESULT bucket64_ms=.. bucket1_ms=.. bucket1_over_bucket64=.. (medians)
 """
 
 from __future__ import annotations
@@ -56,8 +64,8 @@ class TimedWorker(PolicyWorker):
         return out
 
 
-def synthetic_batch(vocab: int, layers: int, max_tokens: int, rows: int = 256) -> TrainBatch:
-    rng, g = random.Random(0), np.random.default_rng(0)
+def synthetic_batch(vocab: int, layers: int, max_tokens: int, rows: int = 256, seed: int = 0) -> TrainBatch:
+    rng, g = random.Random(seed), np.random.default_rng(seed)
     prompts, responses = [], []
     for _ in range(rows):
         prompts.append([rng.randrange(vocab) for _ in range(16)])
@@ -84,16 +92,37 @@ def arm(name: str, call, batch: TrainBatch, stage, steps: int) -> float:
     return statistics.median(inside)
 
 
+def fresh_lengths(recipe, shape, steps: int) -> None:
+    """In-process: bucket 64 then bucket 1, a new batch every step (the docstring says why this order is fair)."""
+    stage = recipe.stages[0]
+    worker = TimedWorker(recipe, rank=0, world_size=1, num_threads=shape.threads)
+    worker.begin_stage(stage)
+    vocab, seed, res = worker.vocab_size(), 0, {}
+    for bucket in (64, 1):
+        worker.trainer.seq_bucket = bucket
+        times = []
+        for i in range(steps + 2):
+            seed += 1
+            times += worker.timed_steps(synthetic_batch(vocab, shape.layers, shape.max_tokens, seed=seed), stage, 1)
+        res[bucket] = statistics.median(times[2:])
+        print(f"bucket {bucket:<3} ms per step {res[bucket] * 1e3:8.1f} ({' '.join(f'{x * 1e3:.0f}' for x in times)})",
+              flush=True)
+    print(f"RESULT bucket64_ms={res[64] * 1e3:.1f} bucket1_ms={res[1] * 1e3:.1f} bucket1_over_bucket64={res[1] / res[64]:.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU, tiny shape")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--fresh-lengths", action="store_true", help="in-process, a new batch every step, bucket 64 vs 1")
     a = ap.parse_args()
     cuda = not a.quick and torch.cuda.is_available()
     shape = argparse.Namespace(device="cuda" if cuda else "cpu", hidden=1024 if cuda else 64, layers=8 if cuda else 2,
                                heads=8 if cuda else 4, prompts=32, group=8, median=32, max_tokens=512 if cuda else 160,
                                threads=8 if cuda else 1, micro_batch=32, steps=6, dtype="bfloat16" if cuda else None,
                                ffn="moe", sigma=1.0, ray=True)
+    if a.fresh_lengths:
+        return fresh_lengths(recipe_for("sample", shape, ray=False), shape, a.steps)
     recipe = recipe_for("sample", shape, ray=True)
     stage = recipe.stages[0]
     import ray
