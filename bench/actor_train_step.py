@@ -15,10 +15,11 @@ Last line: RESULT threaded_ms=.. plain_ms=.. inprocess_ms=.. threaded_over_inpro
     python bench/actor_train_step.py --fresh-lengths  # in-process, a new batch (new lengths) every step
 
 `--fresh-lengths` measures what the runtime meets instead: every step a batch never seen (new seed, so new
-micro-batch lengths), in one fresh process, first with micro-batch lengths padded to buckets of 64
-(`Trainer.seq_bucket`, the CUDA default) and then unpadded (bucket 1), each arm `--steps` steps after 2 untimed.
-On CUDA, attention builds a cuDNN graph for every new length, once per process (rl/trainer.py SEQ_BUCKET_CUDA).
-Last line: RESULT bucket64_ms=.. bucket1_ms=.. bucket1_over_bucket64=.. (medians)
+micro-batch lengths), in one process, with micro-batch lengths padded to buckets of 64 (`Trainer.seq_bucket`) or
+not (bucket 1), and on CUDA with training attention on flash kernels (the default) or on cuDNN's
+(`Trainer.cudnn_attention`), which build a graph for every new length, once per process (rl/trainer.py
+SEQ_BUCKET_CUDNN); each arm `--steps` steps after 2 untimed, the arms in turn `--passes` times.
+Last line: RESULT <kernels>_bucket<n>_ms=.. for each arm, then each over the first arm (medians of the last pass)
 """
 
 from __future__ import annotations
@@ -92,29 +93,38 @@ def arm(name: str, call, batch: TrainBatch, stage, steps: int) -> float:
     return statistics.median(inside)
 
 
-def fresh_lengths(recipe, shape, steps: int) -> None:
-    """In-process: bucket 64 then bucket 1, a new batch every step (the docstring says why this order is fair)."""
+def fresh_lengths(recipe, shape, steps: int, passes: int) -> None:
+    """In-process, a new batch every step: each arm (attention kernels x length bucket) in turn, `passes` times."""
     stage = recipe.stages[0]
     worker = TimedWorker(recipe, rank=0, world_size=1, num_threads=shape.threads)
     worker.begin_stage(stage)
     vocab, seed, res = worker.vocab_size(), 0, {}
-    for bucket in (64, 1):
-        worker.trainer.seq_bucket = bucket
-        times = []
-        for i in range(steps + 2):
-            seed += 1
-            times += worker.timed_steps(synthetic_batch(vocab, shape.layers, shape.max_tokens, seed=seed), stage, 1)
-        res[bucket] = statistics.median(times[2:])
-        print(f"bucket {bucket:<3} ms per step {res[bucket] * 1e3:8.1f} ({' '.join(f'{x * 1e3:.0f}' for x in times)})",
-              flush=True)
-    print(f"RESULT bucket64_ms={res[64] * 1e3:.1f} bucket1_ms={res[1] * 1e3:.1f} bucket1_over_bucket64={res[1] / res[64]:.3f}")
+    cuda = shape.device == "cuda"
+    arms = [(a, b) for a in (("flash", "cudnn") if cuda else ("sdpa",)) for b in (64, 1)]
+    for p in range(passes):
+        for kernels, bucket in arms:
+            worker.trainer.seq_bucket, worker.trainer.cudnn_attention = bucket, kernels == "cudnn"
+            times = []
+            for _ in range(steps + 2):
+                seed += 1
+                batch = synthetic_batch(vocab, shape.layers, shape.max_tokens, seed=seed)
+                times += worker.timed_steps(batch, stage, 1)
+            res[f"{kernels}_bucket{bucket}"] = statistics.median(times[2:])
+            print(f"pass {p + 1} {kernels:<5} bucket {bucket:<3} ms per step {res[f'{kernels}_bucket{bucket}'] * 1e3:8.1f} "
+                  f"({' '.join(f'{x * 1e3:.0f}' for x in times)})", flush=True)
+    base = res[f"{arms[0][0]}_bucket64"]
+    ratios = " ".join(f"{k}_over_{arms[0][0]}_bucket64={v / base:.3f}" for k, v in res.items() if v is not base)
+    print("RESULT " + " ".join(f"{k}_ms={v * 1e3:.1f}" for k, v in res.items()) + " " + ratios)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU, tiny shape")
     ap.add_argument("--steps", type=int, default=6)
-    ap.add_argument("--fresh-lengths", action="store_true", help="in-process, a new batch every step, bucket 64 vs 1")
+    ap.add_argument("--fresh-lengths", action="store_true", help="in-process, a new batch every step: the attention "
+                    "kernels (flash, cuDNN) x the length bucket (64, 1)")
+    ap.add_argument("--passes", type=int, default=2, help="--fresh-lengths: run the arms this many times in turn (the "
+                    "last pass's medians are reported)")
     a = ap.parse_args()
     cuda = not a.quick and torch.cuda.is_available()
     shape = argparse.Namespace(device="cuda" if cuda else "cpu", hidden=1024 if cuda else 64, layers=8 if cuda else 2,
@@ -122,7 +132,7 @@ def main() -> None:
                                threads=8 if cuda else 1, micro_batch=32, steps=6, dtype="bfloat16" if cuda else None,
                                ffn="moe", sigma=1.0, ray=True)
     if a.fresh_lengths:
-        return fresh_lengths(recipe_for("sample", shape, ray=False), shape, a.steps)
+        return fresh_lengths(recipe_for("sample", shape, ray=False), shape, a.steps, a.passes)
     recipe = recipe_for("sample", shape, ray=True)
     stage = recipe.stages[0]
     import ray

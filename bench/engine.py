@@ -108,13 +108,15 @@ def group_rollout(model: Decoder, groups: int, group_size: int, prompt: int, new
     return time.perf_counter() - t0, eng
 
 
-def logprob_mismatch(shape: str, device: str, fused: bool, batch: int = 32, prompt: int = 64, new: int = 64) -> float:
+def logprob_mismatch(shape: str, device: str, fused: bool, batch: int = 32, prompt: int = 64, new: int = 64,
+                     cudnn_attention: bool = False) -> float:
     """Mean |engine logprob - trainer logprob| over sampled tokens under run.dtype bfloat16: the engine decodes a
     bf16 copy (graphs; `fused`: the fused rollout path of model/fused.py), the trainer recomputes with the float32
-    master weights under bf16 autocast, as rl/trainer.py does."""
+    master weights under bf16 autocast in the trainer's forward context (rl/trainer.py `forward_context`: flash
+    attention on CUDA, or cuDNN's with `cudnn_attention`)."""
     from model import fused as rollout_path
     from rl.losses import token_logprobs
-    from rl.trainer import pack
+    from rl.trainer import forward_context, pack
     from rl.worker import rollout_copy
 
     torch.manual_seed(0)
@@ -128,7 +130,7 @@ def logprob_mismatch(shape: str, device: str, fused: bool, batch: int = 32, prom
                                            new, seed=i, ignore_eos=True) for i in range(batch)])
     rollout_path.ENABLED = True
     b = pack([x.prompt_tokens for x in gens], [x.response_tokens for x in gens], [x.logprobs for x in gens], device=device)
-    with torch.no_grad(), torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=device == "cuda"):
+    with torch.no_grad(), forward_context(device, torch.bfloat16 if device == "cuda" else None, cudnn_attention):
         out = master.forward_hidden(b.input_ids)
         lp = token_logprobs(master.logits(out.hidden), b.targets)
     m = b.mask.bool()
@@ -229,6 +231,19 @@ def overlap_side_by_side(shapes: list[str], device: str, result: dict[str, float
               flush=True)
 
 
+def mismatches(shape: str, device: str, result: dict[str, float]) -> None:
+    """The engine-vs-trainer logprob mismatch under bf16 mixed precision, with and without the fused rollout path,
+    and on CUDA also with the trainer's attention on cuDNN's kernels instead of flash (Trainer.cudnn_attention)."""
+    for fused in (False, True):
+        key = f"logprob_mismatch_{'fused' if fused else 'unfused'}"
+        result[key] = logprob_mismatch(shape, device, fused)
+        print(f"{shape} engine-vs-trainer |delta logprob| mean ({'fused' if fused else 'unfused'} rollout path): "
+              f"{result[key]:.5f}", flush=True)
+    if device == "cuda":
+        result["logprob_mismatch_fused_cudnn"] = logprob_mismatch(shape, device, True, cudnn_attention=True)
+        print(f"{shape} ... with the trainer's attention on cuDNN: {result['logprob_mismatch_fused_cudnn']:.5f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -244,6 +259,7 @@ def main() -> None:
                     help="CUDA: only bf16 against FP4 KV with each of these FP4 attention kernels (e.g. triton,gluon), "
                          "in turn per point (--batches at 128+256 tokens, then 2K and 16K contexts), --rounds times")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--mismatch-only", action="store_true", help="only the engine-vs-trainer logprob mismatch")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
     torch.set_num_threads(2 if device == "cpu" else torch.get_num_threads())
@@ -251,6 +267,10 @@ def main() -> None:
     if args.fp4_kernels:
         fp4_kernels_side_by_side(args.shapes.split(",")[-1], device, result, args.fp4_kernels.split(","),
                                  tuple(int(b) for b in args.batches.split(",")), args.rounds)
+        print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
+        return
+    if args.mismatch_only:
+        mismatches(args.shapes.split(",")[0] if device == "cuda" else "tiny", device, result)
         print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
         return
     if args.long_only:
@@ -304,12 +324,7 @@ def main() -> None:
             result[f"{prefix}fp4_over_bf16_b64"] = ms4 / result[f"{prefix}ms_per_step_b64"]
             del fp4
             torch.cuda.empty_cache()
-    # engine-vs-trainer logprob mismatch under bf16 mixed precision, with and without the fused rollout path
-    for fused in (False, True):
-        key = f"logprob_mismatch_{'fused' if fused else 'unfused'}"
-        result[key] = logprob_mismatch(shapes[0], device, fused)
-        print(f"{shapes[0]} engine-vs-trainer |delta logprob| mean ({'fused' if fused else 'unfused'} rollout path): "
-              f"{result[key]:.5f}", flush=True)
+    mismatches(shapes[0], device, result)
     # GRPO groups: the prompt prefilled once per group (shared KV blocks) vs once per sample, side by side
     gshape = shapes[0]
     groups, gsize, gprompt, gnew = (4, 4, 40, 8) if device == "cpu" else (32, 8, 256, 32)

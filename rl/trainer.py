@@ -21,6 +21,7 @@ controller merges the ranks' with `merge_step_metrics`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -56,14 +57,29 @@ class PackedBatch:
         return torch.arange(T, device=self.input_ids.device) < self.lengths[:, None]
 
 
-SEQ_BUCKET_CUDA = 64
-"""On CUDA the trainer pads a micro-batch's length up to a multiple of this (`Trainer.seq_bucket`). Attention in
-training (`F.scaled_dot_product_attention`, which takes cuDNN's kernels on an H200) builds a cuDNN graph for every
-new shape, ~40 ms each for the forward and again for the backward, once per process: a fresh Ray actor, whose
-micro-batches of a long-tail workload nearly all have lengths it has not seen, spent ~0.65 s of a ~1.7 s step on
-them (BENCHMARKS.md, "The actor's train step"). In buckets of 64 a 512-token recipe has at most 8 lengths; the
-extra positions are right padding, masked out of every loss, and cost no time on a launch-bound GPU step. On the
-CPU (compute-bound, no cuDNN) the trainer does not pad."""
+SEQ_BUCKET_CUDNN = 64
+"""With cuDNN's attention kernels allowed in training (`Trainer(cudnn_attention=True)`), the trainer pads each
+micro-batch's length up to a multiple of this (`Trainer.seq_bucket`): cuDNN builds an execution graph for every new
+shape, ~40 ms for the forward and again for the backward on an H200, once per process, and a fresh Ray actor whose
+micro-batches of a long-tail workload nearly all have lengths it has not seen spent ~0.65 s of a ~1.7 s step on them;
+in buckets of 64 a 512-token recipe has at most 8 lengths. Flash attention, which the CUDA trainer takes by default
+(`forward_context`), builds nothing per shape, and padding would only add work: with a new batch every step,
+unpadded flash 818 ms a step, padded flash 911, padded cuDNN 941, unpadded cuDNN 1,082 (BENCHMARKS.md, "The actor's
+train step"). So by default the trainer does not pad."""
+
+
+def forward_context(device: str | torch.device, autocast: torch.dtype | None = None,
+                    cudnn_attention: bool = False) -> contextlib.ExitStack:
+    """The training forward's context: autocast to `autocast` (mixed precision: the master weights stay the
+    model's dtype), and on CUDA SDPA restricted to flash, memory-efficient and math kernels unless
+    `cudnn_attention` (`SEQ_BUCKET_CUDNN` says why). The backward takes the kernel its forward took."""
+    kind = torch.device(device).type
+    ctx = contextlib.ExitStack()
+    ctx.enter_context(torch.autocast(kind, dtype=autocast or torch.float32, enabled=autocast is not None))
+    if kind == "cuda" and not cudnn_attention:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        ctx.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+    return ctx
 
 
 def padded_length(T: int, pad_to: int = 1, max_len: int | None = None) -> int:
@@ -297,15 +313,19 @@ def micro_batches(batch: TrainBatch, rows: int | None, tokens: int | None) -> li
 
 class Trainer:
     def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu", total_steps: int | None = None,
-                 autocast: torch.dtype | None = None, parallel: Single | None = None, seq_bucket: int | None = None):
+                 autocast: torch.dtype | None = None, parallel: Single | None = None, seq_bucket: int | None = None,
+                 cudnn_attention: bool = False):
         """total_steps: the stage's optimizer steps (the cosine schedule decays over them). autocast: the
         forward's compute dtype under mixed precision (master weights, gradients and AdamW stay the model's).
         parallel: the data-parallel strategy over `model` (rl/parallel.py; default: one rank)."""
         self.model, self.optim_cfg, self.device, self.autocast = model, optim, device, autocast
+        self.cudnn_attention = cudnn_attention
+        """On CUDA, whether training attention may take cuDNN's SDPA kernels (PyTorch's first choice on an H200);
+        by default flash attention (`forward_context`)."""
         self.seq_bucket = seq_bucket if seq_bucket is not None else (
-            SEQ_BUCKET_CUDA if torch.device(device).type == "cuda" else 1)
-        """Micro-batch lengths are padded up to a multiple of this (`SEQ_BUCKET_CUDA` says why), for objectives
-        that allow it (`Objective.pads`)."""
+            SEQ_BUCKET_CUDNN if torch.device(device).type == "cuda" and cudnn_attention else 1)
+        """Micro-batch lengths are padded up to a multiple of this (`SEQ_BUCKET_CUDNN` says when and why), for
+        objectives that allow it (`Objective.pads`)."""
         self.parallel = parallel if parallel is not None else Single(model)
         self.opt, self.sched = build_optimizer(model, optim, total_steps)
 
@@ -340,19 +360,16 @@ class Trainer:
         count = self.parallel.micro_batches(len(micro))
         metrics = StepMetrics()
         aux_weight = self.model.config.sparse_attention.aux_loss_weight if self.model.config.is_sparse else 0.0
-        autocast = torch.autocast(torch.device(self.device).type, dtype=self.autocast or torch.float32,
-                                  enabled=self.autocast is not None)
-
         def loss_of(k: int):
             def run(model: Decoder) -> tuple[torch.Tensor, tuple[LossTerms, float] | None]:
                 if k >= len(micro):
-                    with autocast:
+                    with forward_context(self.device, self.autocast, self.cudnn_attention):
                         return idle_loss(model, self.device), None
                 rows = micro[k]
                 b = rows.pack(self.device, routing=objective.routing_replay,
                               pad_to=self.seq_bucket if objective.pads else 1,
                               max_len=self.model.config.max_position_embeddings)
-                with autocast:
+                with forward_context(self.device, self.autocast, self.cudnn_attention):
                     terms = objective(model, b, rows, micro[k + 1] if k + 1 < len(micro) else None)
                 tokens = float(b.mask.sum())
                 loss = terms.loss

@@ -222,8 +222,8 @@ def test_padded_length_rounds_up_to_the_bucket_within_the_models_positions():
 
 @pytest.mark.parametrize("case", ["sft", "grpo", "grpo_moe_replay"])
 def test_micro_batches_padded_to_a_bucket_take_the_unpadded_step(case):
-    """The CUDA trainer pads each micro-batch's length up to a multiple of `seq_bucket` (one cuDNN attention graph
-    per bucket, not per length): the extra positions are right padding, so the gradients and the metrics are the
+    """With cuDNN attention the CUDA trainer pads each micro-batch's length up to a multiple of `seq_bucket` (one
+    cuDNN graph per bucket, not per length): the extra positions are right padding, so the gradients and the metrics are the
     unpadded step's. MoE with routing replay: the padded positions carry no trace and no loss."""
     import numpy as np
 
@@ -253,10 +253,35 @@ def test_micro_batches_padded_to_a_bucket_take_the_unpadded_step(case):
         assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
 
 
-def test_opd_does_not_pad_and_the_cpu_trainer_does_not_either():
+def test_opd_does_not_pad_and_only_a_cuda_trainer_with_cudnn_attention_does():
     from rl.objectives import OPDObjective
-    from rl.trainer import SEQ_BUCKET_CUDA
+    from rl.trainer import SEQ_BUCKET_CUDNN
 
     assert OPDObjective.pads is False  # its teachers read the packed ids with their own position limits
     model = Decoder(debug_config(moe=False))
-    assert Trainer(model, OptimConfig()).seq_bucket == 1 and SEQ_BUCKET_CUDA == 64
+    assert Trainer(model, OptimConfig()).seq_bucket == 1 and SEQ_BUCKET_CUDNN == 64
+    assert Trainer(model, OptimConfig(), cudnn_attention=True).seq_bucket == 1  # the CPU has no cuDNN attention
+    assert Trainer(model, OptimConfig(), device="cuda").seq_bucket == 1  # (the device is only named here)
+    assert Trainer(model, OptimConfig(), device="cuda", cudnn_attention=True).seq_bucket == SEQ_BUCKET_CUDNN
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention is CUDA's")
+def test_training_attention_on_cuda_takes_flash_not_cudnn_and_the_same_gradients():
+    """cuDNN's SDPA kernels build a graph per new shape (`SEQ_BUCKET_CUDNN` says what that costs): the CUDA trainer
+    leaves them out by default; with them allowed the step's gradients agree to bf16 precision."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False)).float().cuda()
+    rows, stage = _rows(12), SFTStage(micro_batch_size=5)
+    default, cudnn = (Trainer(copy.deepcopy(model), OptimConfig(), device="cuda", autocast=torch.bfloat16,
+                              cudnn_attention=c) for c in (False, True))
+    ops = {}
+    for name, t in (("default", default), ("cudnn", cudnn)):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t.accumulate(rows, SFTObjective(stage))
+        ops[name] = {e.key for e in prof.key_averages() if "attention" in e.key}
+    assert "aten::_scaled_dot_product_flash_attention" in ops["default"], ops
+    assert not [k for k in ops["default"] if "cudnn" in k], ops
+    for a, b in zip(default.model.parameters(), cudnn.model.parameters()):
+        assert (a.grad - b.grad).norm() <= 2e-2 * b.grad.norm() + 1e-6
