@@ -112,8 +112,8 @@ def fresh_lengths(recipe, shape, steps: int, passes: int) -> None:
             res[f"{kernels}_bucket{bucket}"] = statistics.median(times[2:])
             print(f"pass {p + 1} {kernels:<5} bucket {bucket:<3} ms per step {res[f'{kernels}_bucket{bucket}'] * 1e3:8.1f} "
                   f"({' '.join(f'{x * 1e3:.0f}' for x in times)})", flush=True)
-    base = res[f"{arms[0][0]}_bucket64"]
-    ratios = " ".join(f"{k}_over_{arms[0][0]}_bucket64={v / base:.3f}" for k, v in res.items() if v is not base)
+    first = f"{arms[0][0]}_bucket64"
+    ratios = " ".join(f"{k}_over_{first}={v / res[first]:.3f}" for k, v in res.items() if k != first)
     print("RESULT " + " ".join(f"{k}_ms={v * 1e3:.1f}" for k, v in res.items()) + " " + ratios)
 
 
@@ -126,6 +126,8 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=2, help="--fresh-lengths: run the arms this many times in turn (the "
                     "last pass's medians are reported)")
     a = ap.parse_args()
+    if a.steps < 1 or a.passes < 1:
+        ap.error(f"--steps and --passes must be at least 1, got {a.steps} and {a.passes}")
     cuda = not a.quick and torch.cuda.is_available()
     shape = argparse.Namespace(device="cuda" if cuda else "cpu", hidden=1024 if cuda else 64, layers=8 if cuda else 2,
                                heads=8 if cuda else 4, prompts=32, group=8, median=32, max_tokens=512 if cuda else 160,
