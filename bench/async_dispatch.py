@@ -10,8 +10,8 @@ concurrency (mean, std, share of engine steps within 5% of max_inflight), idle f
 engine slots over the rollout steps), re-prefilled tokens, interrupt latency in engine steps (p99).
 Last line: RESULT speedup_sample_vs_sync=.. concurrency_held=.. reprefill_tokens=.. interrupt_p99_steps=..
 `--repeats N` runs the arms N times in turn and reports medians; `--warmup` pays the process's compiles in an untimed
-run first. `--actor-vs-inprocess`, `--engine-ab` and `--prefill-intervals 1,4` compare the `sample` policy's runs instead (their own RESULT
-lines); each run also reports the engine's share of the rollout time (the rest: the controller and round trips)
+run first; `--fresh-processes` runs every run (the warm-up's too) in a new Python process. `--actor-vs-inprocess`,
+`--engine-ab` and `--prefill-intervals 1,4` compare the `sample` policy's runs instead (their own RESULT lines); each run also reports the engine's share of the rollout time (the rest: the controller and round trips)
 and the share of engine steps that carried a prefill.
 """
 
@@ -21,6 +21,8 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -137,6 +139,11 @@ def main() -> None:
                     "report each figure's median over an arm's runs")
     ap.add_argument("--actor-vs-inprocess", action="store_true",
                     help="only `sample` dispatch, in-process and as a Ray actor with and without pipelined rollout calls")
+    ap.add_argument("--fresh-processes", action="store_true",
+                    help="each run (the warm-up's too) in a new Python process, the in-process arm included: the "
+                    "Triton disk cache the warm-up fills is shared, no arm runs in a process another run warmed")
+    ap.add_argument("--one-run", help=argparse.SUPPRESS)  # POLICY:RAY:PIPELINED:TAG, the child of --fresh-processes
+    ap.add_argument("--row-json", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--engine-ab", action="store_true", help="`sample` and `sync` in-process with neither engine.prefill_graphs "
                     "nor engine.overlap_steps, with each alone and with both (the default), in turn (on CPU: no graphs)")
     ap.add_argument("--prefill-intervals", help="only `sample` dispatch in-process at each engine.prefill_interval "
@@ -144,11 +151,19 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.hidden, a.layers, a.prompts, a.group, a.steps, a.median, a.max_tokens = 64, 2, 16, 4, 6, 8, 160
+    if a.one_run:
+        policy, ray, pipelined, tag = a.one_run.split(":")
+        row = run(policy, a, Path(tempfile.mkdtemp(prefix="async_dispatch_")), ray=ray == "1", pipelined=pipelined == "1", tag=tag)
+        a.row_json.write_text(json.dumps(row))
+        return
+    if a.fresh_processes and (a.engine_ab or a.prefill_intervals):
+        ap.error("--fresh-processes: with the policies or --actor-vs-inprocess only, not --engine-ab or --prefill-intervals")
     out = Path(tempfile.mkdtemp(prefix="async_dispatch_"))
+    runner = fresh_process_runner(out) if a.fresh_processes else run
     if a.warmup:
-        run("sample", a, out, tag="warmup")
+        runner("sample", a, out, tag="warmup")
     if a.actor_vs_inprocess:
-        actor_vs_inprocess(a, out)
+        actor_vs_inprocess(a, out, runner)
         return
     if a.prefill_intervals:
         prefill_interval_sweep(a, out, [int(k) for k in a.prefill_intervals.split(",")])
@@ -159,7 +174,7 @@ def main() -> None:
     policies = a.policies.split(",")
     if not {"sample", "sync"} <= set(policies) <= set(POLICIES):
         ap.error(f"--policies: `sample`, `sync` and any of {', '.join(POLICIES)}, comma-separated; got {a.policies!r}")
-    by = in_turn({p: (lambda k, p=p: run(p, a, out, tag=f"{p}_{k}")) for p in policies}, a.repeats)
+    by = in_turn({p: (lambda k, p=p: runner(p, a, out, tag=f"{p}_{k}")) for p in policies}, a.repeats)
     rows = list(by.values())
     cols = ["policy", "trained_samples_per_s", "gen_tokens_per_s", "concurrency_mean", "concurrency_std",
             "concurrency_held", "idle_frac", "reprefill_tokens", "interrupt_p99_steps", "rollout_s", "train_s",
@@ -181,16 +196,33 @@ def main() -> None:
           f"steady_sample_over_sync_tok_s={sample['steady_tokens_per_s'] / by['sync']['steady_tokens_per_s']:.2f}")
 
 
-def actor_vs_inprocess(a, out: Path) -> None:
+def fresh_process_runner(out: Path):
+    """`run` in a child Python process (this script with the same arguments and --one-run), its row read back from
+    JSON: each run starts cold, as a Ray actor's process does, whether its worker is in-process or an actor."""
+    args = [x for x in sys.argv[1:] if x not in ("--warmup", "--fresh-processes", "--actor-vs-inprocess")]
+
+    def runner(policy: str, a, out_: Path, ray: bool | None = None, pipelined: bool = True, tag: str = "") -> dict:
+        row_json = out / f"{tag}.json"
+        ray = a.ray if ray is None else ray
+        subprocess.run([sys.executable, __file__, *args, "--one-run", f"{policy}:{int(ray)}:{int(pipelined)}:{tag}",
+                        "--row-json", str(row_json)], check=True)
+        return json.loads(row_json.read_text())
+    return runner
+
+
+def actor_vs_inprocess(a, out: Path, runner=run) -> None:
     """Rollout tokens/s of `sample` dispatch with the PolicyWorker in-process and as a Ray actor, with and without
-    pipelined rollout calls (GRPOStage.pipelined_calls), in turn in one process; interrupt latency in steps."""
-    rows = in_turn({"inprocess": lambda k: run("sample", a, out, ray=False, tag=f"inprocess_{k}"),
-                    "actor_pipelined": lambda k: run("sample", a, out, ray=True, tag=f"actor_pipelined_{k}"),
-                    "actor_unpipelined": lambda k: run("sample", a, out, ray=True, pipelined=False,
-                                                       tag=f"actor_unpipelined_{k}")}, a.repeats)
+    pipelined rollout calls (GRPOStage.pipelined_calls), in turn (in one process, or each run in its own with
+    --fresh-processes); interrupt latency in steps."""
+    rows = in_turn({"inprocess": lambda k: runner("sample", a, out, ray=False, tag=f"inprocess_{k}"),
+                    "actor_pipelined": lambda k: runner("sample", a, out, ray=True, tag=f"actor_pipelined_{k}"),
+                    "actor_unpipelined": lambda k: runner("sample", a, out, ray=True, pipelined=False,
+                                                          tag=f"actor_unpipelined_{k}")}, a.repeats)
     _print_rows(rows)
     base, steady = rows["inprocess"]["gen_tokens_per_s"], rows["inprocess"]["steady_tokens_per_s"]
     print(f"RESULT ray_over_inprocess_tok_s={rows['actor_pipelined']['gen_tokens_per_s'] / base:.3f} "
+          f"ray_over_inprocess_train_s={rows['actor_pipelined']['train_s'] / rows['inprocess']['train_s']:.3f} "
+          f"ray_over_inprocess_samples_s={rows['actor_pipelined']['trained_samples_per_s'] / rows['inprocess']['trained_samples_per_s']:.3f} "
           f"unpipelined_ray_over_inprocess_tok_s={rows['actor_unpipelined']['gen_tokens_per_s'] / base:.3f} "
           f"ray_interrupt_p99_steps={rows['actor_pipelined']['interrupt_p99_steps']} "
           f"unpipelined_ray_interrupt_p99_steps={rows['actor_unpipelined']['interrupt_p99_steps']} "

@@ -5,7 +5,7 @@ original one.
     python bench/smollm2_learning.py --phase arms [--minutes 7] [--out runs/smollm2-bench]   # both arms at once
     python bench/smollm2_learning.py --phase opd  [--minutes 6]   [--out runs/smollm2-bench]   # after the arms
     python bench/smollm2_learning.py --quick                       # CPU, one step of each: the plumbing only
-    python bench/smollm2_learning.py --phase arms --arm sft_grpo=sft_grpo [--sft-share 0.4]   # + SFT, then GRPO
+    python bench/smollm2_learning.py --phase arms --arm sft_grpo=sft_grpo [--sft-share 0.7]   # + SFT, then GRPO
     python bench/smollm2_learning.py --phase arms --arm split=sft_grpo_split   # the same on two halves of the file
     python bench/smollm2_learning.py --phase arms --arm fresh=sft_grpo_fresh   # SFT on the file, GRPO on other questions
 
@@ -268,8 +268,9 @@ def main() -> None:
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=BASE",
                     help="one more arm run at once with the others, from BASE's recipe (grpo, sft or sft_grpo: SFT, then "
                          "GRPO) and its own --set overrides, e.g. --arm grpo_std=grpo --set grpo_std:stages.0.std_normalize=true")
-    ap.add_argument("--sft-share", type=float, default=0.4,
-                    help="an sft_grpo arm's share of --minutes for its SFT stage (the rest for GRPO; default 0.4)")
+    ap.add_argument("--sft-share", type=float, default=0.7,
+                    help="a two-stage arm's share of --minutes for its SFT stage (the rest for GRPO; default 0.7, "
+                         "BENCHMARKS.md runs W and X; runs R-V used 0.4)")
     ap.add_argument("--only", action="append", default=[], metavar="ARM",
                     help="run only this arm in the arms phase (repeatable); the report still reads every run under --out")
     args = ap.parse_args()
