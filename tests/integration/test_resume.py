@@ -38,7 +38,7 @@ RECIPE = {
     "datasets": [{"type": "arithmetic", "name": "arith", "max_digits": 2, "slip_rate": 0.7, "num_heldout": 16}],
     "engine": {"max_batch_size": 32, "max_seq_len": 96, "max_new_tokens": 48},
     "runtime": {"ray": False},
-    "stages": [{"type": "sft", "max_steps": 150, "batch_size": 16, "optim": {"lr": 3e-3}},
+    "stages": [{"type": "sft", "max_steps": 60, "batch_size": 16, "optim": {"lr": 3e-3}},
                {"type": "grpo", "max_steps": 6, "prompts_per_step": 4, "group_size": 4, "micro_batch_size": 8,
                 "steps_per_call": 4, "entropy_coef": 1.0e-3,  # a loss that is never 0, whatever the rewards
                 "dispatch": {"policy": "sample", "max_inflight": 24, "max_version_lag": 2}}],

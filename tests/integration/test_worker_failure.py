@@ -11,6 +11,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 
 from rl.store import TrajectoryStore
@@ -27,21 +28,36 @@ TWO_WORKERS = ["runtime.ray=true", "runtime.num_workers=2", "runtime.num_cpus=2"
 DEVICE = [f"run.device={DEVICE_NAME}"]
 
 
-def _cli(args: list[str], sets: list[str], fault: str | None = None) -> tuple[subprocess.CompletedProcess, float]:
-    env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_FAULT"}
+MARK = "ASYNCRL_TEST_FAILED_RUN"
+"""An environment variable each failing run carries, which every process it starts (Ray's and the workers') inherits:
+what the run left behind is told apart from the processes of tests running beside this one (pytest-xdist)."""
+
+
+def _cli(args: list[str], sets: list[str], fault: str | None = None,
+         mark: str | None = None) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items() if k not in ("ASYNCRL_FAULT", MARK)}
     if fault:
         env["ASYNCRL_FAULT"] = fault
+    if mark:
+        env[MARK] = mark
     t0 = time.monotonic()
     proc = subprocess.run([*CLI, *args, *[a for s in sets for a in ("--set", s)]], capture_output=True, text=True,
                           timeout=300, env=env)
     return proc, time.monotonic() - t0
 
 
-def _ray_processes() -> list[str]:
-    """Live Ray worker processes (running, sleeping or stopped). A zombie has exited already: once its parent is
-    gone, a container whose init does not reap keeps it listed, holding nothing."""
-    out = subprocess.run(["ps", "-eo", "stat=,args="], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "ray::" in line and not line.lstrip().startswith("Z")]
+def _left_behind(marks: set[str]) -> list[str]:
+    """Live processes (running, sleeping or stopped) that carry one of `marks` in their environment: what a run
+    started and did not stop. A zombie has exited already: once its parent is gone, a container whose init does not
+    reap keeps it listed, holding nothing."""
+    left = []
+    for proc in psutil.process_iter(["pid", "name", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and proc.environ().get(MARK) in marks:
+                left.append(f"{proc.info['pid']} {proc.info['name']} ({proc.info['status']})")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return left
 
 
 CASES = {  # fault -> the job's one line
@@ -57,26 +73,26 @@ def failed_and_resumed(tmp_path_factory):
     """Each case's run (two workers, the fault on rank 1), then its `rl resume` with one worker: the cases' runs side
     by side (each its own Ray), then their resumes side by side; the Ray processes live before and after the runs."""
     runs = {fault: tmp_path_factory.mktemp("worker_failure") / "run" for fault in CASES}
-    before = set(_ray_processes())
+    marks = {fault: f"{os.getpid()}-{i}" for i, fault in enumerate(CASES)}
     with ThreadPoolExecutor(max_workers=len(CASES)) as pool:
         trained = dict(zip(runs, pool.map(lambda f: _cli(["train", "configs/tiny_grpo.yaml", "--run-dir", str(runs[f])],
-                                                              TWO_WORKERS + DEVICE, f), runs)))
-        after = set(_ray_processes())
+                                                              TWO_WORKERS + DEVICE, f, marks[f]), runs)))
+        left = _left_behind(set(marks.values()))
         resumed = dict(zip(runs, pool.map(lambda f: _cli(["resume", str(runs[f])], ["runtime.num_workers=1", *DEVICE])[0],
                                           runs)))
-    return {f: (runs[f], *trained[f], resumed[f]) for f in runs}, before, after
+    return {f: (runs[f], *trained[f], resumed[f]) for f in runs}, left
 
 
 @pytest.mark.parametrize("fault", list(CASES))
 def test_a_hung_or_dead_worker_ends_the_job_with_one_line_and_resume_continues(failed_and_resumed, fault):
-    cases, before, after = failed_and_resumed
+    cases, left = failed_and_resumed
     run, proc, seconds, resumed = cases[fault]
     assert proc.returncode == 4, (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
     ours = [s for s in proc.stderr.splitlines() if s.startswith("rl train: ")]
     assert ours == [f"rl train: {CASES[fault]}; the newest checkpoint holds: rl resume {run}"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert seconds < 120  # bounded: the timeout, a ping's grace, Ray's start and teardown
-    assert after <= before  # the stopped worker was killed with the others (both runs ended by now)
+    assert left == []  # the stopped worker was killed with the others, and Ray's processes (both runs ended by now)
 
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "stage 0 (grpo): 5 steps so far" in resumed.stdout
