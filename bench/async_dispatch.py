@@ -11,8 +11,9 @@ engine slots over the rollout steps), re-prefilled tokens, interrupt latency in 
 Last line: RESULT speedup_sample_vs_sync=.. concurrency_held=.. reprefill_tokens=.. interrupt_p99_steps=..
 `--repeats N` runs the arms N times in turn and reports medians; `--warmup` pays the process's compiles in an untimed
 run first; `--fresh-processes` runs every run (the warm-up's too) in a new Python process. `--actor-vs-inprocess`,
-`--engine-ab` and `--prefill-intervals 1,4` compare the `sample` policy's runs instead (their own RESULT lines); each run also reports the engine's share of the rollout time (the rest: the controller and round trips)
-and the share of engine steps that carried a prefill.
+`--engine-ab` and `--prefill-intervals 1,4` compare the `sample` policy's runs instead (their own RESULT lines); each
+run also reports the engine's share of the rollout time (the rest: the controller and round trips) and the share of
+engine steps that carried a prefill.
 """
 
 from __future__ import annotations
