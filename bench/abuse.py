@@ -180,7 +180,7 @@ def build_cases(w: World) -> list[Case]:
     @add("ownership", "a second job on a run directory in use",
          check=lambda d: None if (d / "run" / "run.json").read_text() == (d / "run.json.before").read_text() else "run.json changed")
     def _(d):
-        from rl.run_dir import RunLock
+        from rl.checkpoint.run_dir import RunLock
 
         run = w.run_copy(d)
         shutil.copy(run / "run.json", d / "run.json.before")

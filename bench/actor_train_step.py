@@ -17,7 +17,7 @@ Last line: RESULT threaded_ms=.. plain_ms=.. inprocess_ms=.. threaded_over_inpro
 `--fresh-lengths` measures what the runtime meets instead: every step a batch never seen (new seed, so new
 micro-batch lengths), in one process, with micro-batch lengths padded to buckets of 64 (`Trainer.seq_bucket`) or
 not (bucket 1), and on CUDA with training attention on flash kernels (the default) or on cuDNN's
-(`Trainer.cudnn_attention`), which build a graph for every new length, once per process (rl/trainer.py
+(`Trainer.cudnn_attention`), which build a graph for every new length, once per process (rl/train/trainer.py
 SEQ_BUCKET_CUDNN); each arm `--steps` steps after 2 untimed, the arms in turn `--passes` times.
 Last line: RESULT <kernels>_bucket<n>_ms=.. for each arm, then each over the first arm (medians of the last pass)
 """
@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from async_dispatch import recipe_for  # noqa: E402
 
-from rl.runtime import HEALTH  # noqa: E402
-from rl.trainer import TrainBatch  # noqa: E402
-from rl.worker import PolicyWorker  # noqa: E402
+from rl.runtime.groups import HEALTH  # noqa: E402
+from rl.train.trainer import TrainBatch  # noqa: E402
+from rl.runtime.worker import PolicyWorker  # noqa: E402
 
 
 class TimedWorker(PolicyWorker):

@@ -28,9 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rl.async_grpo import run_async_grpo
+from rl.algo.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.job import open_job
+from rl.algo.job import open_job
 
 POLICIES = ("sync", "batch", "prompt", "sample")
 

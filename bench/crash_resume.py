@@ -41,7 +41,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rl.store import TrajectoryStore, recorded_train_steps  # noqa: E402
+from rl.store.trajectories import TrajectoryStore, recorded_train_steps  # noqa: E402
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 TINY = {

@@ -1,4 +1,4 @@
-"""Data-parallel training on 1 and 2 policy workers side by side (issue #17 evidence; rl/parallel.py).
+"""Data-parallel training on 1 and 2 policy workers side by side (issue #17 evidence; rl/train/parallel.py).
 
     python bench/data_parallel.py --quick                        # CPU, gloo, tiny model: the plumbing, < 1 min
     python bench/data_parallel.py --device cuda                  # 2 GPUs, NCCL: the Qwen3-0.6B body, bf16
@@ -37,10 +37,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rl.async_grpo import run_async_grpo
+from rl.algo.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.driver import run_sft
-from rl.job import open_job
+from rl.algo.driver import run_sft
+from rl.algo.job import open_job
 
 SHAPES = {  # name -> model fields; the char tokenizer sets the vocabulary (model.vocab_size must equal it)
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,

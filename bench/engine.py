@@ -112,12 +112,12 @@ def logprob_mismatch(shape: str, device: str, fused: bool, batch: int = 32, prom
                      cudnn_attention: bool = False) -> float:
     """Mean |engine logprob - trainer logprob| over sampled tokens under run.dtype bfloat16: the engine decodes a
     bf16 copy (graphs; `fused`: the fused rollout path of model/fused.py), the trainer recomputes with the float32
-    master weights under bf16 autocast in the trainer's forward context (rl/trainer.py `forward_context`: flash
+    master weights under bf16 autocast in the trainer's forward context (rl/train/trainer.py `forward_context`: flash
     attention on CUDA, or cuDNN's with `cudnn_attention`)."""
     from model import fused as rollout_path
-    from rl.losses import token_logprobs
-    from rl.trainer import forward_context, pack
-    from rl.worker import rollout_copy
+    from rl.train.losses import token_logprobs
+    from rl.train.trainer import forward_context, pack
+    from rl.runtime.worker import rollout_copy
 
     torch.manual_seed(0)
     master = Decoder(ModelConfig(**SHAPES[shape], max_position_embeddings=4096)).to(device)

@@ -1,7 +1,7 @@
 """OPD end to end on CPU (issue #6): a student distils 8 procedural domains from 48 teachers of 5
 architectures while the job is reconfigured live (mixture changed, a teacher added and swapped in).
 
-    python -m rl.train_teachers --out runs/opd-teachers --num-teachers 48 --train 8 --steps 300 \\
+    python -m rl.algo.train_teachers --out runs/opd-teachers --num-teachers 48 --train 8 --steps 300 \\
         --domains uppercase,reverse,max_list,modulo,sort_digits,digit_sum,subtraction,multiply_digit --threads 1
     python bench/opd_e2e.py                   # trains configs/opd.yaml, reconfigures it mid-run, prints the table
     python bench/opd_e2e.py --write-recipe    # (re)writes configs/opd.yaml from runs/opd-teachers/teachers.json
@@ -31,7 +31,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rl.store import TrajectoryStore, recorded_train_steps  # noqa: E402
+from rl.store.trajectories import TrajectoryStore, recorded_train_steps  # noqa: E402
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 TEACHERS = ROOT / "runs" / "opd-teachers"
@@ -48,7 +48,7 @@ def teacher_accuracy(recipe: Path, teachers: dict[str, Path]) -> dict[str, float
 
     from model.checkpoint import load_checkpoint
     from rewards.config import DEFAULT_DOMAIN_CONFIGS
-    from rl.train_teachers import heldout_accuracy
+    from rl.algo.train_teachers import heldout_accuracy
 
     torch.set_num_threads(2)
     heldout = {d["name"]: d.get("num_heldout") for d in yaml.safe_load(recipe.read_text())["datasets"]}
@@ -99,7 +99,7 @@ def write_recipe(teachers_dir: Path, out: Path) -> None:
         "# architectures (dense deep/wide, MoE, MQA, tied untied-qk); 8 are trained (one per domain), the other\n"
         "# 40 are random-initialised members of the pool, assignable live with `rl reconfigure`.\n"
         "# Build the teachers first (about 4 minutes on 2 CPU cores):\n"
-        "#   python -m rl.train_teachers --out runs/opd-teachers --num-teachers 48 --train 8 --steps 300 \\\n"
+        "#   python -m rl.algo.train_teachers --out runs/opd-teachers --num-teachers 48 --train 8 --steps 300 \\\n"
         "#     --domains uppercase,reverse,max_list,modulo,sort_digits,digit_sum,subtraction,multiply_digit --threads 1\n"
         "# then: rl train configs/opd.yaml   (or python bench/opd_e2e.py, which also reconfigures it live)\n"
         "# The device pool budget (8 MiB) holds a few teachers at a time: the pool's LRU swaps them per step.\n"
@@ -118,7 +118,7 @@ def train_extra_teacher(teachers_dir: Path, steps: int) -> Path:
     from model.decoder import Decoder
     from rewards.config import DEFAULT_DOMAIN_CONFIGS
     from teachers.architectures import ARCHITECTURES
-    from rl.train_teachers import heldout_accuracy, sft
+    from rl.algo.train_teachers import heldout_accuracy, sft
 
     torch.set_num_threads(1)
     torch.manual_seed(48)

@@ -8,7 +8,7 @@ Needs the recipe's tokenizer (`rl models fetch smollm2-135m-instruct`). Arms, in
 --groups problems drawn from the dataset's stream: `first_epoch` (a fresh Renderer: every prompt rendered and
 tokenised once), `render_twice` (the same, plus the chat template rendered again for the prompt's text, as the
 controller did before it took the text from the same rendering), `later_epochs` (a Renderer that has rendered these
-problems before: its cache of rendered prompts, `rl.rendering.RENDER_CACHE_TOKENS`, answers); then a first epoch's
+problems before: its cache of rendered prompts, `rl.algo.rendering.RENDER_CACHE_TOKENS`, answers); then a first epoch's
 release split into rendering, encoding and the rest.
 Last line: RESULT first_epoch_us_per_group=.. render_twice_us_per_group=.. later_epochs_us_per_group=..
 render_once_speedup=.. cache_speedup=.. render_us=.. encode_us=.. rest_us=..
@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rl.recipe_io import load_recipe  # noqa: E402
-from rl.rendering import Renderer  # noqa: E402
-from rl.streams import Cursor  # noqa: E402
+from rl.algo.rendering import Renderer  # noqa: E402
+from rl.algo.streams import Cursor  # noqa: E402
 from rl.types import Prompt  # noqa: E402
 from rollout.types import GenerationRequest  # noqa: E402
 

@@ -31,13 +31,13 @@ import torch  # noqa: E402
 
 from model.checkpoint import load_checkpoint, load_weights_into  # noqa: E402
 from model.decoder import Decoder  # noqa: E402
-from rl.evaluation import engine_generate, evaluate  # noqa: E402
+from rl.algo.evaluation import engine_generate, evaluate  # noqa: E402
 from rl.recipe_io import load_recipe  # noqa: E402
-from rl.rendering import Renderer  # noqa: E402
+from rl.algo.rendering import Renderer  # noqa: E402
 
 
 def accuracy(model: Decoder, recipe, max_problems: int) -> float:
-    """Greedy held-out accuracy through the evaluation loop of rl/evaluation.py."""
+    """Greedy held-out accuracy through the evaluation loop of rl/algo/evaluation.py."""
     tok = recipe.tokenizer.build()
     tasks = {d.name: d.build() for d in recipe.datasets[:1]}
     with torch.no_grad():
@@ -54,7 +54,7 @@ def with_kv(model: Decoder, dtype: str, qat: bool = False) -> Decoder:
 
 def fine_tune(recipe_path: Path, ckpt: Path, run_dir: Path, kv: str, minutes: float | None, extra: list[str],
               steps: int = 100000) -> Path:
-    from rl.driver import train
+    from rl.algo.driver import train
 
     overrides = [f"run.init_checkpoint={ckpt}", f"model.kv_cache.dtype={kv}", f"model.kv_cache.qat={kv != 'bf16'}",
                  "runtime.ray=false", "logging.wandb=false", "logging.progress_bar=false",
@@ -67,8 +67,8 @@ def fine_tune(recipe_path: Path, ckpt: Path, run_dir: Path, kv: str, minutes: fl
 
 
 def last_stage_end(run_dir: Path) -> Path:
-    """The run's newest stage-end checkpoint (rl/checkpoint.py)."""
-    from rl.checkpoint import CheckpointManager
+    """The run's newest stage-end checkpoint (rl/checkpoint/format.py)."""
+    from rl.checkpoint.format import CheckpointManager
 
     path = CheckpointManager(run_dir / "checkpoints").latest(stage_end_only=True)
     if path is None:
@@ -97,7 +97,7 @@ def main() -> None:
         extra = ["model.hidden_size=64", "model.num_layers=2", "model.head_dim=16", "model.num_heads=4", "model.num_kv_heads=2",
                  "datasets.0.max_digits=2", "datasets.0.num_heldout=32", "engine.max_new_tokens=24"]
         if args.checkpoint is None:
-            from rl.driver import train
+            from rl.algo.driver import train
 
             r = load_recipe(recipe_path, [*extra, "runtime.ray=false", "logging.wandb=false", "logging.progress_bar=false",
                                           "stages=[{type: sft, max_steps: 150, batch_size: 32, optim: {lr: 3.0e-3}}]"])

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from rl.checkpoint import CheckpointManager
+from rl.checkpoint.format import CheckpointManager
 from rl.config import Recipe
-from rl.driver import train
+from rl.algo.driver import train
 from rl.recipe_io import load_recipe
 
 
@@ -65,7 +65,7 @@ def main() -> None:
         init = CheckpointManager(out / "sft" / "checkpoints").latest(stage_end_only=True)
     marker = CheckpointManager.stage_end(init)  # a stage-end checkpoint carries its held-out evaluation
     if marker is None:
-        raise SystemExit(f"{init} is not a stage-end checkpoint (rl/checkpoint.py): its SFT accuracy is unknown")
+        raise SystemExit(f"{init} is not a stage-end checkpoint (rl/checkpoint/format.py): its SFT accuracy is unknown")
     sft_acc = marker["eval"]["eval/accuracy"]
     grpo = train(_variant(recipe, stage_type="grpo", minutes=minutes, init=init, name="grpo"), out / "grpo")
     summary = {"sft_acc": round(sft_acc, 4), "grpo_acc": grpo["grpo_acc"], "grpo_steps": _steps(out / "grpo")}

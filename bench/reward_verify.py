@@ -1,6 +1,6 @@
 """Verdicts per second of the reward workers (issue #14): the SmolLM2 recipe's math verifier (math-verify) on the
 word-problem test split's worked solutions (and as many wrong answers), on Ray reward actors created as
-rl/runtime.py creates them (num_cpus 0, a health concurrency group: methods run off the actor's main thread, where
+rl/runtime/groups.py creates them (num_cpus 0, a health concurrency group: methods run off the actor's main thread, where
 math-verify's SIGALRM limits cannot run, so verdicts go through a child process). Side by side in one run: one
 child call per sample (`verify_one` each, the path before batching), the batch in one child call
 (`RewardWorker.verify`), and the batch split over several actors (`runtime.num_reward_workers`); on the driver's
@@ -24,8 +24,8 @@ import ray  # noqa: E402
 
 from rewards.task import Problem, Trajectory  # noqa: E402
 from rl.config import Recipe  # noqa: E402
-from rl.reward_worker import RewardWorker, verify_one  # noqa: E402
-from rl.runtime import HEALTH  # noqa: E402
+from rl.runtime.reward_worker import RewardWorker, verify_one  # noqa: E402
+from rl.runtime.groups import HEALTH  # noqa: E402
 
 
 class BenchRewardWorker(RewardWorker):

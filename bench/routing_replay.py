@@ -24,11 +24,11 @@ from model.tokenizer import CharTokenizer
 from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig
 from rl.config import OptimConfig, SFTStage
-from rl.losses import token_logprobs
-from rl.objectives import SFTObjective
-from rl.rendering import Renderer
-from rl.sft import DemonstrationStream
-from rl.trainer import Trainer, pack
+from rl.train.losses import token_logprobs
+from rl.train.objectives import SFTObjective
+from rl.algo.rendering import Renderer
+from rl.algo.sft import DemonstrationStream
+from rl.train.trainer import Trainer, pack
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.types import GenerationRequest

@@ -30,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rl.store import TrajectoryStore  # noqa: E402
-from rl.store_db import sqlite_url  # noqa: E402
+from rl.store.trajectories import TrajectoryStore  # noqa: E402
+from rl.store.db import sqlite_url  # noqa: E402
 from rl.types import Prompt, Sample  # noqa: E402
 
 

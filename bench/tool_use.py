@@ -46,7 +46,7 @@ def run_arm(name: str, out: Path, sets: list[str]) -> dict[str, float]:
 
 
 def tool_stats(run_dir: Path) -> dict[str, float]:
-    from rl.store import TrajectoryStore
+    from rl.store.trajectories import TrajectoryStore
 
     store = TrajectoryStore.for_run_dir(run_dir)
     samples = [store.get_sample(r.sample_id) for r in store.query(limit=100000) if r.train_step is not None]

@@ -1,4 +1,4 @@
-"""The trainer's step alone: where a GRPO or SFT step's time goes (rl/trainer.py), at several micro-batch sizes
+"""The trainer's step alone: where a GRPO or SFT step's time goes (rl/train/trainer.py), at several micro-batch sizes
 side by side in one run.
 
     python bench/train_step.py --quick                       # CPU, tiny shape: the plumbing, < 1 min
@@ -6,7 +6,7 @@ side by side in one run.
     python bench/train_step.py --shape qwen3 --micro 32,128 --profile
 
 One step = what `PolicyWorker.train_step` runs: the micro-batch loop (pack, forward, token log-probs, the GRPO
-loss of rl/losses.py or SFT's cross-entropy, backward), then clipping and AdamW. The batch is synthetic: `--samples`
+loss of rl/train/losses.py or SFT's cross-entropy, backward), then clipping and AdamW. The batch is synthetic: `--samples`
 rows of `--prompt` prompt tokens and response lengths drawn around `--response` (random ids, random behaviour
 log-probs and advantages), the shape of the SmolLM2 GRPO recipe's step (32 prompts x 8 samples). Per micro-batch
 size: ms per step (median of `--steps` after one warm-up step), trained tokens/s (prompt + response, as
@@ -34,8 +34,8 @@ from engine import SHAPES  # noqa: E402  (bench/engine.py: the published archite
 from model.config import ModelConfig  # noqa: E402
 from model.decoder import Decoder  # noqa: E402
 from rl.config import GRPOStage, OptimConfig, SFTStage  # noqa: E402
-from rl.objectives import build_objective  # noqa: E402
-from rl.trainer import TrainBatch, Trainer  # noqa: E402
+from rl.train.objectives import build_objective  # noqa: E402
+from rl.train.trainer import TrainBatch, Trainer  # noqa: E402
 
 
 def synthetic_batch(a, vocab: int, objective: str) -> TrainBatch:

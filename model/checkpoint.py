@@ -5,7 +5,7 @@ atomic directory writer that every checkpoint of this project goes through.
 then `MANIFEST.json` (size and blake2b digest of every other file) is written last and fsynced, the
 directory is renamed into place (`os.replace`) and the parent directory fsynced. A reader therefore
 never sees a half-written checkpoint, and `verify_files` tells a complete one from one damaged later.
-rl/checkpoint.py (resumable training checkpoints) uses the same writer with its own manifest fields.
+rl/checkpoint/format.py (resumable training checkpoints) uses the same writer with its own manifest fields.
 
 Loading reads safetensors and JSON only: nothing in a checkpoint directory can run code.
 """
@@ -108,7 +108,7 @@ def verify_files(path: Path, manifest: dict) -> str | None:
 # -- model checkpoints ------------------------------------------------------------------------------------
 def write_weights(model: Decoder, directory: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """`model.safetensors` and `config.json` into an existing directory (no rename). `state`: the full
-    state_dict when the model's own holds shards (FSDP2, rl/parallel.py)."""
+    state_dict when the model's own holds shards (FSDP2, rl/train/parallel.py)."""
     directory = Path(directory)
     state = {k: v.detach().contiguous().cpu() for k, v in (model.state_dict() if state is None else state).items()}
     if model.config.tie_word_embeddings:

@@ -362,7 +362,7 @@ class Decoder(nn.Module):
     def reset_parameters(self) -> None:
         std = self.config.init_std
         for name, p in self.named_parameters():
-            if p.is_meta:  # a shape-only model (rl/memory.py counts its parameters): no values to draw
+            if p.is_meta:  # a shape-only model (rl/runtime/memory.py counts its parameters): no values to draw
                 continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
@@ -470,7 +470,7 @@ class Decoder(nn.Module):
         """Bring the rollout path's fused weights level with the parameters (after an in-place update: the
         optimizer, a refreshed rollout copy, a checkpoint load), in place, so captured CUDA graphs stay valid.
         A cheap check when nothing changed or fusion is off; returns whether anything was copied. Every
-        rollout forward and graph replay calls it first; rl/worker.py calls it right after a weight update."""
+        rollout forward and graph replay calls it first; rl/runtime/worker.py calls it right after a weight update."""
         return self._rollout is not None and self._rollout.refresh()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ parameter for parameter (same modules, same ops), so training numerics, state_di
 optimizer and DDP/FSDP2 see exactly what they saw before.
 
 Keeping the fused weights equal to the parameters. Weights change in place (the optimizer on a shared module,
-`refresh_rollout_copy` and checkpoint loads on the engine's copy: rl/worker.py), so the fused buffers keep
+`refresh_rollout_copy` and checkpoint loads on the engine's copy: rl/runtime/worker.py), so the fused buffers keep
 their addresses (captured CUDA graphs read them) and are refreshed in place, in one of two modes:
 - share_storage (a frozen model: the worker's bf16 / FSDP2 rollout copy, whose parameters nobody trains):
   each Linear's weight and bias become views of the concatenated buffer, so every in-place update of them
@@ -35,7 +35,7 @@ their addresses (captured CUDA graphs read them) and are refreshed in place, in 
 `RolloutFusion.refresh` compares each source parameter's address (with copies: and in-place version counter)
 with what the buffers were built from (~10-20 us of host time for a 28-layer model) and copies or re-points
 the sources when any of them changed; the decode forward and every graph replay call it first, so a stale
-buffer is never read even when a caller forgets the explicit refresh that rl/worker.py makes after each
+buffer is never read even when a caller forgets the explicit refresh that rl/runtime/worker.py makes after each
 weight update. Not covered: writes through `.data`
 (they bypass the version counter; nothing here writes weights that way) and replacing a Parameter object
 (which would break captured graphs anyway).

@@ -122,7 +122,7 @@ def load_pretrained_into(model, path: str | Path) -> int:
     """Copy checkpoint `path` (HF directory, GGUF file or asyncrl checkpoint) into `model`'s parameters
     in place, tensor by tensor, on their device and in their dtype. Every parameter must be written.
 
-    A parameter sharded along dim 0 (a DTensor: FSDP2's `fully_shard`, rl/parallel.py) is filled with this
+    A parameter sharded along dim 0 (a DTensor: FSDP2's `fully_shard`, rl/train/parallel.py) is filled with this
     rank's rows only, and only those rows are read from the file (`Conversion.to_ours_rows`: safetensors slices;
     experts the rank does not hold are not read at all), so each of N ranks reads about 1/N of the file (a GGUF's
     tensors are dequantised whole, then cut). Returns the bytes of tensor data read."""

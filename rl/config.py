@@ -37,11 +37,11 @@ class RunConfig(StrictConfig):
     """Precision of the policy. float32: one module in float32 for the engine and the trainer. bfloat16:
     mixed precision, as verl and prime-rl train: the trainer keeps float32 master weights and AdamW state and
     runs the forward under bf16 autocast; the engine decodes with a bf16 copy of the weights (its KV cache in
-    bf16 too), refreshed in place after every optimizer step, before the version advances (rl/worker.py)."""
+    bf16 too), refreshed in place after every optimizer step, before the version advances (rl/runtime/worker.py)."""
     num_threads: int = Field(2, gt=0)
     """torch intra-op threads on CPU."""
     device_memory_gib: float | None = Field(None, gt=0)
-    """Memory of one worker's device, GiB, for `rl validate`'s estimate (rl/memory.py) on a host without
+    """Memory of one worker's device, GiB, for `rl validate`'s estimate (rl/runtime/memory.py) on a host without
     that device; None: the device's own (CUDA), the host's RAM (CPU), or not checked."""
     init_checkpoint: Path | None = None
     """Start from this checkpoint directory (config.json + model.safetensors) instead of random init."""
@@ -116,7 +116,7 @@ class SFTStage(StrictConfig):
 
 
 class ImportanceConfig(StrictConfig):
-    """Which ratio the clip acts on, and the truncated importance weight (rl/losses.py states the objective)."""
+    """Which ratio the clip acts on, and the truncated importance weight (rl/train/losses.py states the objective)."""
 
     ratio: Literal["behavior", "proximal"] = "behavior"
     """behavior: clip π_θ/π_behav; proximal: clip π_θ/sg(π_θ) and weight by sg(π_θ/π_behav)."""
@@ -171,7 +171,7 @@ class GRPOStage(StrictConfig):
     """Engine steps per controller round trip; interrupts land within this many steps."""
     pipelined_calls: bool = True
     """With Ray workers: the next rollout call is queued on the workers before the controller reads the previous
-    call's results, so an engine never waits for the controller's round trip (rl/async_grpo.py); new prompts and
+    call's results, so an engine never waits for the controller's round trip (rl/algo/async_grpo.py); new prompts and
     the end of a rollout phase take effect one call later (interrupts land within 2 x steps_per_call steps).
     In-process workers ignore it: their calls have no round trip."""
     max_staleness: int | None = Field(None, ge=0)
@@ -182,7 +182,7 @@ class GRPOStage(StrictConfig):
     importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
     """Importance correction against the recorded behaviour logprobs."""
     kl_ref_coef: float = Field(0.0, ge=0)
-    """Weight of a KL penalty to the run's initial policy (k3 estimator per token, rl/losses.py
+    """Weight of a KL penalty to the run's initial policy (k3 estimator per token, rl/train/losses.py
     `reference_kl`); 0: no reference model is kept."""
     mini_batches: int = Field(1, gt=0)
     """Optimizer steps per train step (PPO mini-batches: verl's ppo_mini_batch_size = prompts_per_step /
@@ -262,7 +262,7 @@ class OPDStage(GRPOStage):
     @classmethod
     def _teacher_runs(cls, v):
         """A teacher `checkpoint: RUN_DIR[:STEP]` (a trained run) is its newest (or step STEP's) checkpoint."""
-        from rl.run_id import resolve_teacher_runs
+        from rl.checkpoint.run_specs import resolve_teacher_runs
 
         return {**v, "teachers": resolve_teacher_runs(v.get("teachers"))} if isinstance(v, dict) else v
 
@@ -282,14 +282,14 @@ class RuntimeConfig(StrictConfig):
     num_workers: int = Field(1, gt=0)
     """PolicyWorkers, one per device; more than one trains data-parallel (gloo on CPU, NCCL on GPU)."""
     parallel: Literal["ddp", "fsdp2"] = "ddp"
-    """How num_workers > 1 train (rl/parallel.py). ddp: every worker holds the whole trainer; gradients are
+    """How num_workers > 1 train (rl/train/parallel.py). ddp: every worker holds the whole trainer; gradients are
     summed in buckets during the backward (DistributedDataParallel). fsdp2: parameters, gradients and AdamW
     state sharded over the workers (fully_shard per decoder layer), for a policy whose trainer does not fit
     one device; the engines still hold full weights. One worker trains unsharded either way."""
     cpus_per_worker: float = Field(1.0, ge=0)
     """Ray CPU resource of each PolicyWorker."""
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
-    """How the workers' placement group (one bundle per worker: 1 GPU + cpus_per_worker CPUs; rl/placement.py) lies
+    """How the workers' placement group (one bundle per worker: 1 GPU + cpus_per_worker CPUs; rl/runtime/placement.py) lies
     over the nodes: PACK (default) as few nodes as possible; SPREAD as many as possible; STRICT_PACK one node or
     fail; STRICT_SPREAD one worker per node or fail. A group the cluster cannot hold fails the start in one line."""
     num_reward_workers: int = Field(1, gt=0)
@@ -298,7 +298,7 @@ class RuntimeConfig(StrictConfig):
     """Longest one call to the workers (a rollout slice, a train step, an evaluation, a checkpoint write) and
     one collective between them may take. A worker that has not answered by then is declared hung, one
     that died is named at once: the job stops with one line naming the worker and the phase (exit 4) and
-    `rl resume` continues from the newest checkpoint (rl/runtime.py)."""
+    `rl resume` continues from the newest checkpoint (rl/runtime/groups.py)."""
     worker_start_timeout_s: float = Field(600.0, gt=0)
     """Longest the workers' start may take: building each worker (imports, the model and its checkpoint
     loaded) and the first calls (rendezvous, process group). Separate from worker_timeout_s so that a short
@@ -306,12 +306,12 @@ class RuntimeConfig(StrictConfig):
 
 
 class SandboxConfig(StrictConfig):
-    """Where tool calls (`tools:`) and verifiers that run code (`VerifyContext.code`, rl/code_runner.py) run: a
+    """Where tool calls (`tools:`) and verifiers that run code (`VerifyContext.code`, rl/runtime/code_runner.py) run: a
     sandbox server of each node (sandbox_client/), one the job starts itself or one started apart."""
 
     socket: Literal["auto"] | Path | None = None
     """`auto`: `rl train` starts a sandbox server on every node its workers run on and stops it when the job ends
-    (rl/sandbox_nodes.py); a path: the Unix socket of a server started apart (`rl sandbox serve --socket PATH`,
+    (rl/runtime/sandbox_nodes.py); a path: the Unix socket of a server started apart (`rl sandbox serve --socket PATH`,
     which many jobs may share); None (default): `auto` when the recipe has tools, else no sandbox (verifiers get
     no code runner)."""
     limits: Limits = Field(default_factory=Limits)
@@ -396,7 +396,7 @@ class ToolsConfig(StrictConfig):
     timeout_s: float = Field(10.0, gt=0)
     """Wall-clock seconds of one call; at most sandbox.limits.timeout_s, which the server enforces."""
     on_failure: Literal["zero_reward", "leave_loss"] = "zero_reward"
-    """Repercussion (seed §5.1.3; rl/repercussion.py): a call whose sandbox failed (timeout, memory, cpu, processes,
+    """Repercussion (seed §5.1.3; rl/algo/repercussion.py): a call whose sandbox failed (timeout, memory, cpu, processes,
     output_truncated, crashed, refused after admission retries, sandbox_error) ends its sample, failed, with the
     reason in the store (`samples.failure`) and `rollout/tool_failures/<reason>` counts per step. zero_reward: the
     sample gets reward 0 and trains with it, inside its group's baseline; leave_loss: the sample leaves the step
@@ -443,11 +443,11 @@ class StoreConfig(StrictConfig):
 
     url: str | None = None
     """SQLAlchemy URL; default sqlite:///<run_dir>/trajectories.db (WAL mode). Many runs may share one
-    database, e.g. postgresql+psycopg://user@host/asyncrl (rl/store.py)."""
+    database, e.g. postgresql+psycopg://user@host/asyncrl (rl/store/trajectories.py)."""
 
 
 class CheckpointConfig(StrictConfig):
-    """Resumable checkpoints (seed §5.1.2, §5.2.3): see rl/checkpoint.py for what one holds."""
+    """Resumable checkpoints (seed §5.1.2, §5.2.3): see rl/checkpoint/format.py for what one holds."""
 
     every_steps: int = Field(0, ge=0)
     """Write one every N train steps (counted over all stages); 0: only at stage ends and on SIGTERM."""

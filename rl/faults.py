@@ -5,7 +5,7 @@ rank; several specs are separated by commas. Points: `checkpoint_write` (checkpo
 yet), `train` (optimizer step taken, store not yet told), and in the policy workers `checkpoint_background` (a
 background checkpoint write begins, on its thread), `worker_init` (a worker is
 being built), `worker_rollout` (a rollout slice begins) and `worker_train` (a train step begins).
-Ray actors get the variable from the driver (rl/runtime.py). Unset, a fail point is one dictionary lookup."""
+Ray actors get the variable from the driver (rl/runtime/groups.py). Unset, a fail point is one dictionary lookup."""
 
 from __future__ import annotations
 

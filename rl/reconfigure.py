@@ -50,7 +50,7 @@ class ReconfigPatch(StrictConfig):
     @field_validator("add_teachers", mode="before")
     @classmethod
     def _teacher_runs(cls, v):
-        from rl.run_id import resolve_teacher_runs
+        from rl.checkpoint.run_specs import resolve_teacher_runs
 
         return resolve_teacher_runs(v)
 

@@ -100,7 +100,7 @@ class Sample:
     turns: tuple[Turn, ...] = ()
     """Multi-turn samples: the model and tool turns, in order, tiling the response; () for one model turn."""
     failure: str | None = None
-    """Repercussion (seed §5.1.3, rl/repercussion.py): why a tool call's sandbox failed and ended the sample
+    """Repercussion (seed §5.1.3, rl/algo/repercussion.py): why a tool call's sandbox failed and ended the sample
     (timeout, cpu, memory, processes, output_truncated, crashed, refused, sandbox_error); None: no failure."""
 
     def __post_init__(self) -> None:

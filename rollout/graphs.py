@@ -19,7 +19,7 @@ step is one host-to-device copy of the input buffer and one replay; the graph al
 has no prefill, no tool output and no top_p < 1 row, and otherwise samples the logits after the replay.
 
 The graphs read the model's parameters and the cache's tensors where they are: the trainer updates the
-shared weights in place (rl/worker.py), so new weights need no recapture. The captured forward is the model's
+shared weights in place (rl/runtime/worker.py), so new weights need no recapture. The captured forward is the model's
 rollout path (model/fused.py: q/k/v and gate/up as one GEMM each, fused norm/RoPE/cache-write, SwiGLU and
 residual-add+norm kernels), turned on here; its concatenated weights are views of the parameters (a frozen
 model, such as the worker's rollout copy) or copies refreshed in place, and every replay first checks them

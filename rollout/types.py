@@ -104,7 +104,7 @@ class RolloutState:
     workdir: dict | None = None
     """Multi-turn, in checkpoints only: the sample's sandbox work directory as it was before its pending tool call
     (or now, between calls), so that after a resume the call runs again on the same files (seed §5.1.3). The
-    worker's record, opaque to the engine (rl/tool_turns.py): {"archive": gzip'd tar bytes} or {"lost": why};
+    worker's record, opaque to the engine (rl/runtime/tool_turns.py): {"archive": gzip'd tar bytes} or {"lost": why};
     None: no files."""
 
     @property

@@ -11,15 +11,11 @@ teacher shapes are read from each checkpoint's `config.json` with the pure `Mode
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import Field, model_validator
 
 from configbase import StrictConfig
 from model.config import ModelConfig, check_vocab, read_teacher_config
-
-if TYPE_CHECKING:
-    from teachers.pool import TeacherPool
 
 
 class TeacherSpec(StrictConfig):
@@ -82,8 +78,3 @@ class TeacherPoolConfig(StrictConfig):
         errors = [e for t in self.teachers if (e := check_vocab(student_vocab, t.architecture(), t.name))]
         if errors:
             raise ValueError("; ".join(errors))
-
-    def build(self, device: str = "cpu") -> "TeacherPool":
-        from teachers.pool import TeacherPool
-
-        return TeacherPool.from_config(self, device=device)

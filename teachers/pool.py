@@ -58,15 +58,13 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
 from model.config import ModelConfig, check_vocab, read_teacher_config
 from model.decoder import Decoder
-
-if TYPE_CHECKING:
-    from teachers.config import TeacherPoolConfig, TeacherSpec
+from teachers.config import TeacherPoolConfig, TeacherSpec
 
 R = TypeVar("R")
 _MIB = 1 << 20

@@ -1,12 +1,12 @@
 """A probe of the train step in every process of a run, Ray actors included (issue #15): with TRAIN_PROF=DIR and
 this directory first on PYTHONPATH (Python imports `sitecustomize` at start-up, Ray's workers inherit the variable),
-each process that imports rl.worker times every `PolicyWorker.train_step` inside itself (device-synced: rows,
+each process that imports rl.runtime.worker times every `PolicyWorker.train_step` inside itself (device-synced: rows,
 tokens, longest row, thread, torch threads, CUDA memory; DIR/steps_<pid>.txt) and profiles its 4th GRPO step
 (PROF_AT=N for another; torch.profiler's table, DIR/prof_GRPOStage_<pid>.txt). The profiled step is slower.
 
     TRAIN_PROF=/tmp/tp PYTHONPATH=bench/probes:$PYTHONPATH python bench/async_dispatch.py ... --actor-vs-inprocess
 
-Nothing happens without TRAIN_PROF; rl.worker is patched when first imported, so other processes import nothing.
+Nothing happens without TRAIN_PROF; rl.runtime.worker is patched when first imported, so other processes import nothing.
 """
 
 import os
@@ -60,7 +60,7 @@ if os.environ.get("TRAIN_PROF"):
 
     class _Hook(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "rl.worker":
+            if name != "rl.runtime.worker":
                 return None
             sys.meta_path.remove(self)
             import importlib.util

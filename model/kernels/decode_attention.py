@@ -44,7 +44,7 @@ import triton.language as tl
 
 from model import fp4 as fp4_ref
 from model import fp8 as fp8_ref
-from model.kernels.fp4 import E2M1X8_F16_PTX, _e2m1_f16_bits
+from model.kernels.fp4 import E2M1X8_F16_PTX, e2m1_f16_bits
 
 KVFormat = Literal["dense", "fp8", "fp4"]
 KVTensors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
@@ -162,7 +162,7 @@ def _e2m1_scaled_f16(p, sc, ASM: tl.constexpr):
                                          dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         p = p.to(tl.int32)
-        return _e2m1_f16_bits(p) * sc, _e2m1_f16_bits(p >> 4) * sc
+        return e2m1_f16_bits(p) * sc, e2m1_f16_bits(p >> 4) * sc
 
 
 @triton.jit

@@ -7,7 +7,7 @@ each. bf16 tensors move as int32 words (a channel pair per word), so widening, a
 are bit operations and a dequantised pair is one 32-bit store. The E2M1 encode is a three-comparison
 binary search against exact midpoint products (no division; for bf16 input on CUDA it runs in PTX on
 bf16x2 channel pairs, `_E2M1X2_ENCODE_ASM`); the decode places E2M1's bits in an fp16
-(exact, see `_e2m1_f16_bits`). Exactness tricks: no float8 casts (the interpreter's fp32 -> fp8 is not
+(exact, see `e2m1_f16_bits`). Exactness tricks: no float8 casts (the interpreter's fp32 -> fp8 is not
 round-to-nearest-even) and no approximate division / log2 / exp2: the one division is `div_rn`, the
 E4M3 round-up works on float32 bits. On a machine without a GPU, tests run them with
 TRITON_INTERPRET=1. The paged KV cache calls these on CUDA and the reference elsewhere (same contract,
@@ -273,7 +273,7 @@ def _e2m1_bits(code):
 # each an f16x2. A nibble is moved to the top of a zeroed byte by `and` (+ `shl` for the low ones), then
 # `prmt` spreads two bytes into the upper bytes of the halves: the sign lands on bit 15 and the
 # magnitude's bits (12..14) are copied down to 9..11 by one shift and one `lop3` ((y | y >> 3) & mask),
-# which gives the fp16 bits (c & 7) << 9 | (c & 8) << 12 of _e2m1_f16_bits; then one mul.f16x2 per pair.
+# which gives the fp16 bits (c & 7) << 9 | (c & 8) << 12 of e2m1_f16_bits; then one mul.f16x2 per pair.
 E2M1X8_F16_PTX = """
 {
 .reg .b32 xh, xl, y, z;
@@ -301,7 +301,7 @@ mul.rn.f16x2 $3, $3, $6;
 
 
 @triton.jit
-def _e2m1_f16_bits(code):
+def e2m1_f16_bits(code):
     """Low nibble of `code` -> fp16 holding E2M1(nibble) · 2^-14 exactly: E2M1's exponent and mantissa
     bits placed at fp16's (bits 11..9), its sign at bit 15; 0.5 lands on fp16's subnormal 2^-15."""
     return (((code & 7) << 9) | ((code & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
@@ -343,8 +343,8 @@ def _dequantize_kernel(packed_ptr, scale_ptr, out_ptr, n_blocks, NBP: tl.constex
         # E2M1 bits placed in an fp16 give E2M1 · 2^-14 exactly (decode_attention.py explains); the
         # 2^14 goes into the per-block scale, so a value costs a few bit ops, a convert and a multiply
         sc = sc * 16384.0
-        lo = _e2m1_f16_bits(p).to(tl.float32) * sc
-        hi = _e2m1_f16_bits(p >> 4).to(tl.float32) * sc
+        lo = e2m1_f16_bits(p).to(tl.float32) * sc
+        hi = e2m1_f16_bits(p >> 4).to(tl.float32) * sc
     else:
         lo = _e2m1_value(p & 15) * sc  # exact: 2 x 4 significant bits, in bf16's range
         hi = _e2m1_value(p >> 4) * sc

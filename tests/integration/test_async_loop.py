@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from rl import reconfigure
-from rl.async_grpo import AsyncGRPO, run_async_grpo
+from rl.algo.async_grpo import AsyncGRPO, run_async_grpo
 from rl.config import Recipe
-from rl.job import open_job
-from rl.preempt import Preempted
-from rl.store import TrajectoryStore
+from rl.algo.job import open_job
+from rl.checkpoint.preempt import Preempted
+from rl.store.trajectories import TrajectoryStore
 
 pytestmark = pytest.mark.integration
 
@@ -156,7 +156,7 @@ def test_a_crash_after_an_optimizer_step_resumes_to_the_uninterrupted_result_and
         if len(calls) == 4:
             raise Crash(name)
 
-    monkeypatch.setattr("rl.async_grpo.fault_point", fault_point)
+    monkeypatch.setattr("rl.algo.async_grpo.fault_point", fault_point)
     with pytest.raises(Crash):
         run_stage(run_dir)
     monkeypatch.undo()
@@ -319,7 +319,7 @@ def test_mini_batches_take_an_optimizer_step_each_and_train_every_group_once(tmp
     first step's samples (drawn before any update) are the reference run's while its weights move twice. With an
     entropy bonus no group is left out as uniform (its entropy term has a gradient), so both groups always train;
     its target scales it by the shortfall (logged as rl/entropy_coef)."""
-    from rl.checkpoint import TRAINER_JSON, find_checkpoint
+    from rl.checkpoint.format import TRAINER_JSON, find_checkpoint
 
     recipe = Recipe.model_validate({**RECIPE, "stages": [{**RECIPE["stages"][0], "mini_batches": 2,
                                                           "entropy_coef": 0.01, "entropy_target": 50.0}]})

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from rewards import Trajectory
 from rl.config import Recipe
-from rl.reward_worker import RewardWorker
+from rl.runtime.reward_worker import RewardWorker
 from sandbox_client import LocalServer
 from tests.tasks.python_answers import PythonAnswers
 

@@ -1,6 +1,6 @@
 """`rl train` end to end with two Ray policy workers training through DDP over gloo (runtime.parallel: ddp,
-rl/parallel.py): the job finishes its steps, and the checkpoint it writes holds full weights that load. The
-workers' placement group (rl/placement.py): a group the cluster cannot hold fails at once in one line, a busy
+rl/train/parallel.py): the job finishes its steps, and the checkpoint it writes holds full weights that load. The
+workers' placement group (rl/runtime/placement.py): a group the cluster cannot hold fails at once in one line, a busy
 cluster after the timeout, and the workers run inside their bundles."""
 
 import json
@@ -16,9 +16,9 @@ CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"
 
 def test_rl_train_with_two_ddp_workers(tmp_path):
     from model.checkpoint import load_weights_into
-    from rl.checkpoint import find_checkpoint
+    from rl.checkpoint.format import find_checkpoint
     from rl.recipe_io import recipe_from_yaml
-    from rl.worker import build_policy
+    from rl.runtime.worker import build_policy
 
     run = tmp_path / "run"
     # two PPO mini-batches a step (GRPOStage.mini_batches): each rank takes two optimizer steps on its share of each
@@ -51,14 +51,14 @@ def test_workers_the_cluster_cannot_hold_fail_at_once_in_one_line(tmp_path):
 
 
 def test_workers_run_in_their_bundles_and_a_busy_cluster_fails_after_the_timeout():
-    """rl/placement.py on a real local Ray: while another group holds both CPUs, a group that fits the cluster
+    """rl/runtime/placement.py on a real local Ray: while another group holds both CPUs, a group that fits the cluster
     but finds no room fails after its timeout naming what is free; once room is back, what is scheduled with
     rank r's options (as its actor is) runs inside the group on its bundle's CPU, and releasing the group returns
     the CPUs."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from rl.placement import PlacementError, actor_options, release, reserve
+    from rl.runtime.placement import PlacementError, actor_options, release, reserve
 
     ray.init(num_cpus=2, include_dashboard=False)
     try:

@@ -6,8 +6,8 @@ import errno
 import pytest
 import yaml
 
-from rl.checkpoint import CheckpointError, CheckpointManager
-from rl.driver import train
+from rl.checkpoint.format import CheckpointError, CheckpointManager
+from rl.algo.driver import train
 from rl.recipe_io import load_recipe
 from tests.integration.test_run_dir_ownership import TINY
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_a_full_disk_stops_the_job_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
-    import rl.checkpoint as ck
+    import rl.checkpoint.format as ck
 
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump({**TINY, "stages": [{**TINY["stages"][0], "max_steps": 4}]}))

@@ -5,10 +5,10 @@ from collections import Counter, defaultdict
 import pytest
 
 from rewards.effort import effort_prefix
-from rl.async_grpo import run_async_grpo
+from rl.algo.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.job import open_job
-from rl.store import TrajectoryStore
+from rl.algo.job import open_job
+from rl.store.trajectories import TrajectoryStore
 
 pytestmark = pytest.mark.integration
 

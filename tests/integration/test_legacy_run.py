@@ -54,7 +54,7 @@ def test_a_run_directory_from_before_the_move_resumes(tmp_path):
     # spans the policy versions before and after the checkpoint's weights
     assert continued == {sid: "finished" for sid in inflight}
     assert any(versions[sid][0] < versions[sid][1] for sid in inflight)
-    from rl.store import TrajectoryStore
+    from rl.store.trajectories import TrajectoryStore
 
     audit = TrajectoryStore.for_run_dir(run_dir).audit()
     assert audit["trained_twice"] == 0 and audit["link_mismatch"] == 0 and audit["prompts_open"] == 0, audit

@@ -14,9 +14,9 @@ import pytest
 import yaml
 
 from rewards.config import ReverseConfig, UppercaseConfig
-from rl.store import TrajectoryStore, recorded_train_steps
+from rl.store.trajectories import TrajectoryStore, recorded_train_steps
 from teachers.architectures import ARCHITECTURES, tiny
-from rl.train_teachers import build_teachers
+from rl.algo.train_teachers import build_teachers
 
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]

@@ -24,8 +24,8 @@ import pytest
 import yaml
 
 from model.checkpoint import file_digest
-from rl.checkpoint import CheckpointManager, inflight_file
-from rl.store import TrajectoryStore, recorded_train_steps
+from rl.checkpoint.format import CheckpointManager, inflight_file
+from rl.store.trajectories import TrajectoryStore, recorded_train_steps
 from rollout.types import RolloutState
 
 pytestmark = pytest.mark.integration
@@ -246,7 +246,7 @@ def test_a_checkpoint_survives_renaming_the_controller_classes(killed_in_grpo, r
     _copy_of(killed_in_grpo, run_dir)
     src = _renamed_source(tmp_path / "src")
     with ThreadPoolExecutor(max_workers=2) as pool:  # the probe of the renamed code runs beside the resume
-        probe = pool.submit(subprocess.run, [sys.executable, "-c", "import rl.dispatch as d, rl.async_grpo as a; print("
+        probe = pool.submit(subprocess.run, [sys.executable, "-c", "import rl.dispatch as d, rl.algo.async_grpo as a; print("
                                              "d.__file__, hasattr(d, 'Ticket'), hasattr(d, 'ReleasedPrompt'), hasattr(a, 'PhaseClock'))"],
                             cwd=src, capture_output=True, text=True)
         resumed = _run("resume", str(run_dir), cwd=src)  # the renamed code resumes the checkpoint the original wrote

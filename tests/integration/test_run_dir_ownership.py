@@ -1,4 +1,4 @@
-"""Run-directory ownership through the real CLI (issue #13, rl/run_dir.py): one job per run directory (a
+"""Run-directory ownership through the real CLI (issue #13, rl/checkpoint/run_dir.py): one job per run directory (a
 second start refuses at once, naming the holder; a killed holder leaves no stale lock), a directory that
 holds a run is never started over by `rl train` without --overwrite, and a resume never rolls a run with
 recorded train steps back to zero."""
@@ -46,7 +46,7 @@ def _copy_of(run: Path, dest: Path) -> Path:
 def test_one_job_per_run_directory_and_a_killed_holder_leaves_no_lock(tmp_path, recipe):
     run = tmp_path / "run"
     run.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from rl.run_dir import RunLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from rl.checkpoint.run_dir import RunLock; "
                                f"RunLock({str(run)!r}).acquire(); print('held', flush=True); time.sleep(300)"],
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -98,7 +98,7 @@ def test_a_batch_larger_than_the_node_waits_for_admission(world):
 
 
 def test_a_work_directory_moves_to_another_sandbox_by_snapshot_and_restore(world):
-    """What a checkpoint keeps of a multi-turn sample (rl/tool_turns.py): the whole work directory (nested and hidden
+    """What a checkpoint keeps of a multi-turn sample (rl/runtime/tool_turns.py): the whole work directory (nested and hidden
     files, symlinks as links) goes into another sandbox, whose own files it replaces; an archive over the cap, or
     bytes that are no archive, fail with one line; an archive (from a checkpoint: untrusted) whose members climb
     out of the work directory writes nothing outside it."""

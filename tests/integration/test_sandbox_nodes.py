@@ -1,4 +1,4 @@
-"""The sandbox servers a job starts itself (rl/sandbox_nodes.py, sandbox_client/launch.py), with real servers
+"""The sandbox servers a job starts itself (rl/runtime/sandbox_nodes.py, sandbox_client/launch.py), with real servers
 (bubblewrap): a server killed with -9 leaves its sandboxes to the next server of the same run directory, which
 reaps them; a server dies with the process that started it; a server never takes or removes another's socket."""
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.sandbox_nodes import NodeSandboxes, run_key, server_paths
+from rl.runtime.sandbox_nodes import NodeSandboxes, run_key, server_paths
 from sandbox_client import Limits, LocalServer, SandboxClient, SandboxError
 from sandbox_client.launch import server_pid
 

@@ -1,5 +1,5 @@
 """A second SIGTERM exits within seconds with 128 + 15 and leaves no process behind: Ray is shut down
-(bounded) and every descendant the job started is stopped (issue #13; rl/preempt.py)."""
+(bounded) and every descendant the job started is stopped (issue #13; rl/checkpoint/preempt.py)."""
 
 import signal
 import subprocess
@@ -11,7 +11,7 @@ import psutil
 import pytest
 import yaml
 
-from rl.store import recorded_train_steps
+from rl.store.trajectories import recorded_train_steps
 from tests.integration.test_run_dir_ownership import TINY
 
 pytestmark = pytest.mark.integration

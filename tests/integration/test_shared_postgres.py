@@ -14,7 +14,7 @@ import time
 import pytest
 import yaml
 
-from rl.store import TrajectoryStore, recorded_train_steps
+from rl.store.trajectories import TrajectoryStore, recorded_train_steps
 from tests.integration.test_resume import RECIPE, _run, _start
 from tests.unit.test_store_postgres import rows_of
 

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from rl.async_grpo import run_async_grpo
+from rl.algo.async_grpo import run_async_grpo
 from rl.config import Recipe
-from rl.driver import run_sft
-from rl.job import open_job
-from rl.store import TrajectoryStore
+from rl.algo.driver import run_sft
+from rl.algo.job import open_job
+from rl.store.trajectories import TrajectoryStore
 
 pytestmark = pytest.mark.integration
 

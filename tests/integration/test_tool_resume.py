@@ -25,8 +25,8 @@ import msgpack
 import pytest
 import yaml
 
-from rl.checkpoint import CheckpointManager
-from rl.store import TrajectoryStore
+from rl.checkpoint.format import CheckpointManager
+from rl.store.trajectories import TrajectoryStore
 from rollout.types import RolloutState
 from sandbox_client import LocalServer
 from tests.tasks.tool_notes import NOTE

@@ -20,7 +20,7 @@ import torch
 
 from model.decoder import Decoder
 from model.tokenizer import CharTokenizer
-from rl.tool_turns import ToolTurns, run_to_completion
+from rl.runtime.tool_turns import ToolTurns, run_to_completion
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.tool_calls import PYTHON_TOOL, tool_result_tokens

@@ -2,7 +2,7 @@
 the python tool, then GRPO rollouts on Ray pause at its calls, run them in the node's sandbox server
 (bubblewrap), append the outputs as their own tokens and continue; the store keeps each sample's turns with loss
 mask 0 on tool tokens, `rl traj show` renders them, and the held-out evaluation serves calls too. The recipe names
-no server: `rl train` starts the node's own (rl/sandbox_nodes.py) and none is left when it ends.
+no server: `rl train` starts the node's own (rl/runtime/sandbox_nodes.py) and none is left when it ends.
 
 Repercussion (seed §5.1.3): a model taught to write a call that allocates 128 MiB has each such call killed by the
 sandbox's memory limit (64 MiB); the samples end there, failed, with the reason in the store and in
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rl.sandbox_nodes import run_key, server_paths
-from rl.store import TrajectoryStore
+from rl.runtime.sandbox_nodes import run_key, server_paths
+from rl.store.trajectories import TrajectoryStore
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-from rl.checkpoint import CheckpointManager
-from rl.store import TrajectoryStore
+from rl.checkpoint.format import CheckpointManager
+from rl.store.trajectories import TrajectoryStore
 
 pytestmark = pytest.mark.integration
 

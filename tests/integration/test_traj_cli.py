@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from model.tokenizer import CharTokenizer
-from rl.store import TrajectoryStore
-from rl.traj_cli import add_traj_parser
+from rl.store.trajectories import TrajectoryStore
+from rl.cli.traj import add_traj_parser
 from rl.types import Sample
 
 pytestmark = pytest.mark.integration

@@ -1,4 +1,4 @@
-"""A policy worker that hangs (SIGSTOP) or dies (SIGKILL) never hangs the job (issue #17, rl/runtime.py): two
+"""A policy worker that hangs (SIGSTOP) or dies (SIGKILL) never hangs the job (issue #17, rl/runtime/groups.py): two
 Ray workers training data-parallel over gloo, a fail point (rl/faults.py) stops or kills rank 1 in a train
 step or a rollout slice; the job exits 4 within runtime.worker_timeout_s (plus a ping's grace) with one line
 naming the worker and the phase, leaves no Ray process behind, and `rl resume` with one worker continues from
@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
-from rl.runtime import GRACE_S
-from rl.store import TrajectoryStore
+from rl.runtime.groups import GRACE_S
+from rl.store.trajectories import TrajectoryStore
 
 pytestmark = pytest.mark.integration
 

@@ -13,13 +13,13 @@ from safetensors.torch import save_file
 
 from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig
-from rl.checkpoint import CheckpointError, CheckpointManager, save_tree
+from rl.checkpoint.format import CheckpointError, CheckpointManager, save_tree
 from rl.dispatch import DispatchConfig, Dispatcher, FinishedMeta
-from rl.resume import check_resumable
-from rl.preempt import PreemptionGuard
+from rl.algo.resume import check_resumable
+from rl.checkpoint.preempt import PreemptionGuard
 from rl.recipe_io import recipe_from_yaml, recipe_to_yaml
-from rl.store import TrajectoryStore, Watermark
-from rl.streams import Cursor
+from rl.store.trajectories import TrajectoryStore, Watermark
+from rl.algo.streams import Cursor
 from rl.types import Prompt
 from tests.unit.test_store import make_sample
 

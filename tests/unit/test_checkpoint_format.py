@@ -18,18 +18,18 @@ from safetensors.torch import save_file
 from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig, ReverseConfig
 from rewards.longtail import LongTailConfig
-from rl import ckpt_records as rec
+from rl.algo import records as rec
 from rl import metrics, reconfigure
 from rl.metrics import RolloutClock
-from rl.checkpoint import CheckpointError, CheckpointManager, flatten_tree, load_tree, save_tree, unflatten_tree
+from rl.checkpoint.format import CheckpointError, CheckpointManager, flatten_tree, load_tree, save_tree, unflatten_tree
 from rl.config import Recipe
 from rl.dispatch import DispatchConfig, Dispatcher
-from rl.resume import find_resume_point
+from rl.algo.resume import find_resume_point
 from rl.recipe_io import recipe_from_yaml
-from rl.store import TrajectoryStore, Watermark
+from rl.store.trajectories import TrajectoryStore, Watermark
 from rl.types import Prompt
-from rl.worker import PolicyWorker
-from rl.trainer import TrainBatch, merge_step_metrics
+from rl.runtime.worker import PolicyWorker
+from rl.train.trainer import TrainBatch, merge_step_metrics
 from rollout.types import GenerationRequest, RolloutState
 from teachers.config import TeacherSpec
 from tests.unit.test_checkpoint import _drive, _write, _yaml, minimal_recipe_dict
@@ -378,7 +378,7 @@ def test_rollout_state_decoding_refuses_anything_but_its_own_layout(change, erro
 
 @pytest.mark.parametrize("workdir", [None, {"archive": b"\x1f\x8b tar.gz bytes"}, {"lost": "snapshot: too big"}])
 def test_a_samples_sandbox_work_directory_travels_in_its_state(workdir):
-    """Multi-turn samples keep their sandbox files across a preemption in the state itself (rl/tool_turns.py)."""
+    """Multi-turn samples keep their sandbox files across a preemption in the state itself (rl/runtime/tool_turns.py)."""
     st = RolloutState.from_bytes(_state_bytes())
     st.workdir = workdir
     assert RolloutState.from_bytes(st.to_bytes()).workdir == workdir

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import save_file
 
 from model.checkpoint import file_digest
-from rl.checkpoint import CheckpointError, CheckpointManager, save_tree
-from rl.ckpt_records import controller_to_record
-from rl.preempt import PreemptionGuard
+from rl.checkpoint.format import CheckpointError, CheckpointManager, save_tree
+from rl.algo.records import controller_to_record
+from rl.checkpoint.preempt import PreemptionGuard
 from rl.recipe_io import recipe_from_yaml, recipe_to_yaml
-from rl.resume import Checkpointer, ResumePoint, find_resume_point
-from rl.store import TrajectoryStore, Watermark
+from rl.algo.resume import Checkpointer, ResumePoint, find_resume_point
+from rl.store.trajectories import TrajectoryStore, Watermark
 from tests.unit.test_checkpoint import _write, _yaml, minimal_recipe_dict
 from tests.unit.test_store import make_sample
 
@@ -118,7 +118,7 @@ def test_a_write_killed_before_its_manifest_leaves_no_checkpoint(tmp_path, monke
     def killed(name):
         raise Killed(name)  # stands for the SIGKILL of rl/faults.py, inside the process
 
-    monkeypatch.setattr("rl.checkpoint.fault_point", killed)
+    monkeypatch.setattr("rl.checkpoint.format.fault_point", killed)
     with pytest.raises(Killed, match="checkpoint_write"):
         _write(mgr, 8)
     assert mgr.complete() == [good] and mgr.latest() == good and warnings == []

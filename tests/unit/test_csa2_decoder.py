@@ -9,9 +9,9 @@ import torch
 from model.decoder import Decoder
 from model.sparse_attention import CSA2Cache, bytes_per_token
 from rl.config import GRPOStage, OptimConfig, SFTStage
-from rl.losses import group_advantages, token_logprobs
-from rl.objectives import GRPOObjective, SFTObjective
-from rl.trainer import TrainBatch, Trainer, merge_step_metrics, pack
+from rl.train.losses import group_advantages, token_logprobs
+from rl.train.objectives import GRPOObjective, SFTObjective
+from rl.train.trainer import TrainBatch, Trainer, merge_step_metrics, pack
 from rl.types import Sample
 from rollout.config import EngineConfig
 from rollout.engine import Engine

@@ -184,7 +184,7 @@ def test_uniform_groups_are_those_with_every_reward_in_and_equal_per_effort_grou
     a step would train (under tools.on_failure=leave_loss a failed sample is not one of them)."""
     from types import SimpleNamespace as S
 
-    from rl.async_grpo import uniform_groups
+    from rl.algo.async_grpo import uniform_groups
 
     def s(group, reward, failure=None):
         return S(group_id=group, reward=reward, failure=failure)
@@ -207,7 +207,7 @@ def test_with_dynamic_sampling_a_batch_is_waited_for_only_when_verified_groups_f
     then does not form)."""
     from types import SimpleNamespace as S
 
-    from rl.async_grpo import AsyncGRPO, verified_groups
+    from rl.algo.async_grpo import AsyncGRPO, verified_groups
 
     ready = {"a": 2, "b": 2, "c": 2}
     finished = {"a": ["s", "s"], "b": ["s"], "c": ["s", "s"]}  # b: one reward still out
@@ -247,7 +247,7 @@ def test_a_batch_taken_from_eligible_groups_leaves_the_others_ready_for_the_next
 def test_dynamic_sampling_says_so_when_ten_steps_of_groups_in_a_row_had_no_reward_spread():
     from types import SimpleNamespace as S
 
-    from rl.async_grpo import AsyncGRPO
+    from rl.algo.async_grpo import AsyncGRPO
 
     said: list[str] = []
     loop = AsyncGRPO.__new__(AsyncGRPO)  # only the parts filter_uniform_groups reads

@@ -8,7 +8,7 @@ import pytest
 from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig
 from rewards.effort import EffortConfig, effort_prefix
-from rl.losses import group_advantages
+from rl.train.losses import group_advantages
 from tests.conftest import len_reasoning
 
 

@@ -235,8 +235,8 @@ def test_rollout_state_round_trip_preserves_everything(moe_model):
 
 def test_replaying_recorded_routing_reproduces_recorded_logprobs(moe_model):
     """The training forward with the engine's routing trace gives the engine's logprobs and experts."""
-    from rl.losses import token_logprobs
-    from rl.trainer import pack
+    from rl.train.losses import token_logprobs
+    from rl.train.trainer import pack
 
     gens = _engine(moe_model, max_batch_size=8).generate(_requests(6, max_new=20, temperature=0.7))
     b = pack([g.prompt_tokens for g in gens], [g.response_tokens for g in gens], [g.logprobs for g in gens],

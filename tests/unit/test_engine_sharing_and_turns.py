@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from model.kv_cache import PagedKVCache
-from rl.losses import token_logprobs
-from rl.trainer import pack
+from rl.train.losses import token_logprobs
+from rl.train.trainer import pack
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.types import GenerationRequest, RolloutState

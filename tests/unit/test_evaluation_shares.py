@@ -6,8 +6,8 @@ import math
 
 from model.tokenizer import CharTokenizer
 from rewards.task import Problem, Task, Verdict
-from rl.evaluation import evaluate
-from rl.rendering import Renderer
+from rl.algo.evaluation import evaluate
+from rl.algo.rendering import Renderer
 from rollout.types import Generation
 
 

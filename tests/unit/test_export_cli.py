@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from model.checkpoint import write_weights  # noqa: E402
 from model.pretrained import build_decoder  # noqa: E402
-from rl.checkpoint import CheckpointManager, save_tree  # noqa: E402
+from rl.checkpoint.format import CheckpointManager, save_tree  # noqa: E402
 from rl.cli import main  # noqa: E402
 from rl.recipe_io import load_recipe, recipe_to_yaml  # noqa: E402
 from tests.hf_tiny import make_hf, write_gguf  # noqa: E402

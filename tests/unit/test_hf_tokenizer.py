@@ -169,8 +169,8 @@ def test_recipe_takes_the_tokenizer_of_model_init(tmp_path):
 def test_rollouts_are_token_in_token_out(tmp_path):
     """A response the engine spelled with non-canonical ids is stored and trained as those ids, not re-encoded."""
     from rewards.task import Problem, Verdict
-    from rl.rendering import Renderer
-    from rl.trainer import TrainBatch
+    from rl.algo.rendering import Renderer
+    from rl.train.trainer import TrainBatch
     from rl.types import Prompt
     from rollout.types import Generation
 

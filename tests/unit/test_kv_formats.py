@@ -112,8 +112,8 @@ def test_decode_through_cache_matches_full_forward(kv_dtype):
 def test_qat_training_logprobs_equal_engine_logprobs(kv_dtype):
     """The trained policy is the sampled policy: teacher-forced QAT logprobs of the engine's own samples
     equal the behaviour logprobs it recorded (batched, padded, continuous batching)."""
-    from rl.losses import token_logprobs
-    from rl.trainer import pack
+    from rl.train.losses import token_logprobs
+    from rl.train.trainer import pack
 
     m = _model(kv_dtype, qat=True)
     reqs = [GenerationRequest(f"s{i}", (1, 10 + i, 20 + 3 * i, 30), 12, seed=i, temperature=0.8) for i in range(5)]

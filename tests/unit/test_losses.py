@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from rl.losses import PolicyLossInputs, group_advantages, grpo_loss, sft_loss, token_logprobs
-from rl.trainer import pack
+from rl.train.losses import PolicyLossInputs, group_advantages, grpo_loss, sft_loss, token_logprobs
+from rl.train.trainer import pack
 
 
 def test_group_advantages_mean_centred_within_group():
@@ -66,7 +66,7 @@ def test_token_logprobs_temperature():
 
 
 def test_staleness_mask_keeps_the_normaliser():
-    from rl.losses import staleness_keep
+    from rl.train.losses import staleness_keep
 
     versions = torch.tensor([[5, 6, 7, 7], [3, 3, 7, 0]])
     mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 1, 0]])

@@ -1,4 +1,4 @@
-"""`rl validate`'s memory estimate (rl/memory.py, issue #13): the parts it counts equal what the worker
+"""`rl validate`'s memory estimate (rl/runtime/memory.py, issue #13): the parts it counts equal what the worker
 allocates, and a recipe that cannot fit is refused with the figure in one line."""
 
 import subprocess
@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from model.decoder import Decoder
-from rl.memory import PARTS, estimate
+from rl.runtime.memory import PARTS, estimate
 from rl.recipe_io import load_recipe
-from rl.worker import PolicyWorker
+from rl.runtime.worker import PolicyWorker
 from rollout.engine import Engine
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
@@ -64,7 +64,7 @@ def test_fsdp2_shards_the_trainer_and_the_engine_keeps_full_weights():
 def test_the_estimate_counts_a_kv_pool_sized_by_a_fraction_of_free_memory():
     """engine.kv_memory_fraction f: the pool is f of the device's memory less what is there before the engine
     (the weights, here; float32, no reference, no teachers)."""
-    from rl.memory import device_capacity
+    from rl.runtime.memory import device_capacity
 
     recipe = load_recipe("configs/quickstart.yaml", ["engine.kv_memory_fraction=0.1"])
     parts, (capacity, _) = estimate(recipe), device_capacity(recipe)

@@ -8,7 +8,7 @@ import pytest
 
 from model import registry
 from model.registry import ModelSpec, model_path, resolve_model_source
-from rl import models_cli
+from rl.cli import models as models_cli
 from rl.cli import main
 
 PAYLOAD = b"GGUF" + bytes(range(256)) * 300

@@ -8,11 +8,12 @@ import torch
 
 from model.decoder import Decoder
 from rl.config import OPDStage, OptimConfig
-from rl.objectives import OPDObjective
-from rl.trainer import TrainBatch, Trainer, merge_step_metrics
+from rl.train.objectives import OPDObjective
+from rl.train.trainer import TrainBatch, Trainer, merge_step_metrics
 from teachers.config import TeacherPoolConfig
 from teachers.pool import TeacherPool
 from tests.conftest import debug_config
+from tests.numerics import assert_close_to_reference, decoder_rounding, float64_reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -63,7 +64,7 @@ def test_opd_objective_is_the_full_vocabulary_reverse_kl_to_each_rows_teacher(de
 
 def _full_logits_loss(model: Decoder, reference: Decoder, rows: TrainBatch, stage, kind: str) -> torch.Tensor:
     """The loss as computed before response_logprobs: logits at every position of the padded batch."""
-    from rl.losses import PolicyLossInputs, grpo_loss, reference_kl, sft_loss, token_logprobs
+    from rl.train.losses import PolicyLossInputs, grpo_loss, reference_kl, sft_loss, token_logprobs
 
     b = rows.pack("cpu")
     lp = token_logprobs(model(b.input_ids)[0], b.targets, 0.7 if kind == "grpo" else 1.0)
@@ -81,7 +82,7 @@ def _full_logits_loss(model: Decoder, reference: Decoder, rows: TrainBatch, stag
 @pytest.mark.parametrize("kind", ["grpo", "sft"])
 def test_logits_on_response_positions_only_give_the_full_logits_loss_and_gradient(kind):
     from rl.config import GRPOStage, SFTStage
-    from rl.objectives import build_objective
+    from rl.train.objectives import build_objective
 
     torch.manual_seed(0)
     model, reference = Decoder(debug_config(moe=False)), Decoder(debug_config(moe=False))
@@ -107,9 +108,9 @@ def test_logits_on_response_positions_only_give_the_full_logits_loss_and_gradien
 def test_grpo_step_reports_the_policys_mean_token_entropy_on_response_positions(monkeypatch):
     """`rl/entropy`: the token-weighted mean over response positions (micro-batches of 2 rows, summed in chunks
     of 3 positions) of -Σ_v p(v) log p(v) at the rollout temperature, computed here from the full-sequence logits."""
-    from rl import objectives
+    from rl.train import objectives
     from rl.config import GRPOStage
-    from rl.objectives import build_objective
+    from rl.train.objectives import build_objective
 
     monkeypatch.setattr(objectives, "ENTROPY_CHUNK_ROWS", 3)
 
@@ -133,7 +134,7 @@ def test_entropy_bonus_subtracts_coef_times_the_summed_token_entropy_from_the_lo
     """GRPOStage.entropy_coef c: loss and gradient are those of c = 0 minus c · Σ_positions H ÷ the step's tokens,
     H computed here from the full-sequence logits (micro-batches of 2 rows, temperature 0.7)."""
     from rl.config import GRPOStage
-    from rl.objectives import build_objective
+    from rl.train.objectives import build_objective
 
     torch.manual_seed(0)
     model = Decoder(debug_config(moe=False))
@@ -156,14 +157,24 @@ def test_entropy_bonus_subtracts_coef_times_the_summed_token_entropy_from_the_lo
         torch.testing.assert_close(grads[1][k] - grads[0][k], -0.3 * p.grad, rtol=1e-3, atol=1e-6)
     assert any(float(p.grad.abs().max()) > 1e-4 for p in model.parameters())
     assert metrics[1]["rl/loss"] == pytest.approx(metrics[0]["rl/loss"] - 0.3 * float(h_sum.detach()) / rows.num_tokens, rel=1e-4)
-    assert metrics[1]["rl/entropy"] == pytest.approx(metrics[0]["rl/entropy"], rel=1e-5)
+    # the entropy metric, with the bonus (computed with gradient) and without (chunked, without): the float64 step's,
+    # to float32 rounding (tests/numerics.py)
+    exact = Decoder(debug_config(moe=False)).double()
+    exact.load_state_dict(model.state_dict())
+    with float64_reference():
+        objective = build_objective(GRPOStage(micro_batch_size=2), model=exact, temperature=0.7, current_version=0)
+        entropy = merge_step_metrics([Trainer(exact, OptimConfig(lr=1e-3)).accumulate(rows, objective)])["rl/entropy"]
+    positions = len(rows) * max(len(p) + len(r) - 1 for p, r in zip(rows.prompts_B, rows.responses_B))
+    for with_bonus in (False, True):
+        assert_close_to_reference(metrics[with_bonus]["rl/entropy"], entropy, dtype=torch.float32, msg=with_bonus,
+                                  **decoder_rounding(model.config, positions, backward=False))
 
 
 def test_entropy_target_scales_the_bonus_by_the_shortfall_and_drops_it_above_the_target():
     """entropy_target T: the bonus's weight is coef · max(0, 1 - H / T), H the micro-batch's mean token entropy:
     the gradient is the fixed bonus's scaled by that factor below T, and no bonus at all above T."""
     from rl.config import GRPOStage
-    from rl.objectives import build_objective
+    from rl.train.objectives import build_objective
 
     torch.manual_seed(0)
     model = Decoder(debug_config(moe=False))

@@ -1,8 +1,8 @@
-"""The policy workers' placement group (rl/placement.py): one bundle per worker, and the check that tells at
+"""The policy workers' placement group (rl/runtime/placement.py): one bundle per worker, and the check that tells at
 once, in one line, when the cluster's nodes can never hold the group under the chosen strategy. (The group
 itself, on a real Ray: tests/integration/test_data_parallel_run.py.)"""
 
-from rl.placement import cannot_hold, worker_bundle
+from rl.runtime.placement import cannot_hold, worker_bundle
 
 ONE_NODE = {"10.0.0.1": {"CPU": 2.0, "memory": 1e9}}
 TWO_GPU_NODES = {"10.0.0.1": {"CPU": 8.0, "GPU": 1.0}, "10.0.0.2": {"CPU": 8.0, "GPU": 1.0}}

@@ -5,7 +5,7 @@ import io
 import time
 
 from rl.config import GRPOStage
-from rl.job import Progress
+from rl.algo.job import Progress
 
 
 class _Sink:

@@ -11,9 +11,9 @@ from pydantic import ValidationError
 from model.tokenizer import CharTokenizer
 from rewards.effort import EffortConfig
 from rewards.task import Problem, Task, Verdict
-from rl.evaluation import engine_generate, evaluate
-from rl.rendering import Renderer
-from rl.streams import Cursor
+from rl.algo.evaluation import engine_generate, evaluate
+from rl.algo.rendering import Renderer
+from rl.algo.streams import Cursor
 from rollout.config import EngineConfig
 
 
@@ -82,9 +82,9 @@ def test_evaluation_leaves_out_and_counts_long_prompts(moe_model):
 
 @pytest.mark.integration
 def test_grpo_loop_drops_long_prompts_and_logs_the_count(tmp_path):
-    from rl.async_grpo import run_async_grpo
+    from rl.algo.async_grpo import run_async_grpo
     from rl.config import Recipe
-    from rl.job import open_job
+    from rl.algo.job import open_job
 
     recipe = Recipe.model_validate({
         "run": {"name": "long", "seed": 0, "num_threads": 1},

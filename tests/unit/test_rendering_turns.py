@@ -4,7 +4,7 @@ with tools declare them."""
 
 from model.tokenizer import CharTokenizer
 from rewards.task import Message, Problem
-from rl.rendering import Renderer
+from rl.algo.rendering import Renderer
 from rl.types import Prompt
 from rewards.task import Verdict
 from rollout.tool_calls import PYTHON_TOOL

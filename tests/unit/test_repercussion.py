@@ -1,4 +1,4 @@
-"""Repercussion (rl/repercussion.py, seed §5.1.3): a sample a sandbox failure ended carries its reason from the
+"""Repercussion (rl/algo/repercussion.py, seed §5.1.3): a sample a sandbox failure ended carries its reason from the
 worker's record to the `Sample`, the store and the step's metrics, and `tools.on_failure` decides what the trained
 batch sees: reward 0 inside the group's baseline (zero_reward), or no tokens and no say in the baseline
 (leave_loss)."""
@@ -9,11 +9,11 @@ import pytest
 
 from model.tokenizer import CharTokenizer
 from rewards.task import Problem, Verdict
-from rl.losses import group_advantages
-from rl.rendering import Renderer
-from rl.repercussion import FAILURES, failure_counts, failure_of, settle, trained
-from rl.store import TrajectoryStore
-from rl.trainer import TrainBatch
+from rl.train.losses import group_advantages
+from rl.algo.rendering import Renderer
+from rl.algo.repercussion import FAILURES, failure_counts, failure_of, settle, trained
+from rl.store.trajectories import TrajectoryStore
+from rl.train.trainer import TrainBatch
 from rl.types import Prompt
 from rollout.types import Generation
 from sandbox_client.records import REASONS

@@ -1,4 +1,4 @@
-"""RewardWorker.verify (rl/reward_worker.py): each dataset's samples in one batch where the task verifies batches, the
+"""RewardWorker.verify (rl/runtime/reward_worker.py): each dataset's samples in one batch where the task verifies batches, the
 verdicts back in the order given; a batch that raises is verified one by one (pure logic: stand-in tasks). And the
 module a Ray reward actor imports stays light: no torch."""
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rewards.task import Problem, Trajectory, Verdict, VerifyContext
-from rl.reward_worker import RewardWorker
+from rl.runtime.reward_worker import RewardWorker
 
 
 class Batched:
@@ -61,10 +61,10 @@ def test_a_batch_that_raises_is_verified_one_by_one_and_the_failure_stays_the_sa
 
 @pytest.mark.parametrize("recipe", ["configs/tiny_grpo.yaml", "configs/smollm2_grpo.yaml"])
 def test_a_reward_worker_is_built_without_torch(recipe):
-    """A Ray reward actor imports its class's module (rl/reward_worker.py) and builds the recipe's tasks: neither
-    imports torch, Triton or SQLAlchemy (rl/runtime.py, the old home, imports all three: seconds of every reward
+    """A Ray reward actor imports its class's module (rl/runtime/reward_worker.py) and builds the recipe's tasks: neither
+    imports torch, Triton or SQLAlchemy (rl/runtime/groups.py, the old home, imports all three: seconds of every reward
     actor's start on a 2-core machine)."""
-    code = ("import sys; from rl.reward_worker import RewardWorker; from rl.recipe_io import load_recipe; "
+    code = ("import sys; from rl.runtime.reward_worker import RewardWorker; from rl.recipe_io import load_recipe; "
             f"w = RewardWorker(load_recipe({recipe!r}, [])); assert w.tasks; "
             "print(sorted(m for m in ('torch', 'triton', 'sqlalchemy') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

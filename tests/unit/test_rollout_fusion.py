@@ -1,7 +1,7 @@
 """The rollout path (model/fused.py, issue #15): fused q/k/v and gate/up GEMMs and the decode_fused kernels give
 the plain forward's logits (fp32) for Llama-, Qwen3- (qk-norm), Qwen2- (q/k/v bias) and MoE-shaped debug models,
 through a whole forward, the engine and the captured decode forward; the fused weights follow every in-place
-weight change (the optimizer, rl/worker.py's rollout copy and update, checkpoint loads); training is untouched.
+weight change (the optimizer, rl/runtime/worker.py's rollout copy and update, checkpoint loads); training is untouched.
 `kernels=True` runs the Triton kernels (interpreted on CPU, TRITON_INTERPRET=1 from tests/conftest.py)."""
 
 import copy
@@ -156,9 +156,9 @@ def test_copies_follow_an_optimizer_step_on_the_shared_module(kernels):
 
 
 def test_the_rollout_copy_shares_storage_and_needs_no_refresh(kernels):
-    """rl/worker.py's engine copy (run.dtype bfloat16 / FSDP2; float32 here for exact logits): its Linear weights
+    """rl/runtime/worker.py's engine copy (run.dtype bfloat16 / FSDP2; float32 here for exact logits): its Linear weights
     are views of the fused buffers, so `refresh_rollout_copy` writes straight into them."""
-    from rl.worker import refresh_rollout_copy, rollout_copy
+    from rl.runtime.worker import refresh_rollout_copy, rollout_copy
 
     master = _model("qwen3")
     twin = rollout_copy(master, torch.float32)
@@ -223,8 +223,8 @@ def test_the_worker_refreshes_the_engines_fused_weights_at_the_weight_update():
     """PolicyWorker.update_weights (float32: the engine shares the trainer's module) leaves the fused copies
     level with the new weights, so the next decode step has nothing to copy."""
     from rl.config import Recipe
-    from rl.trainer import TrainBatch
-    from rl.worker import PolicyWorker
+    from rl.train.trainer import TrainBatch
+    from rl.runtime.worker import PolicyWorker
     from tests.unit.test_worker import RECIPE
 
     recipe = Recipe.model_validate({**RECIPE, "model": {**RECIPE["model"], "ffn": {"type": "dense", "intermediate_size": 128}}})
@@ -245,9 +245,9 @@ def test_the_worker_refreshes_the_engines_fused_weights_at_the_weight_update():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
 def test_graphs_over_the_rollout_copy_see_each_weight_update():
     """The worker's engine copy (frozen: its Linears become views of the fused buffers) decoding through CUDA
-    graphs, refreshed after an optimizer step as rl/worker.py does, gives the plain eager engine's tokens on the
+    graphs, refreshed after an optimizer step as rl/runtime/worker.py does, gives the plain eager engine's tokens on the
     master weights (fp32), before and after the update, with no recapture."""
-    from rl.worker import refresh_rollout_copy, rollout_copy
+    from rl.runtime.worker import refresh_rollout_copy, rollout_copy
 
     master = _model("qwen3")
     twin = rollout_copy(master, torch.float32)

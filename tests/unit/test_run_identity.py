@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from rl.cli import main
-from rl.run_id import read_run_identity, run_identity
-from rl.store import StoreError, TrajectoryStore, recorded_train_steps
-from rl.store_db import sqlite_url
+from rl.store.identity import read_run_identity, run_identity
+from rl.store.trajectories import StoreError, TrajectoryStore, recorded_train_steps
+from rl.store.db import sqlite_url
 from tests.unit.test_store import make_sample
 from tests.unit.test_store_migrations import legacy_run
 

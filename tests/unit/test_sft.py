@@ -1,4 +1,4 @@
-"""SFT batches (rl/sft.py): round-robin over tasks, prompts rendered with the effort prefix, targets are the
+"""SFT batches (rl/algo/sft.py): round-robin over tasks, prompts rendered with the effort prefix, targets are the
 demonstrations plus EOS, and a restored stream continues exactly."""
 
 import itertools
@@ -7,9 +7,9 @@ from model.tokenizer import CharTokenizer
 from rewards.config import ArithmeticConfig, UppercaseConfig
 from rewards.effort import EffortConfig, effort_prefix
 from rl.config import SFTStage
-from rl.rendering import Renderer
-from rl.sft import DemonstrationStream
-from rl.trainer import pack
+from rl.algo.rendering import Renderer
+from rl.algo.sft import DemonstrationStream
+from rl.train.trainer import pack
 
 TOK = CharTokenizer()
 

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
 
-from rl.store import (
+from rl.store.trajectories import (
     PromptTable,
     SampleTable,
     SegmentTable,
@@ -202,7 +202,7 @@ def test_sqlite_uses_wal(store, tmp_path):
 
 def test_for_run_dir_defaults(tmp_path):
     s = TrajectoryStore.for_run_dir(f"{tmp_path}/exp-1/")
-    # The run's identity is a UUID kept in run.json, not the directory's name (rl/run_id.py).
+    # The run's identity is a UUID kept in run.json, not the directory's name (rl/store/identity.py).
     assert str(uuid.UUID(s.run_id)) == s.run_id
     assert json.loads((tmp_path / "exp-1" / "run.json").read_text())["run_id"] == s.run_id
     assert s.url.get_backend_name() == "sqlite" and s.url.database == str(tmp_path / "exp-1" / "trajectories.db")
@@ -245,7 +245,7 @@ def test_add_prompts(store):
 
 
 def test_recorded_train_steps_reads_a_live_store_and_is_zero_before_it_exists(tmp_path):
-    from rl.store import recorded_train_steps
+    from rl.store.trajectories import recorded_train_steps
 
     assert recorded_train_steps(tmp_path / "not-yet") == 0
     store = TrajectoryStore.for_run_dir(tmp_path / "run")

@@ -14,12 +14,12 @@ import pytest
 from sqlalchemy import create_engine, inspect, text
 
 from rl.cli import main
-from rl.store import StoreError, TrajectoryStore, decode_array
-from rl.store_db import alembic_config, head_revision, schema_state, sqlite_url, upgrade_store
+from rl.store.trajectories import StoreError, TrajectoryStore, decode_array
+from rl.store.db import alembic_config, head_revision, schema_state, sqlite_url, upgrade_store
 from tests.unit.test_store import make_sample
 
 HEAD = "0005"
-"""The newest schema revision (rl/migrations/versions)."""
+"""The newest schema revision (rl/store/migrations/versions)."""
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 LEGACY = {"d07e8ae": FIXTURES / "store-d07e8ae.db", "pre-effort": FIXTURES / "store-pre-effort.db"}

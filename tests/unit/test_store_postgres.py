@@ -14,8 +14,8 @@ from sqlalchemy import MetaData, create_engine, insert, select, text
 from sqlalchemy.exc import SQLAlchemyError
 
 from rl.cli import main
-from rl.store import StoreError, TrajectoryStore, Watermark
-from rl.store_db import alembic_config, sqlite_url, upgrade_store
+from rl.store.trajectories import StoreError, TrajectoryStore, Watermark
+from rl.store.db import alembic_config, sqlite_url, upgrade_store
 from rl.types import Prompt
 from tests.unit.test_store import make_sample
 from tests.unit.test_store_migrations import LEGACY, OLD_TABLES, schema_of

@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-from rl.store import TrajectoryStore, Watermark
+from rl.store.trajectories import TrajectoryStore, Watermark
 from rl.types import Prompt
 from tests.unit.test_store import make_sample
 

@@ -7,8 +7,8 @@ import pytest
 
 from model.tokenizer import CharTokenizer
 from rl.cli import main
-from rl.store import TrajectoryStore, Watermark
-from rl.store_db import sqlite_url
+from rl.store.trajectories import TrajectoryStore, Watermark
+from rl.store.db import sqlite_url
 from rl.types import Sample, Turn
 from rollout.tool_calls import PYTHON_TOOL, parse_tool_call, tool_result_tokens
 from tests.unit.test_store import make_sample

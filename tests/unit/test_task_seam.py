@@ -10,9 +10,9 @@ from model.tokenizer import CharTokenizer, Tokenizer
 from rewards.config import ArithmeticConfig, CustomTaskConfig
 from rewards.effort import EffortConfig, effort_prefix, with_effort
 from rewards.task import Message, Problem, Task, Trajectory, Turn, Verdict, VerifyContext, missing_task_methods
-from rl import rendering
-from rl.rendering import Renderer
-from rl.reward_worker import verify_one
+from rl.algo import rendering
+from rl.algo.rendering import Renderer
+from rl.runtime.reward_worker import verify_one
 from rollout.types import Generation
 from tests.tasks.palindromes import NotATask, Palindromes
 

@@ -21,7 +21,7 @@ from model.config import check_vocab
 from teachers.config import TeacherPoolConfig, TeacherSpec
 from teachers.pool import TeacherPool
 from teachers.architectures import ARCHITECTURES, tiny
-from rl.train_teachers import build_teachers, heldout_accuracy, sft
+from rl.algo.train_teachers import build_teachers, heldout_accuracy, sft
 
 _SAME = ModelConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
                     ffn=DenseFFNConfig(intermediate_size=64))
@@ -466,9 +466,9 @@ def test_pool_config_validates_and_builds(zoo):
         TeacherPoolConfig(device_memory_mib=0)
     with pytest.raises(ValidationError):
         TeacherPoolConfig(dtype="int8")
-    pool = cfg.build()
+    pool = TeacherPool.from_config(cfg)
     assert pool.names == ["deep", "moe", "tied-mqa"] and not pool.prefetch_enabled
-    half = TeacherPoolConfig(teachers=specs[:1], dtype="bfloat16").build()
+    half = TeacherPool.from_config(TeacherPoolConfig(teachers=specs[:1], dtype="bfloat16"))
     assert half.nbytes("deep") * 2 == pool.nbytes("deep")
     assert half.forward("deep", _ids()).hidden.dtype == torch.bfloat16
 
@@ -499,7 +499,7 @@ def test_build_teachers_saves_a_loadable_heterogeneous_zoo(tmp_path):
     assert reports[1].heldout_accuracy is None and cfg.teachers[1].datasets == []
     assert TeacherPoolConfig.model_validate_json((tmp_path / "teachers.json").read_text()) == cfg
     assert len({load_checkpoint(s.checkpoint).config for s in cfg.teachers}) == 3
-    pool = cfg.build()
+    pool = TeacherPool.from_config(cfg)
     outs = pool.hidden_states({s.name: _ids() for s in cfg.teachers})
     assert len(outs) == 3 and pool.stats().loads == 3
     with pytest.raises(ValueError, match="each trained teacher serves its own dataset"):

@@ -8,10 +8,11 @@ import torch
 
 from model.decoder import Decoder
 from rl.config import GRPOStage, OptimConfig, SFTStage
-from rl.losses import group_advantages
-from rl.objectives import GRPOObjective, SFTObjective
-from rl.trainer import StepMetrics, TrainBatch, Trainer, merge_step_metrics, micro_batches
+from rl.train.losses import group_advantages
+from rl.train.objectives import GRPOObjective, SFTObjective
+from rl.train.trainer import StepMetrics, TrainBatch, Trainer, merge_step_metrics, micro_batches, padded_length
 from tests.conftest import debug_config
+from tests.numerics import assert_close_to_reference, decoder_rounding, float64_reference
 
 
 def test_sums_add_means_are_token_weighted_ratios_recomputed_shared_is_rank0s():
@@ -40,6 +41,34 @@ def _rows(n: int, seed: int = 0) -> TrainBatch:
                       None, adv)
 
 
+def _float64_step(model: Decoder, rows: TrainBatch, make) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """The step's exact gradients and metrics: the same objective on a float64 copy of `model`, one batch
+    (tests/numerics.py: `float64_reference` keeps the code's float32 casts in float64)."""
+    ref = Trainer(copy.deepcopy(model).double(), OptimConfig())
+    with float64_reference():
+        metrics = merge_step_metrics([ref.accumulate(rows, make(ref.model))])
+    return [p.grad for p in ref.model.parameters()], metrics
+
+
+def _assert_step_is_the_reference(model: Decoder, trainer: Trainer, metrics: dict[str, float] | None,
+                                  reference: tuple[list[torch.Tensor], dict[str, float]], rows: TrainBatch,
+                                  seq_bucket: int = 1) -> None:
+    """`trainer`'s float32 gradients (and merged `metrics`) are the float64 step's to float32 rounding, whatever
+    order its micro-batches, ranks and kernels summed in: the bound of tests/numerics.py with the decoder's chain
+    of roundings and the step's packed positions as the longest sum."""
+    longest = max(len(p) + len(r) - 1 for p, r in zip(rows.prompts_B, rows.responses_B))
+    positions = len(rows) * padded_length(longest, seq_bucket)
+    grads, ref_metrics = reference
+    for (name, p), g in zip(trainer.model.named_parameters(), grads, strict=True):
+        assert_close_to_reference(p.grad, g, dtype=torch.float32, msg=name,
+                                  **decoder_rounding(model.config, positions, backward=True))
+    if metrics is not None:
+        assert metrics.keys() == ref_metrics.keys()
+        for k, v in ref_metrics.items():  # a metric's scale: its own magnitude (sums of like-signed terms)
+            assert_close_to_reference(metrics[k], v, dtype=torch.float32, msg=k,
+                                      **decoder_rounding(model.config, positions, backward=False))
+
+
 @pytest.mark.parametrize("objective", ["sft", "grpo"])
 def test_two_ranks_with_the_global_normaliser_take_the_one_rank_step(objective):
     torch.manual_seed(0)
@@ -56,17 +85,16 @@ def test_two_ranks_with_the_global_normaliser_take_the_one_rank_step(objective):
     two = Trainer(copy.deepcopy(model), OptimConfig())
     parts = [two.accumulate(rows.select(range(0, 8)), make(two.model)),   # rank 0's groups
              two.accumulate(rows.select(range(8, 12)), make(two.model))]  # rank 1's: grads add up, as all-reduce
-    for a, b in zip(one.model.parameters(), two.model.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
-    merged, alone = merge_step_metrics(parts), merge_step_metrics([whole])
-    for k in alone:
-        assert merged[k] == pytest.approx(alone[k], rel=1e-5, abs=1e-7), k
+    exact = _float64_step(model, rows, make)  # both float32 steps are the float64 one-rank step to rounding
+    _assert_step_is_the_reference(model, one, merge_step_metrics([whole]), exact, rows)
+    _assert_step_is_the_reference(model, two, merge_step_metrics(parts), exact, rows)
     # the same two shards with rank 1 normalising by its own tokens: not the one-rank step
     local = Trainer(copy.deepcopy(model), OptimConfig())
     local.accumulate(rows.select(range(0, 8)), make(local.model))
     shard = rows.select(range(8, 12))
     local.accumulate(TrainBatch(**{**shard.__dict__, "num_tokens": shard.response_tokens}), make(local.model))
-    assert not all(torch.allclose(a.grad, b.grad) for a, b in zip(local.model.parameters(), one.model.parameters()))
+    with pytest.raises(AssertionError, match="off the float64 reference"):
+        _assert_step_is_the_reference(model, local, None, exact, rows)
 
 
 def test_micro_batches_by_tokens_keep_each_padded_size_within_the_budget():
@@ -89,17 +117,18 @@ def test_micro_batches_by_tokens_keep_each_padded_size_within_the_budget():
 def test_a_token_budget_takes_the_same_step_as_whole_batches(objective):
     torch.manual_seed(0)
     model, rows = Decoder(debug_config(moe=False)).float(), _rows(12)
-    grads = []
-    for extra in ({}, {"micro_batch_tokens": 20}):
+
+    def make(m, extra):
         stage = SFTStage(**extra) if objective == "sft" else GRPOStage(group_size=4, micro_batch_size=12, **extra)
+        return SFTObjective(stage) if objective == "sft" else GRPOObjective(stage, model=m, temperature=1.0,
+                                                                            current_version=0)
+
+    exact = _float64_step(model, rows, lambda m: make(m, {}))
+    for extra in ({}, {"micro_batch_tokens": 20}):  # whole batches, then the budget: both the float64 step
         trainer = Trainer(copy.deepcopy(model), OptimConfig())
-        made = (SFTObjective(stage) if objective == "sft"
-                else GRPOObjective(stage, model=trainer.model, temperature=1.0, current_version=0))
-        trainer.accumulate(rows, made)
-        grads.append([p.grad for p in trainer.model.parameters()])
+        metrics = merge_step_metrics([trainer.accumulate(rows, make(trainer.model, extra))])
+        _assert_step_is_the_reference(model, trainer, metrics, exact, rows)
     assert len(micro_batches(rows, None, 20)) > 3  # the budget did split the step
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_a_step_leaves_no_gradient_behind_for_the_next():
@@ -197,7 +226,7 @@ def _group(tokens: int) -> list:
 
 
 def test_mini_batch_groups_deal_whole_groups_balanced_with_a_group_per_worker():
-    from rl.async_grpo import mini_batch_groups
+    from rl.algo.async_grpo import mini_batch_groups
 
     tokens = (40, 10, 35, 12, 30, 9, 8, 20)
     groups = [_group(t) for t in tokens]
@@ -213,7 +242,7 @@ def test_mini_batch_groups_deal_whole_groups_balanced_with_a_group_per_worker():
 
 
 def test_padded_length_rounds_up_to_the_bucket_within_the_models_positions():
-    from rl.trainer import padded_length
+    from rl.train.trainer import padded_length
 
     assert [padded_length(t, 64) for t in (1, 63, 64, 65, 250)] == [64, 64, 64, 128, 256]
     assert padded_length(250, 1) == 250 and padded_length(250, 64, max_len=255) == 255
@@ -246,16 +275,14 @@ def test_micro_batches_padded_to_a_bucket_take_the_unpadded_step(case):
     plain, padded = (Trainer(copy.deepcopy(model), OptimConfig(), seq_bucket=b) for b in (1, 16))
     assert make(plain.model).routing_replay == moe
     m1, m2 = (merge_step_metrics([t.accumulate(rows, make(t.model))]) for t in (plain, padded))
-    for a, b in zip(plain.model.parameters(), padded.model.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
-    assert m1.keys() == m2.keys()
-    for k in m1:
-        assert m2[k] == pytest.approx(m1[k], rel=1e-5, abs=1e-7), k
+    exact = _float64_step(model, rows, make)  # the unpadded step in float64: both float32 steps are it to rounding
+    _assert_step_is_the_reference(model, plain, m1, exact, rows)
+    _assert_step_is_the_reference(model, padded, m2, exact, rows, seq_bucket=16)
 
 
 def test_opd_does_not_pad_and_only_a_cuda_trainer_with_cudnn_attention_does():
-    from rl.objectives import OPDObjective
-    from rl.trainer import SEQ_BUCKET_CUDNN
+    from rl.train.objectives import OPDObjective
+    from rl.train.trainer import SEQ_BUCKET_CUDNN
 
     assert OPDObjective.pads is False  # its teachers read the packed ids with their own position limits
     model = Decoder(debug_config(moe=False))

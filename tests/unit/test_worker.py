@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from rl.config import Recipe
-from rl.worker import PolicyWorker
+from rl.runtime.worker import PolicyWorker
 from rollout.types import GenerationRequest
 
 RECIPE = {
@@ -86,7 +86,7 @@ def test_new_segment_uses_new_weights():
 
 
 def test_a_stage_with_a_kl_penalty_keeps_the_runs_initial_policy_as_reference():
-    from rl.trainer import TrainBatch, merge_step_metrics
+    from rl.train.trainer import TrainBatch, merge_step_metrics
 
     recipe = Recipe.model_validate({**RECIPE, "stages": [{**RECIPE["stages"][0], "kl_ref_coef": 0.1}]})
     w = PolicyWorker(recipe)
@@ -110,7 +110,7 @@ def test_bfloat16_trains_float32_master_weights_and_refreshes_the_engines_copy_i
     """run.dtype bfloat16 (mixed precision): the trainer's master weights and AdamW state stay float32, the
     forward runs under bf16 autocast, and the engine decodes with a bf16 copy that `update_weights` refreshes
     in the same tensors (captured CUDA graphs keep their addresses)."""
-    from rl.trainer import TrainBatch
+    from rl.train.trainer import TrainBatch
 
     recipe = Recipe.model_validate({**RECIPE, "run": {**RECIPE["run"], "dtype": "bfloat16"}})
     w = PolicyWorker(recipe)

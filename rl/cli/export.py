@@ -1,0 +1,57 @@
+"""`rl export RUN_DIR [--step N | --checkpoint DIR] --out DIR`: a run's checkpoint as a Hugging Face
+directory (config.json, safetensors, generation_config.json, tokenizer files) that
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` loads as is (model/pretrained.py `export_checkpoint`).
+
+The checkpoint is the run's newest that verifies (rl/checkpoint/format.py `CheckpointManager.latest`, the one
+finder), or the newest of global step N. Tokenizer files come from the run's `model.init` when it is a
+Hugging Face directory. Bad input (not a run directory, no such checkpoint, an output directory in the
+way, a model with no Hugging Face architecture) prints one line and exits 2.
+
+The export itself is rl/checkpoint/export.py's `export_run_checkpoint`, which the job also runs at the end of
+a stage (runs started from a pretrained model: `stage_end_export`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def add_export_parser(subparsers) -> None:
+    p = subparsers.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    p.add_argument("run_dir")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, help="the checkpoint of this global step (default: the newest)")
+    which.add_argument("--checkpoint", default=None, help="this checkpoint directory")
+    p.add_argument("--out", required=True, help="output directory (must not exist, or be empty)")
+    p.set_defaults(func=cmd_export)
+
+
+def _fail(msg: str) -> int:
+    print(f"rl export: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    run_dir, out = Path(args.run_dir), Path(args.out)
+    if not (run_dir / "recipe.yaml").is_file():
+        return _fail(f"{run_dir} is not a run directory (no recipe.yaml)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        return _fail(f"{out} exists and is not an empty directory")
+    from rl.checkpoint.export import export_run_checkpoint
+    from rl.checkpoint.format import find_checkpoint
+    from rl.recipe_io import RecipeError, load_recipe
+
+    try:
+        recipe = load_recipe(run_dir / "recipe.yaml")
+        ckpt = Path(args.checkpoint) if args.checkpoint else find_checkpoint(run_dir, args.step, warn=lambda m: print(m, file=sys.stderr))
+        if not (ckpt / "model.safetensors").is_file() or not (ckpt / "config.json").is_file():
+            raise ValueError(f"{ckpt} is not a checkpoint (no model.safetensors and config.json)")
+        path = export_run_checkpoint(recipe, ckpt, out)
+    except (ValueError, RecipeError) as e:  # CheckpointFormatError is a ValueError
+        return _fail(str(e).splitlines()[0])
+    print(f"exported {ckpt} -> {path}")
+    return 0
