@@ -7,7 +7,7 @@ from rl.config import Recipe
 from rl.algo.job import open_job
 from rl.store.trajectories import TrajectoryStore
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STEPS, PROMPTS, G = 4, 4, 4
 

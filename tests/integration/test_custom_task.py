@@ -13,7 +13,7 @@ import yaml
 from rewards.task import Trajectory, VerifyContext
 from tests.tasks.palindromes import Palindromes
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 TASK = {"type": "custom", "name": "pal", "task": "tests.tasks.palindromes:Palindromes", "args": {"num_heldout": 16}}

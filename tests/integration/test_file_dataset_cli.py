@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 ROWS = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(10) for b in range(10)]

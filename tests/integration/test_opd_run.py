@@ -18,7 +18,7 @@ from rl.store.trajectories import TrajectoryStore, recorded_train_steps
 from teachers.architectures import ARCHITECTURES, tiny
 from rl.algo.train_teachers import build_teachers
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 
 

@@ -23,7 +23,7 @@ import yaml
 
 from tests.payloads import pickle_payload
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 ROOT = Path(__file__).resolve().parents[2]

@@ -28,7 +28,7 @@ from rl.checkpoint.format import CheckpointManager, inflight_file
 from rl.store.trajectories import TrajectoryStore, recorded_train_steps
 from rollout.types import RolloutState
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RECIPE = {
     "run": {"name": "resume", "seed": 0, "num_threads": 1},

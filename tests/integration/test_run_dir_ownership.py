@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 TINY = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / "tiny_grpo.yaml").read_text())

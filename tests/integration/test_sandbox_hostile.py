@@ -25,7 +25,7 @@ from sandbox_client import ExecSpec, Limits, SandboxClient, SandboxError
 from sandbox_client.hostile import CASES, LIMITS, HostWorld, run_case
 from sandbox_client.processes import uid_processes, zombie_children
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from rl.runtime.sandbox_nodes import NodeSandboxes, run_key, server_paths
 from sandbox_client import Limits, LocalServer, SandboxClient, SandboxError
 from sandbox_client.launch import server_pid
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import yaml
 from rl.store.trajectories import recorded_train_steps
 from tests.integration.test_run_dir_ownership import TINY
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 

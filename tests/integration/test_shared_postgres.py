@@ -18,7 +18,7 @@ from rl.store.trajectories import TrajectoryStore, recorded_train_steps
 from tests.integration.test_resume import RECIPE, _run, _start
 from tests.unit.test_store_postgres import rows_of
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _wait(condition, procs, what: str, timeout: float = 240) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 from tests.real_models import smollm2_gguf
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 TINY = ["run.device=cpu", "run.num_threads=2", "runtime.ray=false", "stages.0.max_steps=1", "stages.0.prompts_per_step=2",

@@ -31,7 +31,7 @@ from rollout.types import RolloutState
 from sandbox_client import LocalServer
 from tests.tasks.tool_notes import NOTE
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_STEPS, GRPO_STEPS, PROMPTS, GROUP = 50, 1, 2, 4

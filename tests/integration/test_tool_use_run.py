@@ -25,7 +25,7 @@ import yaml
 from rl.runtime.sandbox_nodes import run_key, server_paths
 from rl.store.trajectories import TrajectoryStore
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ import yaml
 from rl.checkpoint.format import CheckpointManager
 from rl.store.trajectories import TrajectoryStore
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TINY = {
     "run": {"name": "tiny", "seed": 0},

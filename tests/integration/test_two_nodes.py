@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 NS, HOST_IF, NS_IF = "arl-node-b", "arl-va", "arl-vb"

@@ -18,7 +18,7 @@ import pytest
 from rl.runtime.groups import GRACE_S
 from rl.store.trajectories import TrajectoryStore
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
 DEVICE_NAME = os.environ.get("ASYNCRL_TEST_DEVICE", "cpu")

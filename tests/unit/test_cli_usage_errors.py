@@ -29,6 +29,7 @@ def test_usage_errors_are_one_line_exit_2(args, needle):
     assert len(lines) == 1 and needle in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_a_procedural_heldout_set_too_large_for_its_space_is_one_line_before_training(tmp_path):
     """One- and two-digit sums have 100 instances, ~10 of them held out: 16 cannot be drawn. Said by `rl validate`,
     and by `rl train` before any training (it was a traceback at the first evaluation, after the SFT stage)."""
@@ -42,6 +43,7 @@ def test_a_procedural_heldout_set_too_large_for_its_space_is_one_line_before_tra
     assert not run_dir.exists()  # refused before the run directory, the store or any worker
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ray", ["false", "true"])
 def test_a_kv_memory_fraction_too_small_for_one_sequence_is_one_line_exit_2(tmp_path, ray):
     """Said by the engine as it starts, in-process or in a Ray worker's constructor (then as the worker's failure

@@ -112,7 +112,7 @@ def test_a_wrong_kernel_would_fail_these_tests():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [32, 128])
+@pytest.mark.parametrize("D", [32, pytest.param(128, marks=pytest.mark.slow)])
 def test_qkv_norm_rope_writes_the_fp4_cache_as_paged_write_does(device, dtype, D):
     """With an fp4-format cache's (packed, scales) pools the kernel encodes K (after norm and RoPE: the k it
     returns) and V into their slots, padding rows into the scratch slot: byte for byte what PagedKVCache.write

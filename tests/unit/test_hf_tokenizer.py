@@ -217,6 +217,7 @@ def test_engine_stops_on_any_eos_id(moe_model):
     ("{type: hf, path: TOK/missing}", 600, "tokenizer path 'TOK/missing' does not exist"),
     ("{type: hf, path: null}", 600, "tokenizer.path is null and no model.init"),
 ], ids=["vocab-too-small", "missing-path", "null-path"])
+@pytest.mark.slow
 def test_cli_validate_refuses_a_tokenizer_that_does_not_fit_in_one_line(tmp_path, tokenizer, vocab, expected):
     from tests.unit.test_recipe import run_cli
 

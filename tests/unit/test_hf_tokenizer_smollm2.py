@@ -19,6 +19,8 @@ from model.hf_tokenizer import bytes_to_unicode, load_hf_tokenizer
 from tests.real_models import smollm2_gguf
 from tests.tokenizer_corpus import CONVERSATIONS, corpus
 
+pytestmark = pytest.mark.slow  # the real model's tokenizer against transformers: ~10 s
+
 STRINGS = corpus(1000, seed=0)
 LLAMA_CPP_SMOLLM = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])

@@ -108,7 +108,7 @@ def test_decode_through_cache_matches_full_forward(kv_dtype):
         assert gap > 10 * ATOL_SAME  # without QAT the trained and the sampled policy differ
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
+@pytest.mark.parametrize("kv_dtype", [pytest.param("fp8", marks=pytest.mark.slow), "fp4"])
 def test_qat_training_logprobs_equal_engine_logprobs(kv_dtype):
     """The trained policy is the sampled policy: teacher-forced QAT logprobs of the engine's own samples
     equal the behaviour logprobs it recorded (batched, padded, continuous batching)."""

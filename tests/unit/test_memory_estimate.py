@@ -43,6 +43,7 @@ def test_the_estimate_counts_what_the_worker_allocates(config, sets):
     assert parts["total"] == sum(parts[k] for k in PARTS)
 
 
+@pytest.mark.slow
 def test_validate_refuses_a_recipe_that_cannot_fit_and_prints_the_estimate():
     with ThreadPoolExecutor(max_workers=2) as pool:  # two independent `rl validate`s, side by side
         proc, ok = pool.map(lambda sets: subprocess.run([*CLI, "validate", "configs/quickstart.yaml", *sets],

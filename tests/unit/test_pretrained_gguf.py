@@ -44,7 +44,8 @@ def llama():
     return make_hf("llama", seed=3, rope_scaling=None)  # llama.cpp bakes Llama 3.1 scaling into a tensor: plain RoPE
 
 
-@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["F32", *(pytest.param(q, marks=pytest.mark.slow) for q in ("F16", "BF16", "Q8_0", "Q4_0")), "Q4_1",
+                                   *(pytest.param(q, marks=pytest.mark.slow) for q in ("Q5_0", "Q5_1"))])
 def test_llama_gguf_matches_transformers(qtype, llama, tmp_path):
     path = write_gguf(llama, tmp_path / f"llama-{qtype}.gguf", qtype)
     assert {t.type_name for t in GGUFFile(path).tensors.values()} == {"F32", qtype}
@@ -113,6 +114,7 @@ def smollm2():
     return path
 
 
+@pytest.mark.slow
 def test_smollm2_parity_with_transformers(smollm2):
     torch.set_num_threads(1)  # two OpenMP threads spin 5x slower whenever another process shares the 2 cores
     cfg = read_pretrained_config(smollm2)

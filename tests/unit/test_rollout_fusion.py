@@ -69,7 +69,8 @@ def test_rollout_path_gives_the_plain_logits(arch, share_storage, kernels):
     assert torch.equal(_plain(model, ids), want)  # the plain path still reads the same parameters
 
 
-@pytest.mark.parametrize("arch, kv", [("llama", "bf16"), ("qwen3", "bf16"), ("qwen2", "bf16"), ("qwen3", "fp8")])
+@pytest.mark.parametrize("arch, kv", [("llama", "bf16"), *(pytest.param(a, k, marks=pytest.mark.slow)
+                                                          for a, k in (("qwen3", "bf16"), ("qwen2", "bf16"), ("qwen3", "fp8")))])
 def test_engine_on_the_rollout_path_gives_the_plain_engines_tokens(arch, kv, kernels):
     """Prefill (the cache written by the fused kernel for bf16, by PagedKVCache.write for fp8) and eager decode
     over the paged cache: greedy and sampled tokens equal, logprobs within 1e-4 (fp32)."""
@@ -88,7 +89,7 @@ def test_engine_on_the_rollout_path_gives_the_plain_engines_tokens(arch, kv, ker
         assert max(abs(a - b) for a, b in zip(out["fast"][sid].logprobs, g.logprobs)) < 1e-4
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp4"])
+@pytest.mark.parametrize("kv", ["bf16", pytest.param("fp4", marks=pytest.mark.slow)])
 def test_captured_decode_forward_on_the_rollout_path_gives_the_plain_logits(kv, kernels, monkeypatch):
     """DecodeGraphs' captured computation (rollout/graphs.py `_forward`: slots from the input buffer, the paged
     decode kernel, padding rows) run directly, on the rollout path that DecodeGraphs turns on, against the

@@ -24,7 +24,7 @@ def _draws_agree(logits, temperature, seeds, counters, got, want) -> int:
     return len(bad)
 
 
-@pytest.mark.parametrize("dtype,blocks_per_split", [(torch.float32, 8), (torch.bfloat16, 1)])
+@pytest.mark.parametrize("dtype,blocks_per_split", [(torch.float32, 8), pytest.param(torch.bfloat16, 1, marks=pytest.mark.slow)])
 def test_kernel_draws_the_reference_tokens_and_logprobs(dtype, blocks_per_split, monkeypatch):
     """One split per row (the default at this vocabulary), and three: each split's max, sum and argmax combined."""
     from model.kernels import sampling as kernel
@@ -56,6 +56,7 @@ def test_kernel_draws_the_reference_tokens_and_logprobs(dtype, blocks_per_split,
     assert (got_lp[same] - want_lp[same]).abs().max() < 1e-5
 
 
+@pytest.mark.slow
 def test_kernel_draws_follow_the_counter_stream():
     """A flat distribution over V ids puts the draw at floor(u · V): the kernel's hash is counter_uniform's; half
     the rows draw within 1e-3 of the boundary between the two 1,024-id blocks, where the block search decides."""
