@@ -20,6 +20,7 @@ concatenated q/k/v and gate/up weights, fused kernels), with the same arithmetic
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,13 @@ from model.eager_ops import rms_norm_eager, rope_eager  # noqa: F401  (the kerne
 from model.config import ModelConfig, MoEFFNConfig, RopeScalingConfig
 from model.kv_cache import PagedBatch, fake_quant, kv_format
 from model.sparse_attention import CSA2Attention, CSA2Cache, SharedState
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a DTensor (FSDP2's shards, rl/train/parallel.py), without importing torch.distributed.tensor
+    (about a second of start-up) in a process that has not: no tensor can be a DTensor before that module is."""
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 class RMSNorm(nn.Module):
@@ -449,11 +457,8 @@ class Decoder(nn.Module):
             return False
         if self._rollout is not None:
             return True
-        if torch.distributed.is_available():
-            from torch.distributed.tensor import DTensor
-
-            if any(isinstance(p, DTensor) for p in self.parameters()):
-                raise ValueError("rollout fusion needs full weights: enable it on the engine's copy, not on FSDP2 shards")
+        if any(is_dtensor(p) for p in self.parameters()):
+            raise ValueError("rollout fusion needs full weights: enable it on the engine's copy, not on FSDP2 shards")
         groups = []
         for layer in self.model.layers:
             attn = layer.self_attn

@@ -103,9 +103,13 @@ def _open_source(path: Path, kind: str, cfg: ModelConfig):
 def shard_rows(name: str, t) -> range | None:
     """The dim-0 rows of parameter `t` this rank holds: all (None) unless `t` is a DTensor sharded along dim 0 over
     a one-dimensional mesh (FSDP2's `fully_shard`), whose rank r keeps chunk r of ceil(rows / ranks) rows."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from model.decoder import is_dtensor
 
-    if not isinstance(t, DTensor) or all(isinstance(p, Replicate) for p in t.placements):
+    if not is_dtensor(t):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    if all(isinstance(p, Replicate) for p in t.placements):
         return None
     if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
         raise CheckpointFormatError(f"{name}: sharded as {t.placements} over a {t.device_mesh.ndim}-D mesh; loading "

@@ -19,12 +19,11 @@ import argparse
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sqlalchemy.exc import SQLAlchemyError
-
-from model.tokenizer import CharTokenizer
-from rl.store.trajectories import SampleRow, StoreError, TrajectoryStore
-from rl.types import Sample
+if TYPE_CHECKING:  # the store (SQLAlchemy) is imported by `rl traj` only, not by every `rl` command
+    from rl.store.trajectories import SampleRow, TrajectoryStore
+    from rl.types import Sample
 
 PREVIEW_WIDTH = 40
 TOKEN_GRID_WIDTH = 100
@@ -63,6 +62,10 @@ def add_traj_parser(subparsers) -> None:
 
 
 def cmd_ls(args) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from rl.store.trajectories import StoreError
+
     try:
         store = _open_store(args.run_dir, args.url)
         try:
@@ -81,6 +84,10 @@ def cmd_ls(args) -> int:
 
 
 def cmd_show(args) -> int:
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from rl.store.trajectories import StoreError
+
     try:
         store = _open_store(args.run_dir, args.url)
         try:
@@ -203,6 +210,8 @@ def format_token_grid(pieces: list[str], versions: tuple[int | str, ...], width:
 def _token_pieces(tokens: tuple[int, ...], text: str) -> list[str]:
     """Display text of each response token: the stored text's characters when the tokens are the
     char tokenizer's encoding of it (plus an optional eos), else each id decoded on its own."""
+    from model.tokenizer import CharTokenizer
+
     tok = CharTokenizer()
     special = {tok.pad_id: "<pad>", tok.bos_id: "<bos>", tok.eos_id: "<eos>"}
     try:
@@ -218,10 +227,14 @@ def _token_pieces(tokens: tuple[int, ...], text: str) -> list[str]:
 
 
 def _open_store(run_dir: str, url: str | None) -> TrajectoryStore:
+    from rl.store.trajectories import TrajectoryStore
+
     return TrajectoryStore.read_run(Path(run_dir), url=url)
 
 
 def _fail(e: Exception) -> int:
+    from rl.store.trajectories import StoreError
+
     if not isinstance(e, (_UserError, StoreError)):  # the driver's own message, without SQLAlchemy's SQL echo
         e = f"cannot read the trajectory store: {getattr(e, 'orig', None) or e}"
     msg = str(e)

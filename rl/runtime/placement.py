@@ -23,6 +23,7 @@ CPU workers with cpus_per_worker 0 reserve nothing (Ray has no empty bundle): th
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 
 
@@ -107,9 +108,6 @@ def release(group) -> None:
 
 def node_ip() -> str | None:
     """This process's node address as Ray knows it (None outside Ray: the in-process runtime runs without Ray
-    installed)."""
-    try:
-        import ray
-    except ImportError:
-        return None
-    return ray.util.get_node_ip_address() if ray.is_initialized() else None
+    installed, and a process that never imported Ray cannot be in one: it is not imported for the question)."""
+    ray = sys.modules.get("ray")
+    return ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else None

@@ -21,12 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 import msgpack
 
 from model.checkpoint import load_weights_into, synced_entry, write_weights
-from model.decoder import Decoder
+from model.decoder import Decoder, is_dtensor
 from model.pretrained import build_decoder, load_pretrained_into
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.faults import fault_point
@@ -113,7 +112,7 @@ def refresh_rollout_copy(twin: Decoder, model: Decoder) -> None:
     sharded (FSDP2) parameter is gathered on the device first, one at a time, on every rank together."""
     dst = dict(twin.named_parameters())
     for name, src in model.named_parameters():
-        dst[name].copy_(src.full_tensor() if isinstance(src, DTensor) else src)
+        dst[name].copy_(src.full_tensor() if is_dtensor(src) else src)
     for d, b in zip(twin.buffers(), model.buffers()):
         d.copy_(b)
 
@@ -427,7 +426,7 @@ class PolicyWorker:
             self.tools.use_server(socket_path)
 
     def _full_weights(self) -> Decoder:
-        return self.rollout_model if isinstance(next(self.model.parameters()), DTensor) else self.model
+        return self.rollout_model if is_dtensor(next(self.model.parameters())) else self.model
 
     def ping(self) -> int:
         """Liveness (rl/runtime/groups.py calls it on its own thread while another call may be running)."""

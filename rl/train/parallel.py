@@ -43,10 +43,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from model.checkpoint import load_weights_into, write_weights
-from model.decoder import Decoder
+from model.decoder import Decoder, is_dtensor
 from model.pretrained import load_pretrained_into, shard_rows
 from rl.checkpoint.format import FileTensor, read_tree
 
@@ -87,7 +86,7 @@ def sum_allreduce(group, bucket):
 
 def _full(t: Any) -> Any:
     """A DTensor gathered to the full tensor on every rank (a collective); anything else as is."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def trainer_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> int:
@@ -98,7 +97,7 @@ def trainer_state_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer | Non
     def local(t: Any) -> int:
         if not isinstance(t, torch.Tensor):
             return 0
-        t = t.to_local() if isinstance(t, DTensor) else t
+        t = t.to_local() if is_dtensor(t) else t
         return t.numel() * t.element_size()
     params = list(model.parameters())
     states = [v for s in (opt.state.values() if opt is not None else ()) for v in s.values()]
@@ -109,7 +108,9 @@ def _shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """`full` laid out as `like`: this rank's shard when `like` is a DTensor (every rank holds `full`, so it
     slices locally: no communication), else `full` on like's device and dtype."""
     full = full.to(device=like.device, dtype=like.dtype)
-    if isinstance(like, DTensor):
+    if is_dtensor(like):
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
     return full
 
@@ -278,6 +279,8 @@ class FSDP2(Single):
     def load_optimizer_state(self, opt: torch.optim.Optimizer, state: dict) -> int:
         """Each moment (a tensor of its parameter's shape) becomes this rank's shard; one still in the checkpoint
         (a `FileTensor`) is read only in this rank's rows. Returns the tensor bytes read from the file."""
+        from torch.distributed.tensor import DTensor
+
         params = [p for g in opt.param_groups for p in g["params"]]
         nbytes = 0
 

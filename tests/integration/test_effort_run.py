@@ -13,7 +13,7 @@ from rl.store.trajectories import TrajectoryStore
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 RECIPE = {
-    "run": {"name": "effort", "seed": 0},
+    "run": {"name": "effort", "seed": 0, "num_threads": 1},
     "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "init_std": 0.15,
               "ffn": {"type": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}},
     "datasets": [{"type": "arithmetic", "max_digits": 3, "num_heldout": 8}],

@@ -40,7 +40,7 @@ def _rl(*args, cwd):  # the task module lives under tests/: the repository on th
 def _recipe(dataset_args: dict | None = None, **tools) -> dict:
     """SFT on the task's demonstrations of calling the tool, then two small GRPO steps; no sandbox.socket."""
     return {
-        "run": {"name": "tools", "seed": 0},
+        "run": {"name": "tools", "seed": 0, "num_threads": 1},
         "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16,
                   "max_position_embeddings": 512, "ffn": {"type": "dense", "intermediate_size": 128}},
         "datasets": [{"type": "custom", "name": "sums", "task": "tests.tasks.tool_sums:ToolSums",
