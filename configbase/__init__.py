@@ -6,6 +6,8 @@ instantly. Unknown keys are rejected, every field carries a one-line docstring (
 the field description), instances are immutable once validated, and no float of any config may be NaN or
 infinite (a learning rate of `inf` validates as a float but trains NaN; `allow_inf_nan=False` refuses it at the
 recipe, the patch and `--set` alike). `finite_float` is the same rule for a float given on a command line.
+`configbase.files` is the one helper for every file the project writes (never through a link, never over what
+the command did not create).
 """
 
 from __future__ import annotations

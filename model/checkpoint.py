@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from configbase.files import fsync_dir, output_dir, temp_dir_for
 from model.config import ModelConfig, same_weights
 from model.decoder import Decoder
+from model.formats import CheckpointFormatError
 
 MANIFEST = "MANIFEST.json"
 
@@ -37,14 +39,6 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def synced_entry(path: Path) -> dict:
     """A file's manifest entry ({"bytes", "blake2b"}), after an fsync of it."""
     with Path(path).open("rb") as f:
@@ -54,12 +48,13 @@ def synced_entry(path: Path) -> dict:
 
 def publish_directory(tmp: Path, final: Path, manifest: dict, before_manifest: Callable[[], None] | None = None,
                       known: dict[str, dict] | None = None) -> Path:
-    """Make the filled directory `tmp` appear as `final` (which must not exist), atomically and durably.
+    """Make the filled directory `tmp` appear as `final` (absent, or an empty directory), atomically and durably.
 
     Every file of `tmp` is fsynced; then MANIFEST.json = `manifest` plus {"files": {name: {"bytes",
     "blake2b"}}} is written last and fsynced (`before_manifest` runs just before it: rl's fault point);
-    then `os.replace(tmp, final)` and an fsync of the parent make the rename durable. `known`: entries
-    (`synced_entry`) that the files' writers made already, by file name; the others are made here."""
+    then `os.replace(tmp, final)` (rename(2) refuses a directory with files, a file or a link at `final`) and an
+    fsync of the parent make the rename durable. `known`: entries (`synced_entry`) that the files' writers made
+    already, by file name; the others are made here."""
     tmp, final = Path(tmp), Path(final)
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
     known = known or {}
@@ -124,7 +119,20 @@ def read_weights(config: ModelConfig, directory: str | Path, device: str | torch
     path = Path(directory)
     if not same_weights(load_config(path), config):
         raise ValueError(f"checkpoint {path} was saved with a different model config")
-    return load_file(str(path / "model.safetensors"), device=str(device))
+    file = path / "model.safetensors"
+    state = load_file(str(file), device=str(device))
+    for name, t in state.items():
+        check_finite(t, name, file)
+    return state
+
+
+def check_finite(t: torch.Tensor, name: str, where: str | Path) -> torch.Tensor:
+    """`t`, unless it is a floating-point tensor holding NaN or inf: then CheckpointFormatError naming the file and the
+    tensor. Every weight read (`read_weights`, model/pretrained.py `load_pretrained_into`) passes here: NaN weights
+    train NaN from the first step, and a model must be refused at load rather than trained with exit 0."""
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise CheckpointFormatError(f"{where}: tensor {name} holds non-finite values (NaN or inf): refusing to load it")
+    return t
 
 
 def load_weights_into(model: Decoder, directory: str | Path) -> None:
@@ -138,24 +146,20 @@ def load_weights_into(model: Decoder, directory: str | Path) -> None:
 
 
 def save_checkpoint(model: Decoder, path: str | Path, extra: dict | None = None) -> Path:
-    """Weights (+ `meta.json` from `extra`) at `path`, through the atomic writer; replaces an existing
-    checkpoint there (the old one is moved aside first and deleted after the new one is in place)."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write_weights(model, tmp)
-    if extra is not None:
-        (tmp / "meta.json").write_text(json.dumps(extra, indent=2))
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(path, old)
-    publish_directory(tmp, path, {"kind": "model"})
-    shutil.rmtree(old, ignore_errors=True)
-    return path
+    """Weights (+ `meta.json` from `extra`) at `path`, through the atomic writer. `path` must be absent or an
+    empty directory: a checkpoint never replaces a directory this call did not create (configbase/files.py;
+    `WriteRefused`, one line, otherwise). The files are written in a fresh temporary sibling, removed on failure."""
+    final = output_dir(path, what="checkpoint")
+    tmp = temp_dir_for(final)
+    try:
+        write_weights(model, tmp)
+        if extra is not None:
+            (tmp / "meta.json").write_text(json.dumps(extra, indent=2))
+        publish_directory(tmp, final, {"kind": "model"})
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Path(path)
 
 
 def load_config(path: str | Path) -> ModelConfig:

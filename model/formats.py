@@ -19,9 +19,9 @@ This module returns plain dicts of ModelConfig fields (it must not import model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from configbase.jsonfile import loads as bounded_json
 from model.gguf_file import MAGIC, SUPPORTED_TYPES, GGUFFile
 
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -61,7 +61,7 @@ def checkpoint_kind(path: str | Path) -> str:
 
 def _read_json(path: Path) -> dict:
     try:
-        doc = json.loads(path.read_text())
+        doc = bounded_json(path.read_text())  # nesting bounded (configbase/jsonfile.py)
     except FileNotFoundError:
         raise CheckpointFormatError(f"{path}: missing") from None
     except (OSError, ValueError) as e:
@@ -83,7 +83,7 @@ def check_safetensors_header(path: Path) -> None:
             size = int.from_bytes(f.read(8), "little")
             if not 2 <= size <= min(MAX_SAFETENSORS_HEADER, path.stat().st_size - 8):
                 raise CheckpointFormatError(f"{path}: not a safetensors file (header length {size})")
-            header = json.loads(f.read(size))
+            header = bounded_json(f.read(size))
     except (OSError, ValueError) as e:
         if isinstance(e, CheckpointFormatError):
             raise
@@ -159,11 +159,27 @@ def _rope(cfg: dict, where: str) -> tuple[float, dict | None]:
     raise CheckpointFormatError(f"{where}: rope scaling type {kind!r} is not supported (linear, llama3)")
 
 
+_QWEN = {"vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+         "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 32768}
+HF_DEFAULTS = {
+    "llama": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "max_position_embeddings": 2048},  # kv heads, head_dim: from the heads
+    "qwen2": _QWEN,
+    "qwen3": {**_QWEN, "head_dim": 128},
+    "qwen3_moe": {**_QWEN, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 24, "num_key_value_heads": 4,
+                  "moe_intermediate_size": 768, "num_experts_per_tok": 8, "num_local_experts": 128},
+}
+"""transformers' defaults (its 5.x config classes) of the keys a config.json may omit, per model_type; rms_norm_eps
+1e-6, rope_theta 10000 and untied embeddings are every class's (tests/unit/test_hf_config_defaults.py checks them
+against transformers)."""
+
+
 def hf_fields(cfg: dict, where: str = "config.json") -> dict:
-    """ModelConfig fields from a Hugging Face config.json (dict)."""
+    """ModelConfig fields from a Hugging Face config.json (dict); an omitted key takes its transformers default."""
     arch = cfg.get("model_type")
     if arch not in HF_ARCHITECTURES:
         raise CheckpointFormatError(f"{where}: model_type {arch!r} is not supported ({', '.join(HF_ARCHITECTURES)})")
+    cfg = {**HF_DEFAULTS[arch], **cfg}
     act = cfg.get("hidden_act", "silu")
     if act != "silu":
         raise CheckpointFormatError(f"{where}: hidden_act {act!r} is not supported (silu)")

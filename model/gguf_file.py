@@ -21,6 +21,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+MAX_ARRAY_DEPTH = 8
+"""Most levels of arrays of arrays a GGUF metadata value may have (llama.cpp writes at most 2); deeper is refused
+with one line (100,000 levels would otherwise end in RecursionError)."""
+
 MAGIC = b"GGUF"
 
 GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
@@ -75,12 +79,14 @@ class _Cursor:
         self.pos += n
         return s
 
-    def value(self, vtype: int):
+    def value(self, vtype: int, depth: int = 0):
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype])
         if vtype == 8:
             return self.string()
         if vtype == 9:
+            if depth >= MAX_ARRAY_DEPTH:  # a file nesting arrays 100,000 deep: one line, not RecursionError
+                raise GGUFError(f"{self.where}: GGUF metadata arrays nested deeper than {MAX_ARRAY_DEPTH} levels")
             etype, count = self.take("<I"), self.take("<Q")
             if etype in _SCALARS and etype != 7:  # numeric arrays: one unpack for all of them
                 fmt = "<" + _SCALARS[etype][1] * count
@@ -90,7 +96,7 @@ class _Cursor:
                     raise GGUFError(f"{self.where}: truncated GGUF header") from None
                 self.pos += struct.calcsize(fmt)
                 return items
-            return [self.value(etype) for _ in range(count)]
+            return [self.value(etype, depth + 1) for _ in range(count)]
         raise GGUFError(f"{self.where}: unknown GGUF value type {vtype}")
 
 

@@ -5,7 +5,8 @@
 file is untrusted data: every length is checked against the file's size and a malformed file is refused
 with one line (ValueError). Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor
 count, u64 key/value count, then per key a string (u64 length + UTF-8), a u32 value type and the value;
-an array is a u32 element type, a u64 count and the elements.
+an array is a u32 element type, a u64 count and the elements; arrays of arrays nest at most
+`MAX_ARRAY_DEPTH` deep (a file nesting them 100,000 deep would otherwise end in RecursionError).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import struct
 from pathlib import Path
 
 from gguf import GGUF_MAGIC, GGUFValueType
+
+from model.gguf_file import MAX_ARRAY_DEPTH
 
 _SCALAR = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
            GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f", GGUFValueType.BOOL: "<?",
@@ -43,17 +46,19 @@ class _Cursor:
         except UnicodeDecodeError:
             raise ValueError(f"{self.path}: a GGUF metadata string is not UTF-8") from None
 
-    def value(self, vtype: int):
+    def value(self, vtype: int, depth: int = 0):
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise ValueError(f"{self.path}: GGUF metadata arrays nested deeper than {MAX_ARRAY_DEPTH} levels")
             etype, count = self.scalar("<I"), self.scalar("<Q")
             if count > len(self.buf) - self.pos:  # every element takes at least one byte
                 raise ValueError(f"{self.path}: GGUF metadata array of {count} elements is longer than the file")
             if etype in _SCALAR:
                 fmt = _SCALAR[etype]
                 return list(struct.unpack(f"<{count}{fmt[1]}", self.take(count * struct.calcsize(fmt))))
-            return [self.value(etype) for _ in range(count)]
+            return [self.value(etype, depth + 1) for _ in range(count)]
         if vtype in _SCALAR:
             return self.scalar(_SCALAR[vtype])
         raise ValueError(f"{self.path}: unknown GGUF metadata value type {vtype}")

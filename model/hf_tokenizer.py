@@ -34,6 +34,7 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from configbase.jsonfile import loads as bounded_json
 from model.chat_template import ChatTemplateError, render_chat_template
 from model.gguf_metadata import read_gguf_metadata
 
@@ -84,8 +85,11 @@ class HFTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ChatTemplateError(f"the {self.source} tokenizer has no chat template; give prompts as text")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                    special_tokens=self.special_tokens)
+        try:
+            return render_chat_template(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
+                                        special_tokens=self.special_tokens)
+        except ChatTemplateError as e:  # named: which checkpoint's template misbehaves
+            raise ChatTemplateError(f"the chat template of {self.source}: {str(e).removeprefix('chat template: ')}") from None
 
     def save_hf_files(self, directory: str | Path) -> None:
         """Write this tokenizer as Hugging Face tokenizer files (tokenizer.json, tokenizer_config.json with
@@ -136,8 +140,8 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        out = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeError, json.JSONDecodeError) as e:
+        out = bounded_json(path.read_text(encoding="utf-8"))  # nesting bounded: one line, not RecursionError
+    except (OSError, UnicodeError, ValueError) as e:
         raise ValueError(f"{path}: not readable JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(out, dict):
         raise ValueError(f"{path}: expected a JSON object")

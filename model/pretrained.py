@@ -19,11 +19,11 @@ architecture or tensor, a shape that disagrees with the config.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from configbase.files import output_dir, publish_dir, temp_dir_for
 from model.config import ModelConfig
 from model.formats import (SAFETENSORS_INDEX, TOKENIZER_FILES, CheckpointFormatError, checkpoint_fields, checkpoint_kind,
                            hf_architecture, hf_config, hf_weight_files)
@@ -132,6 +132,7 @@ def load_pretrained_into(model, path: str | Path) -> int:
     tensors are dequantised whole, then cut). Returns the bytes of tensor data read."""
     import torch
 
+    from model.checkpoint import check_finite
     from model.config import same_weights
     from model.conversion import UnknownTensor
 
@@ -178,7 +179,10 @@ def load_pretrained_into(model, path: str | Path) -> int:
                     if tuple(dst.shape) != tuple(piece.tensor.shape):
                         raise CheckpointFormatError(f"{file}: tensor {name} has shape {tuple(piece.tensor.shape)}; "
                                                     f"the config gives {piece.name} shape {tuple(dst.shape)}")
-                    dst.copy_(piece.tensor)
+                    if dst.is_floating_point() and not piece.tensor.is_floating_point():  # copy_ would cast it in
+                        raise CheckpointFormatError(f"{file}: tensor {name} is {str(piece.tensor.dtype).removeprefix('torch.')}, "
+                                                    "not floating point: not model weights")
+                    dst.copy_(check_finite(piece.tensor, name, file))
                     written[piece.name] += piece.tensor.numel()
     missing = [n for n, _, _ in conv.source_names() if n not in seen]
     if missing:
@@ -235,11 +239,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, tokenizer_
 
 def _write_hf(cfg: ModelConfig, get, out: Path, tokenizer_from: TokenizerFrom, bos_token_id, eos_token_id,
               expert_layout: str, max_shard_bytes: int) -> Path:
-    """Everything into a sibling temporary directory, renamed to `out` at the end (no half export)."""
+    """Everything into a fresh sibling temporary directory, renamed to `out` at the end (no half export); `out`
+    must be absent or an empty directory (configbase/files.py)."""
     from model.conversion import hf_conversion
 
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointFormatError(f"{out}: exists and is not an empty directory")
+    output_dir(out, what="export directory")  # absent or empty: WriteRefused (a ValueError, one line) otherwise
     fields = cfg.model_dump(mode="json")
     hf_architecture(fields)  # refuse before writing anything
     conv = hf_conversion(cfg, expert_layout)
@@ -247,17 +251,13 @@ def _write_hf(cfg: ModelConfig, get, out: Path, tokenizer_from: TokenizerFrom, b
         for i in range(cfg.num_layers):
             if get(f"model.layers.{i}.mlp.gate.e_score_correction_bias").abs().max() > 0:
                 raise CheckpointFormatError(f"layer {i} has a nonzero e_score_correction_bias, which qwen3_moe cannot hold")
-    tmp = out.with_name(out.name + ".tmp-export")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = temp_dir_for(out)  # a fresh name: only this call's temporary directory is ever removed
     try:
         _write_files(fields, conv, get, tmp, tokenizer_from, bos_token_id, eos_token_id, max_shard_bytes)
+        publish_dir(tmp, out)  # over nothing but an empty directory
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        out.rmdir()
-    os.replace(tmp, out)
     return out
 
 

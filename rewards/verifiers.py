@@ -15,9 +15,11 @@ A recipe picks one per dataset with `verifier:`, a string or a mapping:
   policy learns to exploit that: GRPO on SmolLM2 learned to reply "21 / 9 + 96 / 9 = N" and scored 1.0.
 - `regex` (`{type: regex, pattern, compare: exact | math, ignore_case}`): the pattern's last match in
   the response (its group `answer`, else its group 1, else the whole match) compared with the answer.
-- `python:pkg.module:fn` (`{type: python, function: "pkg.module:fn", correct_at, timeout_s}`): a function of
-  the user's that fits `RewardFunction`; `rl validate` imports it and checks its signature. Each call runs
-  in a child process killed after `timeout_s` (default 10; null: in the caller, unbounded).
+- `python:pkg.module:fn` (`{type: python, function: "pkg.module:fn", correct_at, timeout_s, max_failures_in_a_row}`):
+  a function of the user's that fits `RewardFunction`; `rl validate` imports it and checks its signature. Each
+  call runs in a supervised child process (rewards/supervised.py), killed with what it started after `timeout_s`
+  (default 10; null: no limit); a call that exits, dies, hangs or returns no valid verdict scores 0 with the true
+  reason, and `max_failures_in_a_row` (default 20) of those in a row stop the job with one line.
 
 Each config's `build()` returns a `Verifier`: (trajectory, answer, row) -> Verdict, which never raises
 (a failure is a reward 0 with the reason) and whose reason says what it read ("parsed 42, expected 41",
@@ -26,34 +28,23 @@ Each config's `build()` returns a `Verifier`: (trajectory, answer, row) -> Verdi
 
 from __future__ import annotations
 
-import atexit
-import importlib
-import inspect
-import math
-import multiprocessing
 import re
 import threading
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import Annotated, Any, Literal, Protocol, Union, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field, field_validator, model_validator
 
 from configbase import StrictConfig
+from rewards.reward_functions import (RewardFunction, load_cached, load_reward_function, outcome_by_path,  # noqa: F401
+                                      python_outcome, python_verdict, reward_function_problem)
+from rewards.supervised import ChildFailure, run_supervised
 from rewards.task import Trajectory, Verdict
 
 Verifier = Callable[[Trajectory, str, Mapping[str, Any]], Verdict]
 """A built verifier: (trajectory, reference answer, the dataset row) -> Verdict; never raises."""
-
-
-class RewardFunction(Protocol):
-    """The signature of a `python:` verifier (checked by `rl validate`): the trajectory (its `.response` is
-    the policy's answer), the row's answer as text, and the whole row (a dict of JSON values). Returns a
-    Verdict, a number (the reward; correct when >= `correct_at`), or a bool (reward 1 or 0)."""
-
-    def __call__(self, trajectory: Trajectory, answer: str, row: dict[str, Any], /) -> Verdict | float | bool: ...
 
 
 def _short(text: str, limit: int = 40) -> str:
@@ -171,39 +162,26 @@ def _math_verdict_here(response: str, answer: str, timeout_s: int, literal_numbe
     return Verdict(0.0, False, f"parsed {shown}, expected {_short(answer)}", answered=True)
 
 
-_CHILD_START_S = 30.0
-"""Time a fresh child process may take to start and import sympy before its first verdict."""
-_child_lock = threading.Lock()
-_child_pool: Any = None
+def _import_math_verify() -> None:
+    """A child's prepare step before math: importing sympy takes seconds, not counted in the verdict's limit."""
+    import math_verify  # noqa: F401
 
 
-def _in_child(fn: Callable[..., Verdict], args: tuple, wait_s: float, timed_out: str, *, start_allowance: bool = False
-              ) -> Verdict:
-    """`fn(*args)` in the one child process verdicts may run in, killed (and replaced at the next call)
-    when it overruns `wait_s` (plus `_CHILD_START_S` on the child's first call, or always with
-    `start_allowance`); then a 0 Verdict whose reason is `timed_out`. No input hangs the caller, whatever
-    thread it runs on (SIGALRM-based limits need a main thread; a thread cannot be stopped)."""
-    global _child_pool
-    with _child_lock:
-        fresh = _child_pool is None
-        if fresh:
-            _child_pool = multiprocessing.get_context("spawn").Pool(1)
-            atexit.register(_child_pool.terminate)
-        pool = _child_pool
-    try:
-        return pool.apply_async(fn, args).get(wait_s + (_CHILD_START_S if fresh or start_allowance else 0.0))
-    except multiprocessing.TimeoutError:
-        with _child_lock:
-            if _child_pool is pool:
-                pool.terminate()
-                _child_pool = None
-        return Verdict(0.0, False, timed_out)
+def _in_child(fn: Callable[..., Any], args: tuple, wait_s: float, timed_out: str) -> Any:
+    """`fn(*args)` (math-verify's work) in the supervised child process verdicts run in (rewards/supervised.py), killed
+    and replaced when it overruns `wait_s`; then a 0 Verdict whose reason is `timed_out` (or says how the child
+    ended). No input hangs the caller, whatever thread it runs on (SIGALRM-based limits need a main thread; a thread
+    cannot be stopped)."""
+    got = run_supervised(fn, args, wait_s, prepare=(_import_math_verify, ()))
+    if not isinstance(got, ChildFailure):
+        return got
+    return Verdict(0.0, False, timed_out if got.kind == "timed_out" else f"math verification's child process {got.what}")
 
 
 def _math_verdict_in_child(response: str, answer: str, timeout_s: int, literal_numbers: bool = True) -> Verdict:
     """Off the main thread math-verify's SIGALRM timeouts cannot run: the child does the work with them."""
     return _in_child(_math_verdict_here, (response, answer, timeout_s, literal_numbers), 4 * timeout_s,
-                     f"math verification timed out in its child process ({timeout_s} s limits)", start_allowance=True)
+                     f"math verification timed out in its child process ({timeout_s} s limits)")
 
 
 def _math_verdicts_here(pairs: Sequence[tuple[str, str]], timeout_s: int, literal_numbers: bool) -> list[Verdict]:
@@ -219,7 +197,7 @@ def math_verdicts(pairs: Sequence[tuple[str, str]], timeout_s: int = 2, literal_
         return [math_verdict(r, a, timeout_s, literal_numbers) for r, a in pairs]
     timed_out = "math verification timed out in its child process"
     got = _in_child(_math_verdicts_here, (list(pairs), timeout_s, literal_numbers), (2 * len(pairs) + 2) * timeout_s,
-                    timed_out, start_allowance=True)
+                    timed_out)
     if isinstance(got, Verdict):  # the batch overran: one by one
         return [_math_verdict_in_child(r, a, timeout_s, literal_numbers) for r, a in pairs]
     return got
@@ -318,107 +296,36 @@ class RegexVerifierConfig(StrictConfig):
 # ---- python ------------------------------------------------------------------------------------------
 
 
-def _accepts(hint: Any, value_type: type) -> bool:
-    """Whether a parameter annotated `hint` accepts a `value_type` argument."""
-    if hint in (Any, object, inspect.Parameter.empty):
-        return True
-    origin = get_origin(hint)
-    if origin is Annotated:
-        return _accepts(get_args(hint)[0], value_type)
-    if origin in (Union, types.UnionType):
-        return any(_accepts(h, value_type) for h in get_args(hint))
-    base = origin or hint
-    return isinstance(base, type) and issubclass(value_type, base)
+class RewardFunctionFailed(RuntimeError):
+    """A `python:` verifier failed (crashed, hung, returned no valid verdict) `max_failures_in_a_row` calls in a row:
+    the job stops rather than train on zeros. `rl train` prints it as one line and exits 2."""
 
 
-def _returns_ok(hint: Any) -> bool:
-    """Whether every type in a return annotation is one a reward function may return."""
-    if hint in (Any, inspect.Parameter.empty):
-        return True
-    if get_origin(hint) in (Union, types.UnionType):
-        return all(_returns_ok(h) for h in get_args(hint))
-    return isinstance(hint, type) and issubclass(hint, (Verdict, float, int))  # bool is an int
+@dataclass
+class PythonVerifier:
+    """The built `python:` verifier: each call in the supervised child process (rewards/supervised.py). A call that
+    crashes, overruns `timeout_s` or returns no valid verdict scores 0 with the true reason; `max_failures_in_a_row`
+    of those in a row raise RewardFunctionFailed. An exception the function raises is the sample's (a verdict with
+    the error, as the README promises) and does not count: a policy's early answers may make any parser raise."""
 
+    function: str
+    correct_at: float
+    timeout_s: float | None
+    max_failures_in_a_row: int
+    failures_in_a_row: int = 0
 
-def _type_name(hint: Any) -> str:
-    return hint.__name__ if isinstance(hint, type) else repr(hint).replace("typing.", "")
-
-
-def reward_function_problem(fn: Any) -> str | None:
-    """Why `fn` does not fit `RewardFunction`, or None when it does."""
-    if not callable(fn):
-        return f"is a {type(fn).__name__}, not a function"
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None  # a builtin without a signature: nothing to check
-    try:
-        bound = sig.bind(None, "", {})
-    except TypeError as e:
-        return f"takes {sig}, which does not accept (trajectory, answer, row) ({e})"
-    try:
-        hints = get_type_hints(fn)
-    except Exception:  # annotations naming what only a type checker imports: the call shape was checked above
-        hints = {}
-    for (name, _), expected in zip(bound.arguments.items(), (Trajectory, str, dict)):
-        param = sig.parameters[name]
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        if not _accepts(hints.get(name, inspect.Parameter.empty), expected):
-            return f"parameter {name!r} is annotated {_type_name(hints[name])}, but it receives a {expected.__name__}"
-    if not _returns_ok(hints.get("return", inspect.Parameter.empty)):
-        return f"its return annotation is {_type_name(hints['return'])}, not Verdict | float | bool"
-    return None
-
-
-def load_reward_function(path: str) -> Callable[..., Any]:
-    """Import "pkg.module:fn" and check it against `RewardFunction`; ValueError (one line) when it does not fit."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"cannot import reward function module {module_name!r} ({e})") from None
-    if not hasattr(module, attr):
-        raise ValueError(f"{path!r}: module {module_name!r} has no attribute {attr!r}")
-    fn = getattr(module, attr)
-    problem = reward_function_problem(fn)
-    if problem:
-        raise ValueError(f"reward function {path!r} does not fit RewardFunction (rewards/verifiers.py: "
-                         f"(trajectory: Trajectory, answer: str, row: dict) -> Verdict | float | bool): {problem}")
-    return fn
-
-
-def bounded_python_verdict(function: str, trajectory: Trajectory, answer: str, row: Mapping[str, Any], *,
-                           correct_at: float = 1.0, timeout_s: float = 10.0) -> Verdict:
-    """`python_verdict` of the reward function at import path `function`, run in the verdict child process
-    and stopped after `timeout_s` (a function that hangs scores 0 with the reason; the job goes on)."""
-    return _in_child(_python_verdict_by_path, (function, trajectory, answer, dict(row), correct_at), timeout_s,
-                     f"reward function {function} timed out in its child process ({timeout_s:g} s)")
-
-
-def _python_verdict_by_path(function: str, trajectory: Trajectory, answer: str, row: dict, correct_at: float) -> Verdict:
-    return python_verdict(_load_cached(function), trajectory, answer, row, correct_at=correct_at)
-
-
-@lru_cache(maxsize=64)
-def _load_cached(function: str) -> Callable[..., Any]:
-    return load_reward_function(function)
-
-
-def python_verdict(fn: Callable[..., Any], trajectory: Trajectory, answer: str, row: Mapping[str, Any], *,
-                   correct_at: float = 1.0) -> Verdict:
-    """The user's function's judgement as a Verdict; an error or a wrong return type scores 0 with the reason."""
-    try:
-        out = fn(trajectory, answer, dict(row))
-    except Exception as e:  # the user's code: its failure is the sample's, with the error as the reason
-        return Verdict(0.0, False, f"reward function error: {type(e).__name__}: {_short(str(e), 200)}")
-    if isinstance(out, Verdict):
-        return out
-    if isinstance(out, bool):
-        return Verdict(float(out), out, f"reward function: {out}")
-    if isinstance(out, (int, float)) and math.isfinite(out):
-        return Verdict(float(out), out >= correct_at, f"reward function: {out:g}")
-    return Verdict(0.0, False, f"reward function returned {_short(repr(out))}, not Verdict | float | bool")
+    def __call__(self, trajectory: Trajectory, answer: str, row: Mapping[str, Any]) -> Verdict:
+        got = run_supervised(outcome_by_path, (self.function, trajectory, answer, dict(row), self.correct_at),
+                             self.timeout_s, prepare=(load_cached, (self.function,)))
+        if isinstance(got, Verdict):
+            self.failures_in_a_row = 0
+            return got
+        if got.kind != "cut_short":  # a preempted job's stop is not the function's failure
+            self.failures_in_a_row += 1
+            if self.failures_in_a_row >= self.max_failures_in_a_row:
+                raise RewardFunctionFailed(f"the reward function {self.function} failed {self.failures_in_a_row} times "
+                                           f"in a row (last: {got.what})")
+        return Verdict(0.0, False, f"the reward function {got.what}")
 
 
 class PythonVerifierConfig(StrictConfig):
@@ -431,8 +338,14 @@ class PythonVerifierConfig(StrictConfig):
     correct_at: float = 1.0
     """A numeric reward counts as correct (accuracy metrics) when it is at least this."""
     timeout_s: float | None = Field(10.0, gt=0)
-    """Wall-clock limit of one call: the function runs in a child process that is killed past it (the sample
-    scores 0 with the reason). null: call it in the reward worker itself, unbounded (no process hop)."""
+    """Wall-clock limit of one call, seconds. Every call runs in a supervised child process (its own process group):
+    past the limit the child and whatever it started are killed, the sample scores 0 with the reason, and a fresh
+    child takes the next call. null: no limit (the call still runs in the child, which a crash or a preemption
+    ends)."""
+    max_failures_in_a_row: int = Field(20, ge=1)
+    """The job stops (one line, exit 2) when this many calls in a row crash (exit, KeyboardInterrupt, a signal),
+    overrun `timeout_s` or return no valid verdict (each scores its sample 0 with the reason): a broken function
+    would otherwise train on zeros. An exception the function raises is its sample's error and does not count."""
 
     @model_validator(mode="after")
     def _fits(self) -> "PythonVerifierConfig":
@@ -440,9 +353,7 @@ class PythonVerifierConfig(StrictConfig):
         return self
 
     def build(self) -> Verifier:
-        if self.timeout_s is None:
-            return partial(python_verdict, load_reward_function(self.function), correct_at=self.correct_at)
-        return partial(bounded_python_verdict, self.function, correct_at=self.correct_at, timeout_s=self.timeout_s)
+        return PythonVerifier(self.function, self.correct_at, self.timeout_s, self.max_failures_in_a_row)
 
 
 VerifierConfig = Annotated[Union[ExactVerifierConfig, MathVerifierConfig, RegexVerifierConfig, PythonVerifierConfig],

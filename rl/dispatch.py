@@ -36,6 +36,7 @@ group missing a member cannot be scored GRPO-style) and the prompt is re-drawn; 
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
@@ -84,6 +85,8 @@ class DispatchConfig(StrictConfig):
         bad = {k: v for k, v in self.mixture.items() if v < 0}
         if bad:
             raise ValueError(f"mixture weights must be >= 0, got {bad}")
+        if not math.isfinite(sum(self.mixture.values())):  # random.choices needs a finite total
+            raise ValueError(f"the mixture weights' total must be finite, got {self.mixture}")
         return self
 
 
@@ -396,9 +399,18 @@ class Dispatcher:
         return out
 
     # -- live reconfiguration (rl/reconfigure.py) ------------------------------------------------------
+    def reconfigured(self, mixture: dict[str, float], caps: dict[str, int]) -> DispatchConfig:
+        """This dispatcher's config with new weights and caps, validated as a recipe's is (ValueError): a weight a
+        draw cannot take must be refused before it reaches one (issue 40: a NaN weight killed the job there)."""
+        return DispatchConfig.model_validate({**self.cfg.model_dump(), "mixture": dict(mixture),
+                                              "dataset_max_inflight": dict(caps)})
+
     def reconfigure(self, mixture: dict[str, float], caps: dict[str, int]) -> None:
-        """New dispatch weights and per-dataset caps, from the next draw on (the policy is unchanged)."""
-        self.cfg = self.cfg.model_copy(update={"mixture": dict(mixture), "dataset_max_inflight": dict(caps)})
+        """New dispatch weights and per-dataset caps, from the next draw on (the policy is unchanged); a drawn but not
+        yet admitted prompt of a dataset now weighted 0 is not released."""
+        self.cfg = self.reconfigured(mixture, caps)
+        if self._pending_draw is not None and self.cfg.mixture.get(self._pending_draw, 1.0) <= 0:
+            self._pending_draw = None
 
     # -- the train-batch wait condition -------------------------------------------------------------
     def take_batch(self, inflight_min_versions: Sequence[int], tokens_of: Callable[[str], tuple[int, int]],

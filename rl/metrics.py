@@ -1,5 +1,8 @@
 """Metrics sinks: a JSONL file in the run directory always; wandb (offline by default) when installed.
 
+metrics.jsonl is opened for append by configbase/files.py `open_append`: a symbolic link, a FIFO or a folder
+planted at its name is refused in one line (`WriteRefused`), never written through.
+
 wandb is optional: when it is not importable the run goes on with the JSONL file alone and says so
 once. Metric names are namespaced (`rl/clip_frac`, `rollout/tokens_per_s`, `eval/accuracy`).
 """
@@ -13,13 +16,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from configbase.files import open_append
 from rl.config import LoggingConfig
 
 
 class MetricsLogger:
     def __init__(self, run_dir: Path, cfg: LoggingConfig, *, run_name: str, config: dict):
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._file = self.path.open("a")
+        self._file = open_append(self.path)  # never through a link planted in the run directory (WriteRefused)
         self._wandb = None
         self.notes: list[str] = []
         if cfg.wandb and cfg.wandb_mode != "disabled":

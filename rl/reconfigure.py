@@ -9,16 +9,27 @@ either applies it as config version v + 1 or refuses it; the outcome goes to
 `RUN_DIR/control/done/<patch>.json` (which the CLI waits for) and to the store's `config_versions` table.
 A refused patch changes nothing. Nothing stops: rollout and training continue across the switch.
 
+The job is the judge (issue 40: a patch the CLI's checks passed used to kill the job, and every resume re-applied
+it). Before it answers, the job applies the patch to a copy of its live config with the stage's own rules
+(`check_patch` with the stage's group size and kind; the dispatcher's config validated as a recipe's would be), and
+loads every teacher the patch adds on every worker (all or none: a teacher that fails to load leaves no pool
+changed). Only then does the patch take effect. A patch whose validation the job did not survive (a teacher's load
+killed a worker) is found under `control/claimed/` by the resumed job and refused, never tried again; a patch queued
+but not yet seen is validated by the resumed job like any other; an answered "applied" patch is re-applied on resume
+through the same validation (refused with a line if it no longer holds); an answered "refused" one never is.
+
 Semantics of an accepted patch: new dispatches follow it; in-flight samples keep the config version
 they were dispatched under (and are trained under it); the one exception is a sample whose teacher
-left the active set: it is scored by its dataset's teacher in the current version.
+left the active set: it is scored by its dataset's teacher in the current version (`LiveConfig.scoring_teacher`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +37,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator
 
 from configbase import StrictConfig
+from configbase.files import atomic_write
 from model.config import check_vocab, read_teacher_config
 from teachers.config import TeacherSpec
 
@@ -76,6 +88,11 @@ class LiveConfig:
     def teacher_for(self, dataset: str) -> str | None:
         return self.assignment.get(dataset)
 
+    def scoring_teacher(self, dispatched: str | None, dataset: str) -> str | None:
+        """The teacher that scores a sample dispatched with teacher `dispatched`: that one while it is active (a
+        remapped dataset's in-flight samples keep it), else the dataset's teacher now (it left the active set)."""
+        return dispatched if dispatched in self.active_teachers else self.teacher_for(dataset)
+
 
 def parse_patch(text: str, source: str = "patch", overrides: list[str] = ()) -> ReconfigPatch:
     """YAML (plus `key=value` overrides, YAML values) to a validated patch; one-line errors."""
@@ -106,8 +123,11 @@ def parse_patch(text: str, source: str = "patch", overrides: list[str] = ()) -> 
         raise ReconfigError(f"{source}: {where}: {err['msg']}") from None
 
 
-def check_patch(live: LiveConfig, patch: ReconfigPatch, datasets: list[str], student_vocab: int | None) -> None:
-    """Raise ReconfigError (one line) unless `patch` can be applied to `live`."""
+def check_patch(live: LiveConfig, patch: ReconfigPatch, datasets: list[str], student_vocab: int | None, *,
+                group_size: int | None = None, opd: bool | None = None) -> None:
+    """Raise ReconfigError (one line) unless `patch` can be applied to `live`. The running stage knows its
+    `group_size` and whether it is an OPD stage (`opd`); `rl reconfigure`, which checks against the whole recipe,
+    passes neither and the job judges those rules."""
     names = set(datasets)
     for key, mapping in (("mixture", patch.mixture), ("dataset_max_inflight", patch.dataset_max_inflight),
                          ("teachers", patch.teachers)):
@@ -121,9 +141,22 @@ def check_patch(live: LiveConfig, patch: ReconfigPatch, datasets: list[str], stu
             raise ReconfigError(f"mixture weights must be >= 0, got {bad}")
         if sum({**live.mixture, **patch.mixture}.get(d, 1.0) for d in datasets) <= 0:
             raise ReconfigError("mixture: every dataset would have weight 0, nothing could be dispatched")
+        if not math.isfinite(sum({**live.mixture, **patch.mixture}.get(d, 1.0) for d in datasets)):
+            raise ReconfigError(f"mixture: the weights' total is not finite ({patch.mixture}): a draw needs a finite "
+                                "total; scale the weights down")
     for k, v in (patch.dataset_max_inflight or {}).items():
         if v is not None and v <= 0:
             raise ReconfigError(f"dataset_max_inflight.{k} must be > 0 or null, got {v}")
+        if v is not None and group_size is not None and v < group_size:
+            raise ReconfigError(f"dataset_max_inflight.{k}={v} is below the group size {group_size}: no prompt of {k} "
+                                "could ever be released")
+    if group_size is not None:  # what a draw can pick once in-flight samples finish: weight > 0 and room for a group
+        mixture, caps = {**live.mixture, **(patch.mixture or {})}, {**live.caps, **(patch.dataset_max_inflight or {})}
+        if not [d for d in datasets if mixture.get(d, 1.0) > 0 and (caps.get(d) is None or caps[d] >= group_size)]:
+            raise ReconfigError(f"no dataset would have both a weight > 0 and a cap of at least the group size "
+                                f"{group_size}: nothing could be dispatched")
+    if opd is False and (patch.teachers or patch.add_teachers):
+        raise ReconfigError("teachers, add_teachers: the running stage is not an OPD stage (it has no teacher pool)")
     known = dict(live.teachers)
     for spec in patch.add_teachers:
         if spec.name in known:
@@ -144,9 +177,10 @@ def check_patch(live: LiveConfig, patch: ReconfigPatch, datasets: list[str], stu
 
 
 def apply_patch(live: LiveConfig, patch: ReconfigPatch, datasets: list[str], student_vocab: int | None,
-                train_step: int) -> LiveConfig:
-    """The next version, or ReconfigError with `live` untouched."""
-    check_patch(live, patch, datasets, student_vocab)
+                train_step: int, *, group_size: int | None = None, opd: bool | None = None) -> LiveConfig:
+    """The next version (a new LiveConfig: the copy the job validates before anything takes effect), or
+    ReconfigError with `live` untouched."""
+    check_patch(live, patch, datasets, student_vocab, group_size=group_size, opd=opd)
     caps = dict(live.caps)
     for k, v in (patch.dataset_max_inflight or {}).items():
         if v is None:
@@ -180,27 +214,45 @@ def submit(run_dir: Path, patch: ReconfigPatch) -> str:
     box = inbox(run_dir)
     box.mkdir(parents=True, exist_ok=True)
     pid = f"{time.time_ns()}-{os.getpid()}"
-    tmp = box / f".{pid}.tmp"
-    tmp.write_text(json.dumps(patch.model_dump(mode="json", exclude_defaults=True)))
-    os.replace(tmp, box / f"{pid}.json")
+    atomic_write(box / f"{pid}.json", json.dumps(patch.model_dump(mode="json", exclude_defaults=True)))
     return pid
+
+
+def claimed_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "control" / "claimed"
 
 
 def pending(run_dir: Path) -> list[tuple[str, Path]]:
     box = inbox(run_dir)
     if not box.is_dir():
         return []
-    return sorted((p.stem, p) for p in box.glob("*.json"))
+    return sorted((p.stem, p) for p in box.glob("*.json") if p.is_file())  # (a directory or a FIFO there: not a patch)
+
+
+def claim(run_dir: Path, pid: str) -> Path:
+    """Move a patch from the inbox to `control/claimed/` before the job validates it (a rename: atomic): if the job
+    dies validating it (a teacher whose load kills a worker), the resumed job finds it there and refuses it instead
+    of dying the same way again. Returns its new path."""
+    box = claimed_dir(run_dir)
+    box.mkdir(parents=True, exist_ok=True)
+    os.rename(inbox(run_dir) / f"{pid}.json", box / f"{pid}.json")
+    return box / f"{pid}.json"
+
+
+def claimed(run_dir: Path) -> list[tuple[str, Path]]:
+    """Patches a job claimed and never answered: it stopped while validating them."""
+    box = claimed_dir(run_dir)
+    return sorted((p.stem, p) for p in box.glob("*.json")) if box.is_dir() else []
 
 
 def answer(run_dir: Path, pid: str, result: dict) -> None:
-    """Record the controller's answer and take the patch out of the inbox (answer first: kill-safe)."""
+    """Record the controller's answer and take the patch out of the inbox or the claimed box (answer first:
+    kill-safe)."""
     out = done_dir(run_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{pid}.tmp"
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out / f"{pid}.json")
+    atomic_write(out / f"{pid}.json", json.dumps(result))
     (inbox(run_dir) / f"{pid}.json").unlink(missing_ok=True)
+    (claimed_dir(run_dir) / f"{pid}.json").unlink(missing_ok=True)
 
 
 def answers(run_dir: Path) -> list[dict]:
@@ -209,11 +261,28 @@ def answers(run_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))] if out.is_dir() else []
 
 
-def wait_answer(run_dir: Path, pid: str, timeout_s: float) -> dict | None:
+def wait_answer(run_dir: Path, pid: str, timeout_s: float, alive: Callable[[], bool] | None = None) -> dict | None:
+    """The job's answer to patch `pid`; None after `timeout_s`, or as soon as `alive()` (asked once a second) says
+    the job is gone."""
     path = done_dir(run_dir) / f"{pid}.json"
     deadline = time.monotonic() + timeout_s
+    check = time.monotonic() + 1.0
     while time.monotonic() < deadline:
         if path.is_file():
             return json.loads(path.read_text())
+        if alive is not None and time.monotonic() >= check:
+            if not alive():
+                return json.loads(path.read_text()) if path.is_file() else None
+            check += 1.0
         time.sleep(0.05)
     return None
+
+
+def withdraw(run_dir: Path, pid: str) -> bool:
+    """Take an unanswered patch out of the inbox (no job will apply it later); False when it is not there (a job
+    claimed it)."""
+    try:
+        (inbox(run_dir) / f"{pid}.json").unlink()
+    except FileNotFoundError:
+        return False
+    return True

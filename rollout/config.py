@@ -37,6 +37,11 @@ class EngineConfig(StrictConfig):
     max_prompt_tokens: int | None = Field(None, gt=0)
     """Longest prompt, in tokens, a rollout or evaluation starts from; a problem whose prompt is longer is
     dropped and counted (`rollout/prompts_too_long`, `eval/<dataset>/prompts_too_long`). None: max_seq_len - 1."""
+    overlong_prompts: Literal["refuse", "drop"] = "refuse"
+    """A prompt longer than that limit, found when the job starts (every row of a dataset file; a procedural
+    dataset's held-out set and first train draws, at every effort level): refuse: the job does not start, one
+    line names the row and its length (verl's default, `truncation: error`); drop: such prompts are skipped and
+    counted, as verl's `filter_overlong_prompts` (a dataset none of whose prompts fits is refused either way)."""
     max_new_tokens: int = Field(128, gt=0)
     """Default response length limit; a sequence stops with finish_reason 'length' there."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

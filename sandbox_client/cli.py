@@ -1,4 +1,4 @@
-"""`python -m sandbox_client serve ...` (and, once rl/cli/main.py wires it, `rl sandbox serve ...`): run a sandbox
+"""`python -m sandbox_client serve ...` (and, once rl/cli/commands.py wires it, `rl sandbox serve ...`): run a sandbox
 server in the foreground until SIGTERM or SIGINT.
 
     python -m sandbox_client serve --socket /run/asyncrl/sandbox.sock --max-sandboxes 32 --backend bwrap

@@ -45,13 +45,19 @@ class SandboxClient:
 
     async def _listen(self) -> None:
         error: Exception = SandboxError("the sandbox server closed the connection")
+        last_word = None  # an error frame without an id: why the server is closing this connection
         try:
             while (msg := await read_frame(self._reader)) is not None:
+                if msg.get("id") is None and msg.get("ok") is False:
+                    last_word = (msg.get("error") or {}).get("message")
+                    continue
                 future = self._pending.pop(msg.get("id"), None)
                 if future is not None and not future.done():
                     future.set_result(msg)
         except (ProtocolError, ConnectionError) as e:
             error = SandboxError(f"the connection to the sandbox server broke ({e})")
+        if last_word:
+            error = SandboxError(f"the sandbox server closed the connection: {last_word}")
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
@@ -80,7 +86,8 @@ class SandboxClient:
         raise (AdmissionRefused if error["kind"] == "admission" else SandboxError)(error["message"])
 
     async def info(self) -> dict[str, Any]:
-        """The server's backend, whether it is strong, its admission limit and how many sandboxes are open."""
+        """The server's backend, whether it is strong, its admission limit, how many sandboxes are open, and whether
+        it has cgroups and capped work directories (`disk_quota`)."""
         return await self.call("info", wait_s=ANSWER_SLACK_S)
 
     async def create(self, limits: Limits | None = None) -> "Sandbox":
@@ -164,7 +171,8 @@ class Sandbox:
         self.host_uid: int | None = info["host_uid"]
         """The uid its processes have on the host (None: the server's own, when it does not run as root)."""
         self.host_work_dir: str = info["work_dir"]
-        """The work directory's path on the server's machine (read it there only as an observer)."""
+        """The work directory's path on the server's machine (read it there only as an observer; a non-root server
+        keeps it in a mount namespace of its own, seen from outside at /proc/<server pid>/root<path>: quota.py)."""
         self.workdir: str = info["workdir_inside"]
         """The work directory as the sandboxed code sees it (/work with bwrap)."""
 

@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import json
 import secrets
+import shutil
 import socket
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,12 +24,15 @@ from pathlib import Path
 
 from sandbox_client.client import Sandbox, SandboxClient
 from sandbox_client.launch import LocalServer
+from sandbox_client.protocol import MAX_FRAME, decode
 from sandbox_client.records import AdmissionRefused, ExecResult, Limits, SandboxError
 from sandbox_client.processes import uid_processes
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 LIMITS = Limits(memory_mib=128, cpu_s=1.0, max_processes=32, timeout_s=5.0, output_bytes=1 << 20)
 """Small limits, so that every case ends within seconds."""
+FRAME_FLOOD_CONNECTIONS = 4
+"""How many connections `frame_flood` opens: their announced frames pass the server's budget."""
 
 
 @dataclass(frozen=True)
@@ -322,11 +327,152 @@ async def reap_after_kill9(world: HostWorld) -> Outcome:
     return _verdict("reap_after_kill9", None, problems, f"left after kill -9: {len(left)} paths; reaped at restart")
 
 
+DISK_FILL = ("import errno, os, sys\nwhat = sys.argv[1]\ndone = 0\ntry:\n    if what == 'bytes':\n"
+             "        block = b'x' * (1 << 20)\n        for i in range(64):\n"
+             "            with open(f'fill{i}', 'wb') as f:\n                f.write(block)\n            done += 1\n"
+             "    else:\n        os.mkdir('many')\n        for i in range(100_000):\n"
+             "            open(f'many/{i}', 'wb').close()\n            done += 1\n"
+             "except OSError as e:\n    print(errno.errorcode[e.errno], done)\nelse:\n    print('no error', done)\n")
+"""Writes 64 files of 1 MiB, or 100,000 empty files, into the work directory; prints the errno that stopped
+it and how many it made."""
+
+
+async def fill_disk(world: HostWorld) -> Outcome:
+    """A work directory is capped in bytes and in files (Limits.disk_mib, disk_inodes): writing past either
+    fails inside the sandbox with ENOSPC, and the host's disk never holds more than the cap."""
+    limits = Limits(**{**LIMITS.model_dump(), "disk_mib": 16, "disk_inodes": 1000})
+    problems, results = [], []
+    async with await SandboxClient.connect(world.socket_path) as client:
+        sb = await client.create(limits)
+        for what, most in (("bytes", 16), ("inodes", 1000)):
+            r = await sb.exec(["python3", "-c", DISK_FILL, what], timeout=5)
+            results.append(r)
+            got = r.stdout_text.split()
+            if len(got) != 2 or got[0] != "ENOSPC" or not int(got[1]) <= most:
+                problems.append(f"{what}: {r.stdout_text.strip()!r} (wanted ENOSPC after at most {most}; "
+                                f"stderr {r.stderr_text[-200:]!r})")
+            await sb.exec("rm -rf fill* many")
+        await sb.write_file("after.txt", "still writable")  # the caps hold the files, not the sandbox
+        problems += await _leftovers(client, sb, world.server)
+    return _verdict("fill_disk", results[0], problems, "bytes and files past the caps: ENOSPC inside the sandbox")
+
+
+async def foreign_sandbox(world: HostWorld) -> Outcome:
+    """A sandbox id works only on the connection that created it: another connection naming it gets the same
+    "no such sandbox" as for an id that never existed, and the sandbox is untouched."""
+    problems = []
+    async with await SandboxClient.connect(world.socket_path) as owner, \
+            await SandboxClient.connect(world.socket_path) as other:
+        sb = await owner.create(LIMITS)
+        await sb.write_file("mine.txt", "owner's")
+        for op, args in [("exec", {"argv": ["rm", "mine.txt"]}), ("write_file", {"path": "mine.txt", "data": b"x"}),
+                         ("read_file", {"path": "mine.txt"}), ("snapshot", {}), ("restore", {"data": b""}),
+                         ("close", {})]:
+            for sid in (sb.id, "sb-000000000000"):
+                try:
+                    await other.call(op, wait_s=10, sandbox_id=sid, **args)
+                    problems.append(f"{op} on {sid} from another connection succeeded")
+                except SandboxError as e:
+                    if str(e) != f"no such sandbox {sid!r}":
+                        problems.append(f"{op} on {sid} from another connection: {e}")
+        if await sb.read_file("mine.txt") != b"owner's":
+            problems.append("another connection changed the sandbox's files")
+        problems += await _leftovers(owner, sb, world.server)
+    return _verdict("foreign_sandbox", None, problems, "another connection's requests got 'no such sandbox'")
+
+
+def _raw_frame_start(path: Path, size: int, sent: int) -> socket.socket:
+    """A connection that announced a frame of `size` bytes and sent only its first `sent`."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(str(path))
+    s.sendall(struct.pack(">I", size) + b"\0" * sent)
+    return s
+
+
+def _answer_or_eof(s: socket.socket, within_s: float) -> tuple[dict | None, bool]:
+    """The frame the server sends on `s` within `within_s` (None if none), and whether it then closed `s`."""
+    s.settimeout(within_s)
+    data = b""
+    try:
+        while chunk := s.recv(1 << 16):
+            data += chunk
+    except (TimeoutError, socket.timeout):
+        return (decode(data[4:]) if len(data) > 4 else None), False
+    except ConnectionError:
+        pass
+    return (decode(data[4:]) if len(data) > 4 else None), True
+
+
+async def frame_flood(world: HostWorld) -> Outcome:
+    """Frames are bounded in total, not only one by one: connections that each announce a frame near
+    MAX_FRAME and send a little of it hold at most the server's budget; the one past it gets an error frame
+    and is closed, and every other client is served."""
+    problems = []
+    held = [_raw_frame_start(world.socket_path, MAX_FRAME - 1024, 1 << 16) for _ in range(FRAME_FLOOD_CONNECTIONS)]
+    try:
+        await asyncio.sleep(0.2)
+        answers = [await asyncio.to_thread(_answer_or_eof, s, 0.5) for s in held]
+        refused = [a for a, closed in answers if closed and a is not None and not a.get("ok", True)]
+        if not refused:
+            problems.append(f"{len(held)} connections each announcing {MAX_FRAME >> 20} MiB: none was refused")
+        elif "budget" not in refused[0]["error"]["message"]:
+            problems.append(f"refused with {refused[0]}")
+        async with await SandboxClient.connect(world.socket_path) as client:
+            await client.info()
+            async with await client.create(LIMITS) as sb:
+                if (await sb.exec("echo served")).stdout != b"served\n":
+                    problems.append("a client during the flood was not served")
+    finally:
+        for s in held:
+            s.close()
+    return _verdict("frame_flood", None, problems, "the connection past the frame budget was refused")
+
+
+DAMAGED_RECORDS = {"sb-00000000000a.json": b'{"id": "sb-00000000000a", "uid": 20', "sb-00000000000b.json": b"[1, 2]",
+                   "sb-00000000000c.json": b"\xff\xfe"}
+"""Records in `live/` as a crash or a full disk leaves them: truncated, not a record, not text."""
+
+
+async def damaged_state(world: HostWorld) -> Outcome:
+    """A server starts on a state directory whose records are damaged (each skipped with a log line) and whose
+    etc/ holds symlinks to host files (replaced, the host files untouched)."""
+    state = world.scratch / "damaged.state"
+    victim = world.scratch / f"damaged-victim-{world.token}"
+    victim.write_text("host file\n")
+    (state / "live").mkdir(parents=True, exist_ok=True)
+    (state / "etc").mkdir(exist_ok=True)
+    for name, data in DAMAGED_RECORDS.items():
+        (state / "live" / name).write_bytes(data)
+    for name in ("passwd", "group"):
+        (state / "etc" / name).unlink(missing_ok=True)
+        (state / "etc" / name).symlink_to(victim)
+    problems = []
+    try:
+        server = world.start_server("damaged", max_sandboxes=2)
+    except RuntimeError as e:
+        return _verdict("damaged_state", None, [str(e)], "")
+    try:
+        async with await SandboxClient.connect(server.socket_path) as client:
+            async with await client.create(LIMITS) as sb:
+                if (await sb.exec("echo up")).stdout != b"up\n":
+                    problems.append("the server's sandboxes do not run")
+        log = server.log_path.read_text(errors="replace")
+        problems += [f"no log line about {name}" for name in DAMAGED_RECORDS if name not in log]
+    finally:
+        server.stop()
+        shutil.rmtree(state, ignore_errors=True)
+    if victim.read_text() != "host file\n":
+        problems.append(f"{victim} was written through a symlink in etc/")
+    victim.unlink()
+    return _verdict("damaged_state", None, problems, "damaged records skipped, symlinks in etc/ not followed")
+
+
 CASES: dict[str, Callable[[HostWorld], Awaitable[Outcome]]] = {
     c.__name__: c for c in (
         fork_bomb, memory_hog, cpu_spin, sleep_past_timeout, host_loopback, read_home_canary, read_checkout_canary,
         write_outside_workdir, planted_symlink, unprivileged_uid, kill_parent, huge_output, leftover_background, admission_refused,
-        reap_after_kill9)}
+        reap_after_kill9, fill_disk, foreign_sandbox, frame_flood, damaged_state)}
 """Every hostile case by name; each returns an `Outcome` judged on the host."""
 
 

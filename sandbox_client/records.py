@@ -41,7 +41,13 @@ class Limits(StrictConfig):
     """Bytes kept of each of stdout and stderr (and the largest file `read_file` returns); past it the exec is
     killed with reason `output_truncated`."""
     file_mib: int = Field(64, ge=1, le=1 << 20)
-    """Largest file one process may write (RLIMIT_FSIZE), MiB. The work directory's total is not capped."""
+    """Largest file one process may write (RLIMIT_FSIZE), MiB. The work directory's total is `disk_mib`."""
+    disk_mib: int = Field(128, ge=1, le=1 << 20)
+    """What the work directory may hold in all, MiB: it is a tmpfs of this size (sandbox_client/quota.py), so a
+    write past it fails inside the sandbox with ENOSPC and never fills the host's disk. Its files are RAM charged
+    to `memory_mib`: keep it below that, or a writer is OOM-killed (reason `memory`) before it sees ENOSPC."""
+    disk_inodes: int = Field(16384, ge=16, le=1 << 24)
+    """Files, directories and links the work directory may hold in all (the tmpfs's inodes); past it, ENOSPC."""
     snapshot_mib: int = Field(16, ge=1, le=192)
     """Largest archive (gzip'd tar) of the work directory that `snapshot` returns, MiB; a larger work directory
     cannot be snapshot (a one-line error). Multi-turn rollouts keep one per in-flight sample in checkpoints."""

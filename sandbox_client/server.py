@@ -4,7 +4,8 @@ them through one isolation backend (backends.py).
 - Admission: at most `max_sandboxes` at once; a `create` beyond that is refused at once with a retryable
   error (kind `admission`), never queued. Each sandbox holds a slot, and the slot fixes its host uid
   (`uid_base + slot`: no two live sandboxes share a uid, so RLIMIT_NPROC and a kill by uid are per sandbox).
-- A sandbox is a private work directory (`STATE/work/<id>`, owned by its uid) and, with the strong backend, a
+- A sandbox is a private work directory (`STATE/work/<id>`, owned by its uid: a tmpfs capped at
+  `Limits.disk_mib` and `disk_inodes` where the server may mount, quota.py) and, with the strong backend, a
   cgroup; each exec is a fresh bwrap over them, so nothing an exec starts outlives it, while files persist
   between execs. `write_file`/`read_file` run `cat` inside the sandbox, so a symlink the sandbox planted
   resolves in the sandbox's view of the filesystem, never the server's.
@@ -17,11 +18,21 @@ them through one isolation backend (backends.py).
 - Every request and its result go to `STATE/commands.jsonl` (outputs cut to their first 4 KiB there; the
   caller gets them whole, up to the cap, in the result to store with the sample).
 - Crash safety: a record per live sandbox (`STATE/live/<id>.json`: work directory, cgroups, uid) is written
-  before anything is created. A server starting on the state directory first reaps what a server killed
-  with -9 left: kills the recorded cgroups' processes and the recorded uids' processes, removes the groups
-  and work directories. One server per state directory (an flock on `STATE/server.lock`). A server removes
-  only the socket file it bound (its inode), never another server's at the same path.
-- A connection's sandboxes are closed when it ends, so a client that dies leaks nothing either.
+  (atomically, never through a symlink: statefiles.py) before anything is created. A server starting on the
+  state directory first reaps what a server killed with -9 left: kills the recorded cgroups' processes and the
+  recorded uids' processes, unmounts and removes the work directories, removes the groups. A record that is
+  damaged, or names anything but this server's own uids, groups and directories, is set aside
+  (`<id>.json.damaged`) with a log line; it never stops a start. The state directory and its live/, work/ and
+  etc/ must be real directories of the server's uid (a link there is refused in one line). One server per state
+  directory (an flock on `STATE/server.lock`). A server removes only the socket file it bound (its inode),
+  never another server's at the same path.
+- A sandbox belongs to the connection that created it: a request from any other connection naming its id
+  gets "no such sandbox", exactly as for an id that never existed. A connection's sandboxes are closed when it
+  ends, so a client that dies leaks nothing either (and no client can reuse an id after reconnecting: its
+  sandboxes are gone by then).
+- Frames: each at most `MAX_FRAME`, and all connections' partly received frames together at most the server's
+  frame budget (protocol.FrameBudget); a connection whose frame passes either, or whose frame stalls half-sent,
+  gets an error frame (id None) and is closed.
 """
 
 from __future__ import annotations
@@ -50,9 +61,11 @@ from pydantic import ValidationError
 from sandbox_client.backends import BACKENDS, INSIDE_UID, Backend, BackendUnavailable
 from sandbox_client.cgroups import CgroupError, CgroupTree, kill_group_dirs, remove_dirs
 from sandbox_client.processes import Children, become_subreaper, kill_group
-from sandbox_client.protocol import ProtocolError, encode, read_frame
+from sandbox_client.protocol import FRAME_BODY_S, FRAME_BUDGET, FrameBudget, ProtocolError, encode, read_frame
+from sandbox_client.quota import mount_capped, private_mounts, probe, unmount
 from sandbox_client.records import MIB, AdmissionRefused, ExecResult, Limits, SandboxError
 from sandbox_client.runner import SandboxState, run_exec
+from sandbox_client.statefiles import DamagedRecord, read_live_record, write_atomic
 
 LOG_HEAD = 4096
 """Bytes of each output stream the command log keeps."""
@@ -79,7 +92,9 @@ def default_uid_base(state_dir: Path) -> int:
 
 class SandboxServer:
     def __init__(self, state_dir: str | Path, socket_path: str | Path, *, backend: str = "bwrap",
-                 max_sandboxes: int = 32, uid_base: int | None = None, say: Callable[[str], None] | None = None):
+                 max_sandboxes: int = 32, uid_base: int | None = None, say: Callable[[str], None] | None = None,
+                 frame_budget: int = FRAME_BUDGET):
+        """`frame_budget`: bytes all connections' partly received frames may hold together."""
         if backend not in BACKENDS:
             raise ServerError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
         if not 1 <= max_sandboxes <= 65536:
@@ -94,6 +109,9 @@ class SandboxServer:
         self.sandboxes: dict[str, SandboxState] = {}
         self.free_slots = list(range(max_sandboxes - 1, -1, -1))
         self.cgroups: CgroupTree | None = None
+        self.frames = FrameBudget(frame_budget)
+        self.disk_quota = False
+        """Whether work directories are capped tmpfs mounts (quota.py): this server may mount."""
         self._lock_fd: int | None = None
         self._log = None
         self._server: asyncio.AbstractServer | None = None
@@ -108,21 +126,33 @@ class SandboxServer:
     async def start(self) -> None:
         if len(os.fsencode(self.socket_path)) > 107:
             raise ServerError(f"the socket path {self.socket_path} is longer than the 107 bytes a Unix socket allows")
-        self._make_state_dirs()
-        self._lock_state()
-        # held while serving; private: it holds every sandbox's commands and outputs
-        self._log = open(os.open(self.state / "commands.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a",
-                         buffering=1)
+        try:
+            self._make_state_dirs()
+            self._lock_state()
+            # held while serving; private: it holds every sandbox's commands and outputs
+            self._log = open(os.open(self.state / "commands.jsonl",
+                                     os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600), "a", buffering=1)
+        except OSError as e:
+            raise ServerError(f"cannot use the state directory {self.state}: {e.strerror}"
+                              f"{f' ({e.filename})' if e.filename else ''}") from None
+        # while this process is single-threaded still (unshare(2) refuses otherwise): a non-root server caps its
+        # work directories in a user and mount namespace of its own (quota.py)
+        cannot_mount = None if self.root or not self.backend.strong else private_mounts()
         self._check_uids()
         become_subreaper()  # before the first bwrap (the backend's probe) runs
         await self._reap()
+        cannot_mount = cannot_mount or probe(self.state / "work")
+        self.disk_quota = cannot_mount is None
+        if cannot_mount:
+            self.say(f"work directories are not capped ({cannot_mount}): a sandbox can fill the disk of "
+                     f"{self.state / 'work'} (Limits.disk_mib needs a root server, or the bwrap backend)")
         try:
             self.backend.check(self._uid(0))
         except BackendUnavailable as e:
             raise ServerError(str(e)) from None
         if self.backend.strong:
             try:
-                self.cgroups = CgroupTree(f"asyncrl-sandboxes-{_digest(self.state):08x}")
+                self.cgroups = CgroupTree(self._cgroup_parent)
             except (CgroupError, OSError) as e:
                 self.say(f"no cgroups ({e}): memory, processes and CPU time are bounded by rlimits only")
         if not self.backend.strong:
@@ -136,9 +166,17 @@ class SandboxServer:
                       "pid": os.getpid()})
 
     def _make_state_dirs(self) -> None:
+        """The state directory and its live/, work/ and etc/: real directories of this server's uid, never a link
+        (a link would aim the chmods, the records and the reaper's removals at whatever it names)."""
         self.state.mkdir(parents=True, exist_ok=True)
         for d in ("live", "work", "etc"):
-            (self.state / d).mkdir(mode=0o700, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # a directory, or something planted there: checked below
+                (self.state / d).mkdir(mode=0o700)
+        for d in (self.state, self.state / "live", self.state / "work", self.state / "etc"):
+            st = d.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                raise ServerError(f"{d} is not a directory of uid {os.geteuid()} (a link, a file or another user's): "
+                                  "remove it, or pick another state directory")
         if self.root:  # sandbox uids must traverse to their work directories (bwrap binds them as that uid)
             for d in (self.state, self.state / "work", self.state / "etc"):
                 d.chmod(0o711)
@@ -146,11 +184,12 @@ class SandboxServer:
                 if not parent.stat().st_mode & stat.S_IXOTH:
                     raise ServerError(f"sandbox uids cannot reach {self.state}: {parent} is not o+x "
                                       "(pick a state directory under /tmp or /var/lib)")
-        (self.state / "etc" / "passwd").write_text(f"sandbox:x:{INSIDE_UID}:{INSIDE_UID}:sandbox:/work:/bin/sh\n")
-        (self.state / "etc" / "group").write_text(f"sandbox:x:{INSIDE_UID}:\n")
+        passwd = f"sandbox:x:{INSIDE_UID}:{INSIDE_UID}:sandbox:/work:/bin/sh\n"
+        write_atomic(self.state / "etc" / "passwd", passwd.encode(), 0o644)
+        write_atomic(self.state / "etc" / "group", f"sandbox:x:{INSIDE_UID}:\n".encode(), 0o644)
 
     def _lock_state(self) -> None:
-        fd = os.open(self.state / "server.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self.state / "server.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -181,22 +220,35 @@ class SandboxServer:
     async def _reap(self) -> None:
         """Kill and remove what a previous server on this state directory left behind."""
         for path in sorted((self.state / "live").glob("*.json")):
-            rec = json.loads(path.read_text())
-            cgroup_dirs = [Path(d) for d in rec["cgroups"] if Path(d).is_relative_to("/sys/fs/cgroup")]
+            try:
+                rec = read_live_record(path, work_area=self.state / "work", cgroup_parent=self._cgroup_parent)
+            except DamagedRecord as e:
+                aside = path.with_name(f"{path.name}.damaged")
+                path.rename(aside)  # kept for a look, never read again; its work directory goes as a stray, below
+                self.say(f"skipped the damaged record {path.name} ({e}); moved to {aside.name}")
+                self._record({"op": "reap", "record": path.name, "damaged": str(e)})
+                continue
+            cgroup_dirs = list(rec.cgroups)
             await kill_group_dirs(cgroup_dirs)
             remove_dirs(cgroup_dirs)
-            if rec["uid"] is not None:
-                await self.children.kill_uid(rec["uid"])
-            self._remove_work(Path(rec["work"]))
+            if rec.uid is not None:
+                await self.children.kill_uid(rec.uid)
+            self._remove_work(rec.work)
             path.unlink()
-            self.say(f"reaped sandbox {rec['id']} left by a previous server")
-            self._record({"op": "reap", "sandbox": rec["id"]})
+            self.say(f"reaped sandbox {rec.id} left by a previous server")
+            self._record({"op": "reap", "sandbox": rec.id})
         for stray in (self.state / "work").iterdir():  # created before a crash but after its record went
             self._remove_work(stray)
 
     def _remove_work(self, work: Path) -> None:
-        if work.parent == self.state / "work":  # never anything outside our own work area
+        if work.parent == self.state / "work" and work.name not in ("", ".", ".."):  # never outside our work area
+            unmount(work)  # its capped tmpfs first: rmtree then removes the empty mount point
             shutil.rmtree(work, ignore_errors=True)
+
+    @property
+    def _cgroup_parent(self) -> str:
+        """The name of this server's parent group of sandbox cgroups (one per state directory)."""
+        return f"asyncrl-sandboxes-{_digest(self.state):08x}"
 
     async def _listen(self) -> None:
         if self.socket_path.exists() or self.socket_path.is_symlink():
@@ -264,12 +316,16 @@ class SandboxServer:
                 await writer.drain()
 
         try:
-            while (msg := await read_frame(reader)) is not None:
+            while (msg := await read_frame(reader, self.frames, FRAME_BODY_S)) is not None:
                 task = asyncio.create_task(self._request(msg, owned, answer))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
         except (ProtocolError, ConnectionError) as e:
             self._record({"op": "disconnect", "error": str(e)})
+            if isinstance(e, ProtocolError):  # the client's last word from us: why its connection ends
+                with contextlib.suppress(ConnectionError):
+                    await answer({"id": None, "ok": False, "error": {"kind": "protocol", "message": str(e),
+                                                                     "retryable": False}})
         finally:
             for sid in list(owned):
                 if sid in self.sandboxes:
@@ -307,17 +363,23 @@ class SandboxServer:
                 "read_file": self._op_read_file, "snapshot": self._op_snapshot, "restore": self._op_restore,
                 "close": self._op_close, "info": self._op_info}
 
-    def _get(self, msg: dict[str, Any]) -> SandboxState:
-        sb = self.sandboxes.get(msg["sandbox_id"])
+    def _get(self, msg: dict[str, Any], owned: set[str]) -> SandboxState:
+        """The sandbox `msg` names, if this connection created it and it is open; another connection's sandbox
+        is answered exactly as one that never existed (its existence is nobody else's business)."""
+        sid = msg["sandbox_id"]
+        if not isinstance(sid, str):
+            raise TypeError("sandbox_id must be a string")
+        sb = self.sandboxes.get(sid) if sid in owned else None
         if sb is None or sb.closed:
-            raise SandboxError(f"no open sandbox {msg['sandbox_id']!r} on this server")
+            raise SandboxError(f"no such sandbox {sid[:64]!r}")
         return sb
 
     # ---- operations --------------------------------------------------------------------------------------
 
     async def _op_info(self, msg, owned) -> dict[str, Any]:
         return {"backend": self.backend.name, "strong": self.backend.strong, "max_sandboxes": self.max_sandboxes,
-                "active": len(self.sandboxes), "pid": os.getpid(), "cgroups": self.cgroups is not None}
+                "active": len(self.sandboxes), "pid": os.getpid(), "cgroups": self.cgroups is not None,
+                "disk_quota": self.disk_quota}
 
     async def _op_create(self, msg, owned) -> dict[str, Any]:
         limits = Limits.model_validate(msg.get("limits") or {})
@@ -328,14 +390,16 @@ class SandboxServer:
         uid = self._uid(slot)
         work = self.state / "work" / sid
         cgroup_dirs = [p / sid for p in self.cgroups.parents] if self.cgroups is not None else []
-        record = self.state / "live" / f"{sid}.json"
-        record.write_text(json.dumps({"id": sid, "uid": uid, "work": str(work), "cgroups": [str(d) for d in cgroup_dirs]}))
         sb = SandboxState(sid, slot, uid, work, limits, None)
         self.sandboxes[sid] = sb
         try:
+            write_atomic(self.state / "live" / f"{sid}.json", json.dumps(
+                {"id": sid, "uid": uid, "work": str(work), "cgroups": [str(d) for d in cgroup_dirs]}).encode())
             work.mkdir(mode=0o700)
             if uid is not None:
                 os.chown(work, uid, uid)
+            if self.disk_quota:
+                mount_capped(work, limits.disk_mib * MIB, limits.disk_inodes, uid)
             if self.cgroups is not None:
                 sb.cgroup = self.cgroups.make(sid)
                 sb.cgroup.set_limits(limits.memory_mib << 20, limits.max_processes)
@@ -348,13 +412,13 @@ class SandboxServer:
                 "work_dir": str(work), "workdir_inside": self.backend.workdir_inside(work), "limits": limits.model_dump()}
 
     async def _op_close(self, msg, owned) -> dict[str, Any]:
-        sb = self._get(msg)
+        sb = self._get(msg, owned)
         owned.discard(sb.id)
         await self._close(sb)
         return {}
 
     async def _op_exec(self, msg, owned) -> dict[str, Any]:
-        sb = self._get(msg)
+        sb = self._get(msg, owned)
         argv = msg["argv"]
         if not isinstance(argv, list) or not argv or not all(isinstance(a, str) and "\0" not in a for a in argv):
             raise ValueError("argv must be a non-empty list of strings without NUL")
@@ -369,7 +433,7 @@ class SandboxServer:
         return result.to_wire()
 
     async def _op_write_file(self, msg, owned) -> dict[str, Any]:
-        sb, path, data = self._get(msg), _path(msg), msg["data"]
+        sb, path, data = self._get(msg, owned), _path(msg), msg["data"]
         if not isinstance(data, bytes):
             raise TypeError("data must be bytes")
         result = await run_exec(sb, self.backend, self.children, ["/bin/sh", "-c", 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"', "sh", path],
@@ -380,7 +444,7 @@ class SandboxServer:
         return {"bytes": len(data)}
 
     async def _op_read_file(self, msg, owned) -> dict[str, Any]:
-        sb, path = self._get(msg), _path(msg)
+        sb, path = self._get(msg, owned), _path(msg)
         result = await run_exec(sb, self.backend, self.children, ["cat", "--", path], b"", sb.limits.timeout_s)
         self._record_exec("read_file", result)
         if result.stdout_truncated:
@@ -390,7 +454,7 @@ class SandboxServer:
         return {"data": result.stdout}
 
     async def _op_snapshot(self, msg, owned) -> dict[str, Any]:
-        sb = self._get(msg)
+        sb = self._get(msg, owned)
         cap = sb.limits.snapshot_mib * MIB
         result = await run_exec(sb, self.backend, self.children, list(SNAPSHOT_ARGV), b"", sb.limits.timeout_s,
                                 output_bytes=cap)
@@ -403,7 +467,7 @@ class SandboxServer:
         return {"data": result.stdout}
 
     async def _op_restore(self, msg, owned) -> dict[str, Any]:
-        sb, data = self._get(msg), msg["data"]
+        sb, data = self._get(msg, owned), msg["data"]
         if not isinstance(data, bytes):
             raise TypeError("data must be bytes")
         if len(data) > sb.limits.snapshot_mib * MIB:
@@ -425,10 +489,11 @@ class SandboxServer:
             kill_group(proc.pid)
         if sb.cgroup is not None:
             await sb.cgroup.kill_all()
-            sb.cgroup.remove()
         elif sb.uid is not None:
             await self.children.kill_uid(sb.uid)
-        self._remove_work(sb.work)
+        self._remove_work(sb.work)  # before the cgroup goes: its tmpfs pages are charged to it
+        if sb.cgroup is not None:
+            sb.cgroup.remove()
         (self.state / "live" / f"{sb.id}.json").unlink(missing_ok=True)
         del self.sandboxes[sb.id]
         self.free_slots.append(sb.slot)
@@ -438,7 +503,9 @@ class SandboxServer:
 
     def _record(self, entry: dict[str, Any]) -> None:
         if self._log is not None:
-            self._log.write(json.dumps({"ts": round(time.time(), 6), **entry}) + "\n")
+            # default: a request's fields are the client's, of any msgpack type (bytes, say); the log is never
+            # why a request goes unanswered
+            self._log.write(json.dumps({"ts": round(time.time(), 6), **entry}, default=lambda v: repr(v)[:200]) + "\n")
 
     def _record_exec(self, op: str, r: ExecResult, keep_stdout: bool = True) -> None:
         self._record({"op": op, "sandbox": r.sandbox_id, "command": list(r.command), "reason": r.reason,

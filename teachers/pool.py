@@ -215,13 +215,20 @@ class TeacherPool:
 
     # ---- registry (live reconfiguration adds and removes teachers) --------------------------------
     def add(self, spec: TeacherSpec) -> None:
-        """Read a teacher checkpoint into host memory. Errors (missing file, wrong keys or shapes,
-        vocabulary, too big for the budget) surface here, not in the middle of a train step."""
+        """Read a teacher checkpoint into host memory. Errors (missing or damaged file, wrong keys or shapes,
+        non-finite weights, vocabulary, too big for the budget) surface here as one-line ValueErrors, not in the
+        middle of a train step; a teacher that fails leaves the pool as it was."""
         cfg = read_teacher_config(spec.checkpoint)
         if cfg.init is None:  # an asyncrl checkpoint directory: its state dict as saved
+            from safetensors import SafetensorError
             from safetensors.torch import load_file  # only checkpoint reads need it
 
-            stored = load_file(str(Path(spec.checkpoint) / "model.safetensors"))
+            weights = Path(spec.checkpoint) / "model.safetensors"
+            try:
+                stored = load_file(str(weights))
+            except (SafetensorError, OSError) as e:  # truncated, damaged or missing: the teacher's, not a bug
+                raise ValueError(f"teacher {spec.name!r}: cannot read {str(weights)!r}: "
+                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from None
         else:  # a Hugging Face directory or GGUF file: converted tensor by tensor into a host Decoder
             from model.pretrained import build_decoder
 
@@ -250,6 +257,8 @@ class TeacherPool:
         tensors = {}
         for k, v in stored.items():
             v = v.detach().to("cpu")
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):  # a NaN teacher makes every KL NaN
+                raise ValueError(f"teacher {name!r} {source} has non-finite weights in {k}")
             if self.dtype is not None and v.is_floating_point() and not k.endswith(_KEEP_DTYPE_SUFFIXES):
                 v = v.to(self.dtype)
             tensors[k] = v

@@ -33,6 +33,8 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 
+from pydantic import ValidationError
+
 from rewards.task import Problem
 from rl import reconfigure
 from rl.algo import repercussion
@@ -295,34 +297,68 @@ class AsyncGRPO:
         self.live = live
         self.disp.reconfigure(live.mixture, live.caps)
 
+    def validated(self, patch: reconfigure.ReconfigPatch, step: int) -> reconfigure.LiveConfig:
+        """The live config `patch` makes, once this job has checked it can run it (issue 40: what the CLI's checks let
+        through used to kill the job): the stage's rules on a copy of the live config, the dispatcher's config
+        validated as a recipe's, every added teacher loaded on every worker (all or none). ReconfigError (one line)
+        with nothing changed otherwise."""
+        new = reconfigure.apply_patch(self.live, patch, list(self.tasks), self.job.recipe.model.vocab_size, step,
+                                      group_size=self.stage.group_size, opd=isinstance(self.stage, OPDStage))
+        try:
+            self.disp.reconfigured(new.mixture, new.caps)
+        except ValidationError as e:
+            raise reconfigure.ReconfigError(f"dispatch: {e.errors(include_url=False)[0]['msg']}") from None
+        if patch.add_teachers:
+            try:
+                self.policy.add_teachers(list(patch.add_teachers))
+            except ValueError as e:  # a worker's one line (through Ray: its traceback, then "ValueError: " and the line)
+                self.policy.remove_teachers([t.name for t in patch.add_teachers])  # the workers that loaded them
+                line = str(e).strip().splitlines()[-1].removeprefix("ValueError: ")
+                raise reconfigure.ReconfigError(f"add_teachers: {line}") from None
+        return new
+
     def apply_patch(self, patch: reconfigure.ReconfigPatch, pid: str | None) -> dict:
-        """Apply (new config version) or refuse one patch; `pid`: answer that inbox entry."""
+        """Apply (new config version) or refuse one patch; `pid`: the claimed inbox entry to answer (rl/reconfigure.py);
+        None: a patch answered before a resume, applied again (through the same validation)."""
         job, step = self.job, self.job.state.global_step
         try:
-            new = reconfigure.apply_patch(self.live, patch, list(self.tasks), job.recipe.model.vocab_size, step)
+            new = self.validated(patch, step)
         except reconfigure.ReconfigError as e:
-            result = {"status": "refused", "reason": str(e), "patch": patch.model_dump(mode="json", exclude_defaults=True)}
-            job.store.add_config_version(None, "refused", result["patch"], step, reason=str(e))
-        else:
-            if patch.add_teachers:
-                self.policy.add_teachers(list(patch.add_teachers))
-            self.use_live(new)
-            result = {"status": "applied", "version": new.version, "train_step": step, "stage": self.stage_idx,
-                      "patch": new.history[-1]["patch"]}
-            job.store.add_config_version(new.version, "applied", result["patch"], step)
-            job.say(f"reconfigure: config version {new.version} at train step {step}: {result['patch']}")
-            job.logger.log({"config/version": new.version}, step=step)
+            return self.refuse(pid, str(e), patch.model_dump(mode="json", exclude_defaults=True))
+        self.use_live(new)
+        result = {"status": "applied", "version": new.version, "train_step": step, "stage": self.stage_idx,
+                  "patch": new.history[-1]["patch"]}
+        job.store.add_config_version(new.version, "applied", result["patch"], step)
+        job.say(f"reconfigure: config version {new.version} at train step {step}: {result['patch']}")
+        job.logger.log({"config/version": new.version}, step=step)
         if pid is not None:
             reconfigure.answer(job.run_dir, pid, result)
         return result
 
+    def refuse(self, pid: str | None, reason: str, patch: dict) -> dict:
+        """A refused patch: answered (never re-applied by a resume), recorded in the store, said in the log."""
+        step = self.job.state.global_step
+        result = {"status": "refused", "reason": reason, "stage": self.stage_idx, "patch": patch}
+        self.job.store.add_config_version(None, "refused", patch, step, reason=reason)
+        self.job.say(f"reconfigure: refused at train step {step}: {reason}")
+        if pid is not None:
+            reconfigure.answer(self.job.run_dir, pid, result)
+        return result
+
     def poll_control(self) -> None:
+        for pid, _ in reconfigure.claimed(self.job.run_dir):  # claimed by a job that died validating it
+            self.refuse(pid, "the job stopped while validating this patch (did loading a teacher kill a worker?); "
+                        "not applied", {})
         for pid, path in reconfigure.pending(self.job.run_dir):
             try:
                 patch = reconfigure.parse_patch(path.read_text(), source=path.name)
-            except reconfigure.ReconfigError as e:
-                reconfigure.answer(self.job.run_dir, pid, {"status": "refused", "reason": str(e)})
-                self.job.store.add_config_version(None, "refused", {}, self.job.state.global_step, reason=str(e))
+            except (reconfigure.ReconfigError, OSError, UnicodeDecodeError) as e:
+                self.refuse(pid, str(e) if isinstance(e, reconfigure.ReconfigError) else f"{path.name}: unreadable "
+                            f"({type(e).__name__})", {})
+                continue
+            try:
+                reconfigure.claim(self.job.run_dir, pid)  # until answered: a resume refuses what this job died validating
+            except FileNotFoundError:  # taken out of the inbox meanwhile (by hand): nothing to answer
                 continue
             self.apply_patch(patch, pid)
 
@@ -467,8 +503,7 @@ class AsyncGRPO:
             self.clock.uniform_groups_skipped += len(left)
         teacher: dict[str, str] = {}
         if isinstance(stage, OPDStage):  # each sample's teacher; a removed teacher's samples go to the new one
-            teacher = {s.sample_id: s.teacher if s.teacher in self.live.active_teachers else self.live.teacher_for(s.dataset)
-                       for s in samples}
+            teacher = {s.sample_id: self.live.scoring_teacher(s.teacher, s.dataset) for s in samples}
             moved: dict[str, list[str]] = defaultdict(list)
             for s in samples:
                 if teacher[s.sample_id] != s.teacher:

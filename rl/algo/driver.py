@@ -30,7 +30,7 @@ from rl.algo.job import Job, StageResult, open_job
 from rl.train.parallel import deal_by_length
 from rl.checkpoint.preempt import Preempted, PreemptionGuard
 from rl.algo.sft import DemonstrationStream
-from rl.train.trainer import timed_train_step
+from rl.train.trainer import Diverged, timed_train_step
 
 
 def run_sft(job: Job, stage: SFTStage, stage_idx: int) -> StageResult:
@@ -76,6 +76,19 @@ def describe_eval(metrics: Mapping[str, float]) -> str:
     return f"held-out accuracy {metrics['eval/accuracy']:.3f} on {n} problems" + (f" ({shares})" if shares else "")
 
 
+def diverged_hint(job: Job, stage_idx: int) -> str:
+    """What a diverged job leaves and how to go on: its newest checkpoint (a background write of one, taken before the
+    divergence, committed first), written from finite weights, and the resume command."""
+    job.checkpointer.finish(job)
+    manager = job.checkpointer.manager
+    newest = manager.latest() if manager is not None else None
+    lr = f"--set stages.{stage_idx}.optim.lr=<lower>"
+    if newest is None:
+        return f"no checkpoint was written before it: fix the recipe (a lower lr) and start over with --overwrite {lr}"
+    return (f"the newest checkpoint, {newest.name}, is the last good one: fix the recipe (a lower lr), then "
+            f"rl resume {job.run_dir} {lr}")
+
+
 def _run_stages(job: Job, say: Callable[[str], None]) -> dict:
     """The job's stages from where it stands; the summary (with `preempted=1` after a signal)."""
     recipe, run_dir, guard = job.recipe, job.run_dir, job.checkpointer.guard
@@ -102,6 +115,9 @@ def _run_stages(job: Job, say: Callable[[str], None]) -> dict:
             summary[key] = round(metrics["eval/accuracy"], 4)
             say(f"stage {i} ({stage.type}): {state.global_step} steps so far, "
                 f"{(time.monotonic() - state.stage_t0) / 60:.1f} min, {describe_eval(metrics)}")
+    except Diverged as d:  # a non-finite step, not applied (rl/train/trainer.py): the weights are the last good step's
+        job.progress.close()
+        raise Diverged(d.reason, state.global_step + 1, diverged_hint(job, i)) from None
     except Preempted as p:
         job.progress.close()
         say(f"preempted: checkpoint {p.checkpoint} written {time.monotonic() - guard.signal_time:.2f} s after the signal; "
@@ -111,16 +127,18 @@ def _run_stages(job: Job, say: Callable[[str], None]) -> dict:
 
 
 def train(recipe: Recipe, run_dir: Path, say: Callable[[str], None] = print, resume: bool = False, *,
-          overwrite: bool = False, break_lock: bool = False) -> dict[str, float]:
+          overwrite: bool = False, break_lock: bool = False, new_identity: bool = False) -> dict[str, float]:
     """Run every stage of the recipe (from the run's newest valid checkpoint when `resume`); returns
     the summary that the RESULT line prints. A SIGTERM/SIGINT ends it early with `preempted=1`.
     `overwrite`, `break_lock`: see rl/checkpoint/run_dir.py."""
     t_start = time.monotonic()
     guard = PreemptionGuard()
     try:
-        with open_job(recipe, run_dir, say=say, resume=resume, overwrite=overwrite, break_lock=break_lock) as job:
+        with open_job(recipe, run_dir, say=say, resume=resume, overwrite=overwrite, break_lock=break_lock,
+                      new_identity=new_identity) as job:
             guard.install()  # after ray.init's own SIGTERM handler; held through the job's teardown
             job.checkpointer.guard = guard
+            guard.on_request.append(job.rewards.cut_short)  # verdicts stop waiting on user code (issue 40)
             summary = _run_stages(job, say)
     finally:
         guard.restore()

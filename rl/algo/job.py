@@ -11,6 +11,8 @@ The job holds no model: the PolicyWorkers do. Stage runners (rl/algo/driver.py `
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -19,15 +21,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from configbase.files import atomic_write
 from rewards.task import Task
 from rl.algo import evaluation
 from rl.checkpoint.format import CheckpointManager
 from rl.config import GRPOStage, Recipe, SFTStage
 from rl.metrics import MetricsLogger
 from rl.recipe_io import recipe_to_yaml
+from rl.algo.prompt_lengths import check_prompt_lengths
 from rl.algo.rendering import Renderer
 from rl.algo.resume import Checkpointer, RunState, find_resume_point
-from rl.checkpoint.run_dir import RunLock, claim_for_new_run
+from rl.checkpoint.run_dir import RUN_ARTIFACTS, RunLock, check_run_entries, claim_for_new_run, make_run_dir
 from rl.runtime.groups import PolicyGroup, RewardGroup, Runtime
 from rl.store.trajectories import TrajectoryStore
 
@@ -173,11 +177,12 @@ class Job:
 
 @contextmanager
 def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = print, resume: bool = False,
-             checkpoints: bool = True, overwrite: bool = False, break_lock: bool = False) -> Iterator[Job]:
+             checkpoints: bool = True, overwrite: bool = False, break_lock: bool = False,
+             new_identity: bool = False) -> Iterator[Job]:
     """The job of `recipe` in `run_dir`: its datasets scanned (`Task.scan`: a bad row raises a DatasetError
-    before anything starts), its store (upgraded under its lock; run identity in run.json), its
-    newest valid checkpoint when resuming (the store rolled back to it), metrics sinks and workers; all of it
-    closed on exit. `checkpoints=False`: no checkpoint is written (a bench driving one stage). The job holds
+    before anything starts) and their prompt lengths checked (rl/algo/prompt_lengths.py), its store (upgraded under
+    its lock; run identity in run.json), its newest valid checkpoint when resuming (the store rolled back to it),
+    metrics sinks and workers; all of it closed on exit. `checkpoints=False`: no checkpoint is written (a bench driving one stage). The job holds
     the run directory's lock throughout (rl/checkpoint/run_dir.py); a fresh job refuses a directory that holds a run
     unless `overwrite`."""
     t_start = time.monotonic()
@@ -186,21 +191,30 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
         note = task.scan() if callable(getattr(task, "scan", None)) else None
         if note:
             say(note)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    renderer = Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
+                        tools=recipe.tools.declared() if recipe.tools else None)
+    check_prompt_lengths(renderer, tasks, recipe.engine.overlong_prompts, recipe.effort.levels if recipe.effort else (), say)
+    make_run_dir(run_dir)
     lock = RunLock(run_dir, break_lock=break_lock).acquire()
+    begun: list[str] = []  # a fresh run's artifacts not there before it: undone when the start fails
     try:
         if not resume:
             claim_for_new_run(run_dir, overwrite=overwrite, say=say)
+            begun = [n for n in RUN_ARTIFACTS if not os.path.lexists(run_dir / n)]
+        check_run_entries(run_dir)  # no link at a name the run writes (configbase/files.py: never followed)
         store = TrajectoryStore.for_run_dir(run_dir, url=recipe.store.url, name=recipe.run.name)
     except BaseException:
+        _undo_start(run_dir, begun)
         lock.release()
         raise
     recipe_yaml = recipe_to_yaml(recipe)
     runtime = logger = None
+    started = False
     try:
         manager = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, warn=say) if checkpoints else None
-        resume_from = find_resume_point(recipe, store, manager, say) if resume and manager else None
-        (run_dir / "recipe.yaml").write_text(recipe_yaml)
+        resume_from = find_resume_point(recipe, store, manager, say, run_dir=run_dir,  # new_identity: rl/algo/resume.py
+                                        new_identity=new_identity) if resume and manager else None
+        atomic_write(run_dir / "recipe.yaml", recipe_yaml)  # never through a planted link (configbase/files.py)
         store.add_run(recipe.run.name, recipe_yaml)
         logger = MetricsLogger(run_dir, recipe.logging, run_name=recipe.run.name, config=recipe.model_dump(mode="json"))
         for note in logger.notes:
@@ -211,9 +225,8 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
         if resume_from is not None:
             state = RunState(resume_from.global_step, dict(resume_from.summary), resume_from.stage_idx, resume_from.stage_minutes)
             progress.first_token_pending = True
-        yield Job(recipe, run_dir, runtime.policy, runtime.rewards, store, logger,
-                  Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
-                           tools=recipe.tools.declared() if recipe.tools else None),
+        started = True
+        yield Job(recipe, run_dir, runtime.policy, runtime.rewards, store, logger, renderer,
                   Checkpointer(manager, recipe.checkpoint.every_steps, resume_from, recipe.checkpoint.background), progress, state, say)
     finally:
         if runtime is not None:
@@ -221,4 +234,18 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
         if logger is not None:
             logger.close()
         store.close()
+        if not started:
+            _undo_start(run_dir, begun)
         lock.release()
+
+
+def _undo_start(run_dir: Path, begun: list[str]) -> None:
+    """A fresh job that fails before it is open (workers, KV pool, placement, Ctrl-C) removes the artifacts it had begun
+    (`begun`: RUN_ARTIFACTS names absent before, under its lock), so that the same command starts again rather than
+    refusing a directory that "holds a run" which never ran a step. Nothing that was there before is touched."""
+    for name in begun:
+        p = run_dir / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        elif os.path.lexists(p):
+            p.unlink(missing_ok=True)

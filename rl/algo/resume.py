@@ -8,7 +8,10 @@ after which `save` raises `Preempted` and the job exits 0.
 
 Resuming (`find_resume_point`): the newest valid checkpoint; a recipe that changes what the checkpoint
 depends on is refused with one line; the store is rolled back to the checkpoint's watermark (rl/store/trajectories.py)
-so work done after it is redone with the same ids. Each stage loop takes its state back once, with
+so work done after it is redone with the same ids. Every committed checkpoint leaves a lineage token in run.json and
+the store (`record_lineage`): a resume from a copy of the run directory that fell behind (the store's newest token is
+not the directory's) is refused with one line instead of rolling the run back, or with `new_identity` becomes a new
+run whose rows up to its checkpoint are copied (rl/store/identity.py). Each stage loop takes its state back once, with
 `restore_stage` (weights, optimizer, RNG; the loop's record) and `restore_inflight` (in-flight samples).
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,6 +33,7 @@ from rl.checkpoint.preempt import Preempted, PreemptionGuard
 from rl.recipe_io import recipe_from_yaml, recipe_to_yaml
 from rl.metrics import MetricsLogger
 from rl.runtime.groups import PolicyGroup
+from rl.store.identity import add_checkpoint_token, checkpoint_tokens, fork_identity
 from rl.store.trajectories import TrajectoryStore, Watermark
 
 INCOMPATIBLE = ("model", "tokenizer", "datasets", "effort")
@@ -75,22 +80,54 @@ class ResumePoint:
     summary: dict[str, float]
 
 
+def record_lineage(run_dir: Path, store: TrajectoryStore, path: Path, global_step: int) -> None:
+    """After a checkpoint is committed: a fresh token into run.json, then into the store. A kill between the two
+    leaves the store's newest token one that run.json still holds (it keeps the last few)."""
+    token = uuid.uuid4().hex
+    add_checkpoint_token(run_dir, token)
+    store.record_checkpoint(token, path.name, global_step)
+
+
+def check_lineage(run_dir: Path, store: TrajectoryStore, newest: Path | None) -> None:
+    """Refuse (CheckpointError, one line) a resume from a copy of the run directory that fell behind: the store's
+    newest checkpoint row for this run carries a token this directory's run.json never held, so another copy wrote
+    it and the store holds that copy's later work, which a rollback to this directory's checkpoint would delete."""
+    found = store.newest_checkpoint()
+    if found is None or found["token"] in checkpoint_tokens(run_dir):
+        return
+    steps = store.last_train_step()
+    raise CheckpointError(
+        f"the store already holds run {store.run_id} up to train step {max(steps or 0, found['train_step'])}, "
+        f"checkpointed at step {found['train_step']} ({found['checkpoint']}) by another copy of this run directory; "
+        f"{run_dir}'s newest checkpoint is " + (newest.name if newest is not None else "none")
+        + ": resuming it would roll that run back. Resume this copy as a run of its own: "
+        f"rl resume {run_dir} --new-identity")
+
+
 def find_resume_point(recipe: Recipe, store: TrajectoryStore, manager: CheckpointManager,
-                      say: Callable[[str], None]) -> ResumePoint | None:
+                      say: Callable[[str], None], *, run_dir: Path | None = None,
+                      new_identity: bool = False) -> ResumePoint | None:
     """The newest valid checkpoint, with the store rolled back to it; None (store emptied) when the run
-    never wrote one. Raises CheckpointError when checkpoints exist but none is usable, or the recipe
-    changes what they depend on: starting over would roll the store back over the whole run."""
+    never wrote one. Raises CheckpointError when checkpoints exist but none is usable, the recipe
+    changes what they depend on (starting over would roll the store back over the whole run), or the run directory
+    (default: the checkpoints' parent) is a copy that fell behind the store (`check_lineage`). `new_identity`: resume
+    as a new run instead, forked from this one at the checkpoint (rl/store/trajectories.py `fork`)."""
+    run_dir = manager.root.parent if run_dir is None else Path(run_dir)
     path = manager.latest()  # a checkpoint of another format raises: refused, never skipped
+    if not new_identity:
+        check_lineage(run_dir, store, path)
     if path is None:
         if manager.complete():
             raise CheckpointError(f"none of the {len(manager.complete())} checkpoints under {manager.root} is usable (see "
                                   f"the warnings); refusing to start the run over: restore one, or start a new run directory")
         # A crash before the first periodic checkpoint leaves at most every_steps recorded steps: those
         # are redone. More than that means checkpoints existed and are gone: never start over silently.
-        if (trained := store.count_train_steps()) > recipe.checkpoint.every_steps:
+        if not new_identity and (trained := store.count_train_steps()) > recipe.checkpoint.every_steps:
             raise CheckpointError(f"the run has {trained} recorded train steps but no checkpoint under {manager.root}; "
                                   "refusing to start it over (that rolls its store back over them): restore a "
                                   "checkpoint, or start a new run directory (or rl train --overwrite)")
+        if new_identity:  # a new run from the start: nothing of the old one is copied or rolled back
+            _fork(run_dir, store, Watermark(0, 0), say)
         say(f"resume: no complete checkpoint under {manager.root}; starting from the beginning")
         store.rollback_to(Watermark(0, 0), checkpoint="")
         return None
@@ -99,10 +136,23 @@ def find_resume_point(recipe: Recipe, store: TrajectoryStore, manager: Checkpoin
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     check_resumable(recipe_from_yaml(state["recipe_yaml"]), recipe)
+    if new_identity:
+        _fork(run_dir, store, state["watermark"], say)
     undone = store.rollback_to(state["watermark"], checkpoint=str(path))
     say(f"resume: {path.name} (stage {state['stage_idx']}, train step {state['global_step']}); store rolled back: "
         + ", ".join(f"{k}={v}" for k, v in undone.items()))
     return ResumePoint(path, state["stage_idx"], state["global_step"], state["stage_minutes"], dict(state["summary"]))
+
+
+def _fork(run_dir: Path, store: TrajectoryStore, wm: Watermark, say: Callable[[str], None]) -> None:
+    """The run directory becomes a new run: its rows up to `wm` copied under a new id (one transaction), then the
+    id in run.json. A kill between the two leaves the copied rows unreferenced, the directory the old run's copy."""
+    old = store.run_id
+    new = str(uuid.uuid4())
+    copied = store.fork(new, wm)
+    fork_identity(run_dir, new, wm.train_step)
+    say(f"resume: new identity {new} for this copy of run {old} (forked at train step {wm.train_step}: "
+        f"{copied['samples']} samples and {copied['train_steps']} train steps copied)")
 
 
 @dataclass
@@ -124,6 +174,8 @@ class RunState:
 class Checkpointed(Protocol):
     """What a checkpoint reads of a running job, and what a resume hands its state back to (rl/algo/job.py `Job`)."""
 
+    @property
+    def run_dir(self) -> Path: ...
     @property
     def recipe(self) -> Recipe: ...
     @property
@@ -181,6 +233,7 @@ class Checkpointer:
             return None
         with self._write_errors(tmp, state.global_step):
             path = self.manager.commit(tmp, state.global_step, record, stage_end=stage_end)
+        record_lineage(job.run_dir, job.store, path, state.global_step)
         job.logger.log({"checkpoint/global_step": state.global_step}, step=state.global_step)
         if preempting:
             raise Preempted(str(path))
@@ -199,6 +252,7 @@ class Checkpointer:
         self.pending = None
         with self._write_errors(tmp, step):
             path = self.manager.commit(tmp, step, record, known=job.policy.wait_saved())
+        record_lineage(job.run_dir, job.store, path, step)
         job.logger.log({"checkpoint/global_step": step, "checkpoint/background_s": time.monotonic() - t0},
                        step=job.state.global_step)
         return path

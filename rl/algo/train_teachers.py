@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from configbase import finite_float
+from configbase.files import WriteRefused, atomic_write
 from model.checkpoint import save_checkpoint
 from model.config import ModelConfig
 from model.decoder import Decoder
@@ -123,8 +126,8 @@ def build_teachers(
             f"sft {steps} steps loss {r.final_loss:.3f}  held-out greedy acc {acc:.3f}  ({r.seconds:.1f} s)"
             if trained else "random init"))
     pool_cfg = TeacherPoolConfig(teachers=specs)
-    (out / "teachers.json").write_text(pool_cfg.model_dump_json(indent=2))
-    (out / "report.json").write_text(json.dumps([asdict(r) for r in reports], indent=2))
+    atomic_write(out / "teachers.json", pool_cfg.model_dump_json(indent=2))  # never through a link (configbase/files.py)
+    atomic_write(out / "report.json", json.dumps([asdict(r) for r in reports], indent=2))
     return pool_cfg, reports
 
 
@@ -135,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--train", type=int, default=4, help="how many teachers (one per domain) to train by SFT")
     ap.add_argument("--steps", type=int, default=300, help="SFT steps per trained teacher")
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=finite_float, default=3e-3)
     ap.add_argument("--domains", default=",".join(c.type for c in DEFAULT_DOMAIN_CONFIGS),
                     help="comma-separated domain types, in the order teachers are assigned to them")
     ap.add_argument("--tiny", action="store_true", help="debug-size architectures (smoke tests)")
@@ -147,8 +150,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     by_type = {c.type: c for c in DEFAULT_DOMAIN_CONFIGS}
     datasets = [by_type[t] for t in a.domains.split(",")]
     archs = {k: tiny(v) for k, v in ARCHITECTURES.items()} if a.tiny else ARCHITECTURES
-    _, reports = build_teachers(a.out, num_teachers=a.num_teachers, num_trained=a.train, steps=a.steps,
-                                datasets=datasets, architectures=archs, batch_size=a.batch_size, lr=a.lr, seed=a.seed)
+    try:
+        _, reports = build_teachers(a.out, num_teachers=a.num_teachers, num_trained=a.train, steps=a.steps,
+                                    datasets=datasets, architectures=archs, batch_size=a.batch_size, lr=a.lr, seed=a.seed)
+    except WriteRefused as e:  # a teacher's directory holds files already: never replaced (a new --out, or remove it)
+        print(f"train_teachers: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     trained = [r for r in reports if r.heldout_accuracy is not None]
     if trained:
         print("RESULT " + " ".join(f"{r.dataset}={r.heldout_accuracy:.3f}" for r in trained))

@@ -303,7 +303,8 @@ class CheckpointManager:
     # -- reading -------------------------------------------------------------------------------------
     def complete(self) -> list[Path]:
         """Renamed-into-place checkpoints, oldest first (not yet verified)."""
-        return sorted(p for p in self.root.glob("step-*") if p.is_dir()) if self.root.is_dir() else []
+        # a link is not a checkpoint this manager wrote (configbase/files.py): never read, pruned or followed
+        return sorted(p for p in self.root.glob("step-*") if p.is_dir() and not p.is_symlink()) if self.root.is_dir() else []
 
     @staticmethod
     def problem(path: Path) -> str | None:

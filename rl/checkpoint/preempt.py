@@ -31,12 +31,17 @@ class PreemptionGuard:
     def __init__(self) -> None:
         self.requested = False
         self.signal_time: float | None = None
+        self.on_request: list = []
+        """Callables run by the first signal (in the handler: each must only start work, never wait), e.g. the reward
+        workers' `cut_short`, so that nothing the checkpoint waits on runs user code for long."""
         self._previous: dict[int, object] = {}
 
     def request(self) -> None:
         """What the first signal does; also callable directly (tests, embedding)."""
         self.requested = True
         self.signal_time = time.monotonic()
+        for callback in self.on_request:
+            callback()
 
     def _handle(self, signum, frame) -> None:
         if self.requested:

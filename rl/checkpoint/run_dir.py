@@ -19,9 +19,11 @@ import fcntl
 import os
 import shutil
 import socket
+import stat
 import time
 from pathlib import Path
 
+from configbase.files import WriteRefused, open_regular
 from rl.store.identity import RECIPE_FILE, RUN_FILE
 from rl.store.db import DB_FILE
 
@@ -35,6 +37,39 @@ class RunDirError(RuntimeError):
     """A run directory this command may not use now; the message is one line."""
 
 
+RUN_FOLDERS = ("checkpoints", "export", "wandb", "control")
+"""The RUN_ARTIFACTS that are folders; the others are regular files."""
+
+
+def make_run_dir(run_dir: str | Path) -> None:
+    """The run directory, made with its parents when absent; RunDirError (one line) when a file is in the way."""
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise RunDirError(f"{run_dir} exists and is not a directory") from None
+    except OSError as e:  # EACCES, ENOTDIR (a file where a parent should be), a read-only filesystem
+        raise RunDirError(f"cannot make the run directory {run_dir}: {e.strerror or e}") from None
+
+
+def check_run_entries(run_dir: str | Path) -> None:
+    """Under the run's lock, before the job writes anything (fresh or resumed): every name a run writes
+    (RUN_ARTIFACTS) is absent or of its kind, and none is a symbolic link: a link planted at `checkpoints`,
+    `metrics.jsonl` or `trajectories.db` would send the run's writes outside its directory (configbase/files.py:
+    a write never follows a link). RunDirError (one line) naming the first that is not."""
+    for name in RUN_ARTIFACTS:
+        p = Path(run_dir) / name
+        try:
+            mode = os.lstat(p).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(mode):
+            raise RunDirError(f"{p} is a symbolic link: a run writes its own {name} inside its directory "
+                              "(remove the link)")
+        if stat.S_ISDIR(mode) != (name in RUN_FOLDERS) or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            kind = "folder" if name in RUN_FOLDERS else "regular file"
+            raise RunDirError(f"{p} is not a {kind}: a run writes its own {name} there")
+
+
 class RunLock:
     """The exclusive lock of a run directory, held while the object is open (a context manager)."""
 
@@ -46,7 +81,10 @@ class RunLock:
     def acquire(self) -> "RunLock":
         if self.break_lock:
             return self
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # the holder is written into it: never through a link planted at its name
+            fd = open_regular(self.path, os.O_RDWR)
+        except WriteRefused as e:
+            raise RunDirError(str(e)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from configbase.files import WriteRefused, atomic_open, check_replaceable
+
 EXIT_BAD_INPUT = 2
 
 
@@ -45,14 +47,35 @@ def _fail(msg: str) -> int:
 
 
 def _write_jsonl(path: Path, records: list[dict]) -> None:
-    """Whole lines only: written to a temporary file, then renamed over `path` (its folder exists: cmd_eval)."""
+    """Whole lines only: written to a fresh temporary file, then renamed over `path` (its folder exists: cmd_eval),
+    which must be absent or a regular file (configbase/files.py `atomic_open`; `WriteRefused` otherwise)."""
     import json
 
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with atomic_open(path) as f:
         for r in records:
             f.write(json.dumps(r, default=str) + "\n")
-    os.replace(tmp, path)
+
+
+def _load_model(ckpt: Path, vocab_size: int, device: str):
+    """The checkpoint's model, in eval mode; `ValueError` (one line naming the checkpoint) when its files do not load
+    or its vocabulary is not the run's (`--checkpoint` names any directory: its token ids would mean other text)."""
+    from safetensors import SafetensorError
+
+    from model.checkpoint import load_checkpoint, load_config
+
+    try:
+        config = load_config(ckpt)
+    except (OSError, ValueError) as e:  # ValueError: pydantic's, for JSON that is not a model config
+        raise ValueError(f"checkpoint {ckpt}: config.json is not a readable model config "
+                         f"({' '.join(str(e).split())[:200]})") from None
+    if config.vocab_size != vocab_size:
+        raise ValueError(f"checkpoint {ckpt} has a vocabulary of {config.vocab_size} ids, the run's model has {vocab_size} "
+                         f"(model.vocab_size): it was trained with another tokenizer")
+    try:
+        return load_checkpoint(ckpt, device).eval()
+    except (OSError, ValueError, SafetensorError) as e:
+        raise ValueError(f"checkpoint {ckpt}: model.safetensors does not load "
+                         f"({' '.join(str(e).split())[:200]})") from None
 
 
 def parse_efforts(text: str | None) -> list[int | None]:
@@ -83,6 +106,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             return _fail(f"--responses {args.responses}: {e.strerror or e}")
         if not os.access(args.responses.parent, os.W_OK) or args.responses.is_dir():
             return _fail(f"--responses {args.responses}: not a writable file path")
+        try:  # a link, a FIFO or a folder at the name is never written through or over
+            check_replaceable(args.responses)
+        except WriteRefused as e:
+            return _fail(f"--responses: {e}")
     from rl.checkpoint.format import CheckpointError, CheckpointManager
 
     try:  # the run's newest checkpoint that verifies (rl/checkpoint/format.py: the one finder)
@@ -100,7 +127,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _fail(str(e))
     import torch  # heavy imports only past input checks
 
-    from model.checkpoint import load_checkpoint
     from rewards.dataset_io import DatasetError
     from rl.algo.evaluation import engine_generate, evaluate
     from rl.algo.rendering import Renderer
@@ -120,6 +146,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
                         tools=recipe.tools.declared() if recipe.tools else None)
     device = recipe.run.device if recipe.run.device != "cuda" or torch.cuda.is_available() else "cpu"
+    try:
+        model = _load_model(ckpt, recipe.model.vocab_size, device)
+    except ValueError as e:
+        return _fail(str(e))
     tools = ToolTurns.from_recipe(recipe, tok)
     servers = None
     if tools is not None and recipe.sandbox_server == "auto":  # this evaluation's own server (rl/runtime/sandbox_nodes.py)
@@ -133,8 +163,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             servers.stop()
             return _fail(str(e))
     try:
-        generate = engine_generate(load_checkpoint(ckpt, device).eval(), recipe.engine, tok.eos_id, tok.eos_ids,
-                                   tools=tools)
+        generate = engine_generate(model, recipe.engine, tok.eos_id, tok.eos_ids, tools=tools)
         records: list[dict] | None = [] if args.responses is not None else None
         print(f"checkpoint {ckpt}")
         print(f"{'effort':>7} {'dataset':<10} {'accuracy':>9} {'resp_len':>9} {'reasoning':>10} {'problems':>9}")
@@ -149,6 +178,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if records is not None:
             try:
                 _write_jsonl(args.responses, records)
+            except WriteRefused as e:  # planted while the evaluation ran
+                return _fail(f"--responses: {e}")
             except OSError as e:
                 return _fail(f"--responses {args.responses}: {e.strerror or e}")
             print(f"responses: {len(records)} written to {args.responses}")

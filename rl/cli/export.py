@@ -17,6 +17,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from configbase.files import WriteRefused, output_dir
+
 EXIT_BAD_INPUT = 2
 
 
@@ -39,8 +41,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     run_dir, out = Path(args.run_dir), Path(args.out)
     if not (run_dir / "recipe.yaml").is_file():
         return _fail(f"{run_dir} is not a run directory (no recipe.yaml)")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        return _fail(f"{out} exists and is not an empty directory")
+    try:  # absent or an empty directory, not a link, not `.` (configbase/files.py): nothing of the user's replaced
+        out = output_dir(out)
+    except WriteRefused as e:
+        return _fail(str(e))
     from rl.checkpoint.export import export_run_checkpoint
     from rl.checkpoint.format import find_checkpoint
     from rl.recipe_io import RecipeError, load_recipe
@@ -50,8 +54,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         ckpt = Path(args.checkpoint) if args.checkpoint else find_checkpoint(run_dir, args.step, warn=lambda m: print(m, file=sys.stderr))
         if not (ckpt / "model.safetensors").is_file() or not (ckpt / "config.json").is_file():
             raise ValueError(f"{ckpt} is not a checkpoint (no model.safetensors and config.json)")
-        path = export_run_checkpoint(recipe, ckpt, out)
-    except (ValueError, RecipeError) as e:  # CheckpointFormatError is a ValueError
+        export_run_checkpoint(recipe, ckpt, out)
+    except (ValueError, RecipeError) as e:  # CheckpointFormatError and WriteRefused are ValueErrors
         return _fail(str(e).splitlines()[0])
-    print(f"exported {ckpt} -> {path}")
+    print(f"exported {ckpt} -> {args.out}")
     return 0

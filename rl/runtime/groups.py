@@ -11,6 +11,7 @@ boundary.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -226,6 +227,9 @@ class PolicyGroup:
     def add_teachers(self, specs: list[TeacherSpec]) -> None:
         self._all(PolicyWorker.add_teachers, specs)
 
+    def remove_teachers(self, names: list[str]) -> None:
+        self._all(PolicyWorker.remove_teachers, names)
+
     def save(self, directory: str, background: bool = False) -> None:
         self._all(PolicyWorker.save, directory, background)
 
@@ -263,6 +267,16 @@ class RewardGroup:
 
     def get(self, handle) -> list[Verdict]:
         return self.group.get(handle)
+
+    def cut_short(self) -> None:
+        """Preemption: every worker's verdicts stop waiting on user code a second from now (RewardWorker.cut_short).
+        Returns at once (it runs in a signal handler): remote calls go out on a thread, on the actors' health thread."""
+        if not self.group.remote:
+            for m in self.group.members:
+                m.cut_short()
+            return
+        threading.Thread(target=lambda: [m.cut_short.options(concurrency_group="health").remote()
+                                         for m in self.group.members], name="cut-short", daemon=True).start()
 
 
 class Runtime:

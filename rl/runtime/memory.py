@@ -4,8 +4,8 @@ cannot fit is refused before any worker starts, with the figure.
 Per worker (one device); the trainer's tensors are float32 (`build_policy`), also under run.dtype bfloat16:
     weights P·4, gradients P·4, AdamW moments 2·P·4, each ÷ N under runtime.parallel fsdp2 with N workers
     (sharded; the one layer gathered at a time is not counted), the frozen reference P·4 when a stage has
-    kl_ref_coef > 0 (P: parameters, counted on a meta-device Decoder: exact for every architecture, nothing
-    allocated);
+    kl_ref_coef > 0 (P: parameters, `parameter_count`: one period of layers on the meta device and
+    arithmetic, exact for every architecture, nothing allocated, the same time for any number of layers);
     the engine's own copy of the weights with run.dtype bfloat16 (P·2) and under fsdp2 (P·4 or P·2: the
     engine holds full weights, rl/runtime/worker.py);
     the engine's KV pool: num_blocks · block_size tokens · num_layers · the format's bytes per token per layer
@@ -57,12 +57,10 @@ def estimate(recipe: Recipe) -> dict[str, float]:
     """Bytes per worker by part, and their sum under "total"."""
     import torch
 
-    from model.decoder import Decoder
     from model.kv_cache import kv_format
     from model.sparse_attention import bytes_per_token as csa2_bytes_per_token
 
-    with torch.device("meta"), _shapes_only():
-        params = sum(p.numel() for p in Decoder(recipe.model).parameters())
+    params = parameter_count(recipe.model)
     elem = 4  # the trainer's float32
     rt = recipe.runtime
     shards = rt.num_workers if rt.parallel == "fsdp2" and rt.num_workers > 1 else 1
@@ -89,6 +87,25 @@ def estimate(recipe: Recipe) -> dict[str, float]:
              "kv_pool": float(kv), "teachers": float(teachers),
              "logits": float(logits)}
     return {**parts, "total": sum(parts.values()), "parameters": float(params)}
+
+
+def parameter_count(cfg) -> int:
+    """Parameters of `Decoder(cfg)`, never building it (issue 40: validation of a 20,000-layer recipe built it in
+    20 s). Layers repeat with a period (1, or CSA2's `layer_modes`: a layer's parameters depend only on its mode),
+    so a meta-device Decoder with one period of layers gives the embeddings, final norm and head (its count less
+    its layers') and each layer's count; the rest is arithmetic. Exact (tests/unit/test_memory_arithmetic.py)."""
+    import torch
+
+    from model.decoder import Decoder
+
+    period = len(cfg.sparse_attention.layer_modes) if cfg.is_sparse else 1
+    built = min(period, cfg.num_layers)
+    with torch.device("meta"), _shapes_only():
+        small = Decoder(cfg.model_copy(update={"num_layers": built}))
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in small.model.layers]
+    ends = small.num_parameters() - sum(per_layer)
+    full, rest = divmod(cfg.num_layers, period)
+    return ends + full * sum(per_layer) + sum(per_layer[:rest]) if built == period else small.num_parameters()
 
 
 def _trained_positions(recipe: Recipe, stage) -> int:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import msgpack
 
-from model.checkpoint import load_weights_into, synced_entry, write_weights
+from model.checkpoint import synced_entry, write_weights
 from model.decoder import Decoder, is_dtensor
 from model.pretrained import build_decoder, load_pretrained_into
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
@@ -69,8 +69,8 @@ def build_policy(recipe: Recipe, read_weights: bool = True) -> Decoder:
     file that `PolicyWorker.join_process_group` reads once the trainer is sharded)."""
     torch.manual_seed(recipe.run.seed)
     model = build_decoder(recipe.model, device=recipe.run.device, read_weights=read_weights)
-    if recipe.run.init_checkpoint is not None and read_weights:  # shape checked by Recipe; the KV format may differ (QAT)
-        load_weights_into(model, recipe.run.init_checkpoint)
+    if recipe.run.init_checkpoint is not None and read_weights:  # the KV format may differ (QAT)
+        load_pretrained_into(model, recipe.run.init_checkpoint)  # every tensor checked: one line (model/pretrained.py)
     return model
 
 
@@ -317,8 +317,26 @@ class PolicyWorker:
                 self.reference = build_policy(self.recipe).eval().requires_grad_(False)
 
     def add_teachers(self, specs: Sequence[TeacherSpec]) -> None:
-        for spec in specs:
-            self.pool.add(spec)
+        """Load teachers into this worker's pool, all or none (rl/reconfigure.py: the job validates a patch by loading
+        its teachers): a teacher that fails to load (damaged, non-finite, too big) leaves the pool as it was and
+        raises ValueError with one line naming it."""
+        if self.pool is None:
+            raise ValueError("this stage has no teacher pool (not an OPD stage)")
+        added = []
+        try:
+            for spec in specs:
+                self.pool.add(spec)
+                added.append(spec.name)
+        except (ValueError, OSError, RuntimeError, MemoryError) as e:
+            self.remove_teachers(added)
+            text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ValueError(text if text.startswith("teacher ") else f"teacher {spec.name!r}: {text}") from None
+
+    def remove_teachers(self, names: Sequence[str]) -> None:
+        """Take teachers out of this worker's pool (those it does not hold are skipped): a refused patch's."""
+        for name in names:
+            if self.pool is not None and name in self.pool.names:
+                self.pool.remove(name)
 
     def train_step(self, batch: TrainBatch | list[TrainBatch], stage: SFTStage | GRPOStage | OPDStage) -> StepMetrics:
         """One optimizer step on this rank's rows with the stage's objective (rl/train/objectives.py), or one per

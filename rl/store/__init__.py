@@ -3,5 +3,5 @@
     trajectories  `TrajectoryStore`: records in and out, rollback to a checkpoint's watermark, audits
     schema        the tables at the newest revision
     db            URLs, engines, schema versions and upgrades (Alembic revisions in migrations/)
-    identity      a run's identity (run.json) and where a run directory's store lives
+    identity      a run's identity (run.json), its checkpoints' lineage tokens, and where a run directory's store lives
 """

@@ -14,6 +14,9 @@ Rules:
 - A store written before versioning (no `alembic_version` table) is recognised by its columns and
   adopted by the baseline revision 0001 (rl/store/migrations/versions/0001_baseline_d07e8ae.py).
 - URLs are built with `URL.create`, never formatted from paths (a directory may contain `?`, `#`, `%`).
+- Every connection has a timeout (`_connect_args`): PostgreSQL (libpq drivers) a `connect_timeout`, TCP
+  keepalives and a `statement_timeout`, so that a server that accepts and never answers, or a dead peer, is an
+  error rather than a hang; SQLite a busy timeout. Settings in the URL's query win over these defaults.
 """
 
 from __future__ import annotations
@@ -30,10 +33,22 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
+from configbase.files import WriteRefused, check_replaceable, open_append
+
 DB_FILE = "trajectories.db"
 """A run directory's default store file."""
 MIGRATION_LOCK_KEY = 0x6173796E63726C00
 """pg_advisory_xact_lock key held while a store migrates ("asyncrl\\0" as a bigint)."""
+CONNECT_TIMEOUT_S = 10
+"""PostgreSQL `connect_timeout`: seconds to reach a server and finish the start-up handshake."""
+STATEMENT_TIMEOUT_S = 600
+"""PostgreSQL `statement_timeout`: the longest one statement (a rollback's deletes, a migration, the wait for
+the migration lock) may run before the server cancels it."""
+KEEPALIVE_S = 30
+"""PostgreSQL TCP keepalives: idle seconds before the first probe (then 3 probes 10 s apart); a peer that
+vanished mid-query is an error after about a minute, not a read that never returns."""
+BUSY_TIMEOUT_S = 30
+"""SQLite: how long a connection waits for another one's lock before "database is locked"."""
 
 
 class StoreError(Exception):
@@ -67,9 +82,25 @@ def parse_url(url: str | URL) -> URL:
         raise StoreError(f"not a SQLAlchemy database URL: {url!r}") from None
 
 
+def _connect_args(url: URL) -> dict:
+    """The driver's connection timeouts for `url`, except those its query already sets (see the module docstring).
+    PostgreSQL through a libpq driver (psycopg, psycopg2) only: other drivers name these settings differently."""
+    if url.get_backend_name() == "sqlite":
+        return {} if "timeout" in url.query else {"timeout": BUSY_TIMEOUT_S}
+    if url.get_backend_name() != "postgresql" or url.get_driver_name() not in ("psycopg", "psycopg2"):
+        return {}
+    args = {"connect_timeout": CONNECT_TIMEOUT_S, "keepalives": 1, "keepalives_idle": KEEPALIVE_S,
+            "keepalives_interval": 10, "keepalives_count": 3}
+    args = {k: v for k, v in args.items() if k not in url.query}
+    own = url.query.get("options")
+    own = " ".join(own) if isinstance(own, tuple) else own  # connect_args replace the URL's: keep its options last
+    args["options"] = " ".join(o for o in (f"-c statement_timeout={STATEMENT_TIMEOUT_S * 1000}", own) if o)
+    return args
+
+
 def _engine(url: URL, **kw) -> Engine:
     try:
-        return create_engine(url, **kw)
+        return create_engine(url, connect_args=_connect_args(url), **kw)
     except (ImportError, NoSuchModuleError) as e:  # e.g. postgresql+psycopg without psycopg installed
         raise StoreError(f"cannot use store URL {redacted(url)}: {e} (for PostgreSQL: pip install 'asyncrl[postgres]')") from None
 
@@ -101,7 +132,8 @@ def reader_engine(url: URL) -> Engine:
             raise StoreError(f"no trajectory store at {path}")
         uri = path.absolute().as_uri() + "?mode=ro"  # as_uri percent-encodes the path
         return create_engine(URL.create("sqlite"), poolclass=NullPool,
-                             creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False))
+                             creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False,
+                                                             timeout=BUSY_TIMEOUT_S))
     engine = _engine(url)
     if url.get_backend_name() == "postgresql":
         engine = engine.execution_options(postgresql_readonly=True)
@@ -172,7 +204,12 @@ def _file_lock(path: Path | None) -> Iterator[None]:
     if path is None:
         yield
         return
-    with open(path.with_name(path.name + ".lock"), "a") as f:  # left in place: removing it would race
+    try:  # neither the store nor its lock through a link planted at their names (configbase/files.py)
+        check_replaceable(path)
+        lock = open_append(path.with_name(path.name + ".lock"))  # left in place: removing it would race
+    except WriteRefused as e:
+        raise StoreError(str(e)) from None
+    with lock as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield

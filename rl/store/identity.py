@@ -10,12 +10,21 @@ name (what the old code used), or, for its own SQLite file holding exactly one r
 directory was renamed). The writer records that id in a new run.json; readers only look.
 
 A run's store is `store.url` of its recipe.yaml when set, else `RUN_DIR/trajectories.db`.
+
+Lineage: since the identity travels with the directory, a copy of it is the same run to the store. Every
+checkpoint a job commits gets a fresh random token, appended to run.json's `checkpoint_tokens` (the newest
+`LINEAGE_KEEP`) and then recorded in the store's `checkpoints` table (rl/algo/resume.py `record_lineage`). A
+resume whose run.json does not hold the token of the store's newest row for the run is a copy that fell behind
+(another copy checkpointed since): it is refused, or with `rl resume --new-identity` becomes a new run
+(`fork_identity`: a new id in run.json, `forked_from` naming the old one). A directory moved to another node
+holds the newest token and resumes; a job killed between its store writes and its next checkpoint leaves no
+newer row, so its resume rolls back as ever. A copy taken at a directory's newest checkpoint cannot be told from
+a move until one of the two writes another checkpoint; the other is refused at its next resume.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -24,12 +33,16 @@ from pathlib import Path
 import yaml
 from sqlalchemy.engine import URL
 
+from configbase.files import atomic_write
 from rl.store.db import DB_FILE, StoreError, parse_url, peek_run_ids, sqlite_url
 
 RUN_FILE = "run.json"
 RECIPE_FILE = "recipe.yaml"
 _MAX_ID = 255
 """The store's id columns are VARCHAR(255)."""
+LINEAGE_KEEP = 16
+"""Checkpoint tokens run.json keeps, newest last: the store's newest row is its newest or, after a kill between
+the two writes, the one before."""
 
 
 def run_identity(run_dir: str | Path, name: str | None = None, store: URL | None = None) -> str:
@@ -46,14 +59,8 @@ def run_identity(run_dir: str | Path, name: str | None = None, store: URL | None
     run_id = run_id or str(uuid.uuid4())
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"run_id": run_id, "name": name or run_dir.name, "created_at": time.time()}
-    path = run_dir / RUN_FILE
-    tmp = run_dir / f".{RUN_FILE}.{os.getpid()}.tmp"
-    with tmp.open("w") as f:
-        json.dump(record, f, indent=1)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: a reader sees no run.json or a whole one
+    # atomic, never through or over a link planted at run.json (configbase/files.py): no run.json or a whole one
+    atomic_write(run_dir / RUN_FILE, json.dumps(record, indent=1) + "\n")
     return run_id
 
 
@@ -84,7 +91,13 @@ def legacy_run_id(run_dir: Path, run_ids: Sequence[str], own_store: bool) -> str
 
 def read_run_file(run_dir: Path) -> str | None:
     """run.json's run id; None when there is no run.json; `StoreError` when it is damaged."""
-    path = run_dir / RUN_FILE
+    record = _read_record(run_dir)
+    return None if record is None else record["run_id"]
+
+
+def _read_record(run_dir: Path) -> dict | None:
+    """run.json, its run id and lineage checked; None when there is none; `StoreError` when it is damaged."""
+    path = Path(run_dir) / RUN_FILE
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
@@ -94,7 +107,37 @@ def read_run_file(run_dir: Path) -> str | None:
     run_id = record.get("run_id") if isinstance(record, dict) else None
     if not isinstance(run_id, str) or not run_id.strip() or len(run_id) > _MAX_ID:
         raise StoreError(f"{path} holds no valid run_id (a non-empty string of at most {_MAX_ID} characters)")
-    return run_id
+    tokens = record.get("checkpoint_tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, str) and 0 < len(t) <= 64 for t in tokens):
+        raise StoreError(f"{path} holds no valid checkpoint_tokens (a list of strings of at most 64 characters)")
+    return record
+
+
+def checkpoint_tokens(run_dir: str | Path) -> list[str]:
+    """The lineage tokens of the checkpoints this run directory's jobs wrote, newest last ([] before any)."""
+    record = _read_record(Path(run_dir))
+    return [] if record is None else list(record.get("checkpoint_tokens", []))
+
+
+def add_checkpoint_token(run_dir: str | Path, token: str) -> None:
+    """Append a committed checkpoint's lineage token to run.json (atomically; the newest `LINEAGE_KEEP` kept)."""
+    run_dir = Path(run_dir)
+    record = _read_record(run_dir)
+    if record is None:
+        raise StoreError(f"{run_dir / RUN_FILE} is missing: a checkpoint's lineage has no run identity to join")
+    record["checkpoint_tokens"] = [*record.get("checkpoint_tokens", []), token][-LINEAGE_KEEP:]
+    atomic_write(run_dir / RUN_FILE, json.dumps(record, indent=1) + "\n")
+
+
+def fork_identity(run_dir: str | Path, run_id: str, train_step: int) -> None:
+    """Give the run directory the new identity `run_id` (its rows already copied into the store by
+    `TrajectoryStore.fork`): run.json names the run it was copied from and the train step of the fork, and starts
+    a lineage of its own."""
+    run_dir = Path(run_dir)
+    old = _read_record(run_dir) or {}
+    record = {"run_id": run_id, "name": old.get("name", run_dir.name), "created_at": time.time(),
+              "forked_from": {"run_id": old.get("run_id"), "train_step": int(train_step)}, "checkpoint_tokens": []}
+    atomic_write(run_dir / RUN_FILE, json.dumps(record, indent=1) + "\n")
 
 
 def own_store_url(run_dir: str | Path) -> URL:

@@ -175,3 +175,21 @@ class RestartTable(Base):
     samples_regenerated: Mapped[int]
     samples_untrained: Mapped[int]
     train_steps_rolled_back: Mapped[int]
+
+
+class CheckpointTable(Base):
+    """One row per checkpoint a job of the run committed, with the lineage token its run directory's run.json also
+    keeps (rl/store/identity.py): a resume whose directory never wrote the store's newest row is a copy of the run
+    directory that fell behind, and is refused rather than rolling the run back (rl/algo/resume.py). Revision 0006."""
+
+    __tablename__ = "checkpoints"
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(_ID, index=True)
+    token: Mapped[str] = mapped_column(String(64))
+    """Random, new for every checkpoint written (never derived from the directory's name or contents)."""
+    checkpoint: Mapped[str] = mapped_column(Text)
+    """The checkpoint directory's name, e.g. step-00000008-000."""
+    train_step: Mapped[int]
+    seq: Mapped[int]
+    """The run's write counter at the checkpoint (its watermark)."""
+    created_at: Mapped[float] = mapped_column(Float)

@@ -36,6 +36,9 @@ Tables:
 - `config_versions` one row per live reconfiguration (applied or refused): the patch, the reason,
                 the train step it took effect at (rl/reconfigure.py).
 - `restarts`    one row per resume: the checkpoint it restarted from and what the rollback removed.
+- `checkpoints` one row per committed checkpoint: its lineage token (also in RUN_DIR/run.json), name, train
+                step and watermark `seq`; a resume from a copy of the run directory that fell behind is refused
+                by it (rl/store/identity.py, rl/algo/resume.py), or forks the run (`fork`, `rl resume --new-identity`).
 
 Resume (rl/checkpoint/format.py): every prompt, sample and outcome write takes the next number of one
 run-wide `seq` counter; a checkpoint records a *watermark* (the last `seq` and the train step). On
@@ -68,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import Engine, delete, func, insert, select, union, update
+from sqlalchemy import Engine, delete, func, insert, literal, select, union, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import sessionmaker
@@ -76,11 +79,11 @@ from sqlalchemy.orm import sessionmaker
 from rl.store.identity import own_store_url, read_run_file, read_run_identity, run_identity, run_store_url
 from rl.store.db import (DB_FILE, StoreError, check_readable, parse_url, reader_engine, redacted, sqlite_file,
                          upgrade_store, writer_engine)
-from rl.store.schema import (ConfigVersionTable, PromptTable, RestartTable, RunTable, SampleTable, SegmentTable,
-                             TrainedTable, TrainStepTable, TurnTable)
+from rl.store.schema import (CheckpointTable, ConfigVersionTable, PromptTable, RestartTable, RunTable, SampleTable,
+                             SegmentTable, TrainedTable, TrainStepTable, TurnTable)
 from rl.types import Prompt, Sample, Turn
 
-__all__ = ["DB_FILE", "ConfigVersionTable", "PromptTable", "RestartTable", "RunTable", "SampleRow", "SampleTable",
+__all__ = ["DB_FILE", "CheckpointTable", "ConfigVersionTable", "PromptTable", "RestartTable", "RunTable", "SampleRow", "SampleTable",
            "SegmentTable", "StoreError", "TrainStepTable", "TrainedTable", "TrajectoryStore", "TurnTable", "Watermark",
            "decode_array", "encode_array", "recorded_train_steps", "segments_from_versions"]
 
@@ -530,6 +533,56 @@ class TrajectoryStore:
             s.add(RestartTable(run_id=self.run_id, restarted_at=time.time(), checkpoint=checkpoint,
                                train_step=wm.train_step, **counts))
         self._seq = wm.seq
+        return counts
+
+    def record_checkpoint(self, token: str, checkpoint: str, train_step: int) -> None:
+        """Record a committed checkpoint's lineage token (rl/store/identity.py); joins an open batch's transaction."""
+        row = dict(run_id=self.run_id, token=token, checkpoint=checkpoint, train_step=int(train_step), seq=self._seq,
+                   created_at=time.time())
+        with self._write() as c:
+            c.execute(CheckpointTable.__table__.insert(), [row])
+
+    def newest_checkpoint(self) -> dict | None:
+        """The last checkpoint row recorded for this run (token, checkpoint, train_step), or None."""
+        K = CheckpointTable
+        with self._session() as s:
+            row = s.execute(select(K.token, K.checkpoint, K.train_step).where(K.run_id == self.run_id)
+                            .order_by(K.id.desc()).limit(1)).mappings().first()
+        return None if row is None else dict(row)
+
+    def last_train_step(self) -> int | None:
+        """The highest train step this run has recorded, or None."""
+        with self._session() as s:
+            return s.scalar(select(func.max(TrainStepTable.step)).where(TrainStepTable.run_id == self.run_id))
+
+    def fork(self, run_id: str, wm: Watermark) -> dict[str, int]:
+        """Copy this run's rows up to the watermark `wm` into the new run `run_id`, in one transaction, and write as
+        that run from now on: a copy of the run directory resumed as a run of its own (`rl resume --new-identity`),
+        its history the same up to its checkpoint, the original's rows untouched. Rows past `wm` that the copy's
+        checkpoint still sees as later (a sample's `train_step`, a prompt's outcome) are reset by `rollback_to`, as
+        for any resume; its checkpoint lineage and restarts start empty. Returns the rows copied per table."""
+        P, S, G, U, T, D, C = (PromptTable, SampleTable, SegmentTable, TurnTable, TrainStepTable, TrainedTable,
+                               ConfigVersionTable)
+        kept = select(S.sample_id).where(S.run_id == self.run_id, S.seq <= wm.seq)
+        copies = [  # (table, the old run's rows to copy); referenced samples before the rows that reference them
+            (P, P.seq <= wm.seq), (S, S.seq <= wm.seq), (G, G.sample_id.in_(kept)), (U, U.sample_id.in_(kept)),
+            (T, T.step <= wm.train_step), (D, (D.step <= wm.train_step) & D.sample_id.in_(kept)), (C, C.seq <= wm.seq),
+        ]
+        counts = {}
+        with self._begin() as s:
+            old = s.get(RunTable, self.run_id)
+            s.add(RunTable(run_id=run_id, name=old.name if old else run_id, created_at=time.time(),
+                           recipe_json=old.recipe_json if old else "{}"))
+            s.flush()
+            for model, where in copies:
+                table = model.__table__
+                cols = [c for c in table.c if c.name != "id"]  # config_versions' surrogate id: the new row's own
+                source = select(*[literal(run_id, type_=c.type).label("run_id") if c.name == "run_id" else c for c in cols])
+                counts[table.name] = s.execute(insert(table).from_select([c.name for c in cols],
+                                                                         source.where(table.c.run_id == self.run_id, where))
+                                               ).rowcount
+        self.run_id = run_id
+        self._seq = self._last_seq()
         return counts
 
     # -- reads -----------------------------------------------------------------------------------

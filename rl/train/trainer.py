@@ -17,6 +17,13 @@ gradient reaches only the indexer; it is logged as `train/indexer_kl`.
 
 Metrics come back as `StepMetrics` (sums, token-weighted means, values equal on every rank); the
 controller merges the ranks' with `merge_step_metrics`.
+
+A step whose loss or gradient norm is not finite is not applied: `apply` raises `Diverged` before the optimizer
+steps, so NaN never reaches the weights, the AdamW moments or a checkpoint (a finite lr of 1e30 trains NaN from the
+second step). The check reads only values already on the host (the loss metrics every objective returns as floats,
+the clipped norm): no extra device sync. The gradient norm is the all-reduced gradient's, equal on every rank, so a
+NaN on any rank stops every rank at the same step (a rank whose own loss alone is not finite stops alone: the
+optimizer step it skips holds no collective that another rank would wait in).
 """
 
 from __future__ import annotations
@@ -35,6 +42,38 @@ from model.decoder import Decoder
 from rl.config import OptimConfig
 from rl.train.parallel import Single, idle_loss
 from rl.types import Sample
+
+
+class Diverged(ArithmeticError):
+    """The training diverged: a step's loss or gradient norm is not finite. Raised before the optimizer step, so
+    the weights, the optimizer state and the LR schedule are the last good step's. `reason` says what was not
+    finite; the job (rl/algo/driver.py) raises it again with the global `step` and a `hint` (the last good
+    checkpoint, how to resume), and `rl train` prints it as one line and exits 5."""
+
+    def __init__(self, reason: str, step: int | None = None, hint: str = ""):
+        super().__init__((f"step {step}: " if step is not None else "") + reason + (f"; {hint}" if hint else ""))
+        self.reason, self.step, self.hint = reason, step, hint
+
+    def __reduce__(self):  # crosses from a Ray worker with its fields
+        return type(self), (self.reason, self.step, self.hint)
+
+
+LOSS_METRICS = ("sft/loss", "rl/loss", "opd/kl_loss", "train/indexer_kl")
+"""The loss terms objectives report as host floats (`LossTerms.sums`/`means`): what `Diverged` names when the
+gradient norm is not finite because the loss is not."""
+
+
+def divergence(grad_norm: float, metrics: "StepMetrics") -> str | None:
+    """Why a step must not be applied (None: it may): its loss is not finite, or its gradient norm is not."""
+    losses = {k: v for part in (metrics.sums, metrics.means) for k, v in part.items() if k in LOSS_METRICS}
+    bad = {k: v for k, v in losses.items() if not math.isfinite(v)}
+    if bad:
+        key, value = next(iter(bad.items()))
+        return f"the loss is not finite ({value}, {key})"
+    if not math.isfinite(grad_norm):
+        said = ", ".join(f"{v:.4g}" for v in losses.values())
+        return f"the gradient norm is {grad_norm}" + (f" (the loss is finite: {said})" if said else "")
+    return None
 
 
 @dataclass
@@ -340,7 +379,7 @@ class Trainer:
         metrics, norms = StepMetrics(), []
         for b in batches:
             part = self.accumulate(b, objective, step_end=False)
-            norms.append(self.apply())
+            norms.append(self.apply(part))
             metrics.add(part, part.tokens, scale=b.num_tokens / total if total > 0 else 1.0)
         metrics.add_step(objective.step_metrics())  # the objective's counters of the whole step, once
         metrics.shared["train/grad_norm"] = sum(norms) / len(norms)
@@ -388,9 +427,14 @@ class Trainer:
             metrics.add_step(objective.step_metrics())
         return metrics
 
-    def apply(self) -> float:
-        """Clip the (rank-summed) gradient, step the optimizer and the LR schedule; returns the grad norm."""
+    def apply(self, metrics: StepMetrics | None = None) -> float:
+        """Clip the (rank-summed) gradient, step the optimizer and the LR schedule; returns the grad norm. A
+        non-finite gradient norm, or loss in `metrics` (the accumulated step's), raises `Diverged` instead, the
+        gradient dropped and nothing stepped."""
         gnorm = self.parallel.clip_grad_norm(self.optim_cfg.grad_clip)
+        if (reason := divergence(gnorm, metrics or StepMetrics())) is not None:
+            self.opt.zero_grad(set_to_none=True)
+            raise Diverged(reason)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)

@@ -1,4 +1,4 @@
-"""`rl sandbox serve` (rl/cli/main.py -> sandbox_client/cli.py): a server started through the project's CLI answers
+"""`rl sandbox serve` (rl/cli/commands.py -> sandbox_client/cli.py): a server started through the project's CLI answers
 the client and stops cleanly on SIGTERM (exit 0); bad arguments are one line with exit 2."""
 
 import asyncio

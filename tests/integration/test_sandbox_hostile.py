@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import time
@@ -21,8 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_client import ExecSpec, Limits, SandboxClient, SandboxError
-from sandbox_client.hostile import CASES, LIMITS, HostWorld, run_case
+from sandbox_client import ExecResult, ExecSpec, Limits, SandboxClient, SandboxError
+from sandbox_client.hostile import CASES, CHECKOUT, DISK_FILL, LIMITS, HostWorld, run_case
+from sandbox_client.launch import server_pid
 from sandbox_client.processes import uid_processes, zombie_children
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -151,7 +153,8 @@ def test_bad_requests_fail_with_one_line(world):
         async with await SandboxClient.connect(world.socket_path) as client:
             errors = []
             for op, args in [("create", {"limits": {"memory_mib": 1}}), ("create", {"limits": {"nope": 1}}),
-                             ("exec", {"sandbox_id": "sb-missing", "argv": ["true"]}), ("frobnicate", {})]:
+                             ("exec", {"sandbox_id": "sb-missing", "argv": ["true"]}), ("frobnicate", {}),
+                             ("exec", {"sandbox_id": b"\xff", "argv": ["true"]})]:  # not loggable as JSON
                 with pytest.raises(SandboxError) as e:
                     await client.call(op, wait_s=10, **args)
                 errors.append(str(e.value))
@@ -165,8 +168,9 @@ def test_bad_requests_fail_with_one_line(world):
     assert all("\n" not in e for e in errors)
     assert errors[0].startswith("memory_mib: Input should be greater than or equal to 16")
     assert errors[1].startswith("nope: Extra inputs are not permitted")
-    assert "no open sandbox 'sb-missing'" in errors[2] and "unknown op 'frobnicate'" in errors[3]
-    assert errors[4].startswith("read_file absent.txt: cat: absent.txt: No such file")
+    assert errors[2] == "no such sandbox 'sb-missing'" and "unknown op 'frobnicate'" in errors[3]
+    assert errors[4] == "TypeError: sandbox_id must be a string"
+    assert errors[5].startswith("read_file absent.txt: cat: absent.txt: No such file")
 
 
 def test_a_second_server_on_a_state_directory_refuses_with_one_line(world):
@@ -239,3 +243,55 @@ def test_a_create_cancelled_while_the_server_answers_leaves_no_sandbox_open(worl
         assert asyncio.run(session()) == b"fine\n"
     finally:
         server.stop()
+
+
+
+NON_ROOT_UID = 3_999_000
+"""A uid no account uses, for a server that is not root (it must still cap its work directories)."""
+
+
+def _python_for(uid: int) -> list[str] | None:
+    """A command line that runs this checkout's Python code as `uid`, or None where no interpreter it may run has
+    our dependencies (this venv's interpreter under /root, say)."""
+    site = ":".join(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
+    for python in (sys.executable, "/usr/bin/python3"):
+        argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", "env",
+                f"PYTHONPATH={CHECKOUT}:{site}", python]
+        probe = subprocess.run([*argv, "-c", "import msgpack, pydantic, sandbox_client"], capture_output=True,
+                               timeout=60, cwd="/")
+        if probe.returncode == 0:
+            return argv
+    return None
+
+
+def test_a_non_root_server_caps_work_directories_too(world):
+    """Without root, the bwrap backend's server mounts capped work directories in a user and mount namespace of
+    its own (quota.py): a write past the cap fails with ENOSPC inside the sandbox, and nothing stays mounted."""
+    if os.geteuid() != 0:
+        pytest.skip("starts a server as another uid: needs root")
+    python = _python_for(NON_ROOT_UID)
+    if python is None:
+        pytest.skip(f"no Python that uid {NON_ROOT_UID} may run has this checkout's dependencies")
+    home = world.scratch / "non-root"
+    home.mkdir(mode=0o700)
+    os.chown(home, NON_ROOT_UID, NON_ROOT_UID)
+    sock = home / "s.sock"
+    server = subprocess.Popen([*python, "-m", "sandbox_client", "serve", "--socket", str(sock), "--state-dir",
+                               str(home / "state")], cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+
+    async def fill() -> tuple[dict, ExecResult]:
+        deadline = time.monotonic() + 30
+        while server_pid(sock) != server.pid and time.monotonic() < deadline and server.poll() is None:
+            await asyncio.sleep(0.05)
+        async with await SandboxClient.connect(sock) as client:
+            async with await client.create(Limits(timeout_s=10, disk_mib=4)) as sb:
+                return await client.info(), await sb.exec(["python3", "-c", DISK_FILL, "bytes"])
+
+    try:
+        info, r = asyncio.run(fill())
+    finally:
+        server.terminate()
+        log = server.communicate(timeout=30)[0]
+    assert info["disk_quota"] and r.stdout == b"ENOSPC 4\n", log
+    assert str(home) not in Path("/proc/self/mounts").read_text()

@@ -43,7 +43,7 @@ bottom-up: records, fail points and dispatch import nothing; the store sits on t
 store; the recipe on dispatch and checkpoints (a teacher may be `RUN_DIR:STEP`); one optimizer step (train) on
 the recipe; the runtime on train; the algorithms on all of it; the command line on top."""
 
-PLUGIN_LOADERS = {"rewards.config", "rewards.verifiers", "rewards.dataset_io"}
+PLUGIN_LOADERS = {"rewards.config", "rewards.verifiers", "rewards.reward_functions", "rewards.dataset_io"}
 """The modules that import a user's module by name (a custom task, a `python:` verifier, an optional reader)."""
 
 MAX_MODULES = 12

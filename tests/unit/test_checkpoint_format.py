@@ -396,9 +396,12 @@ def test_deeply_nested_msgpack_is_refused_before_it_is_built():
 
 def test_no_pickle_or_torch_load_in_the_code_base():
     """Loading never unpickles (issue #12): no pickle, torch.load or torch.distributed.checkpoint anywhere
-    but in the tests that plant a poisoned pickle on purpose."""
+    but in the tests that plant a poisoned pickle on purpose, and in rewards/supervised.py, whose child process
+    unpickles only what its own parent (the job) sent it over a private pipe, as multiprocessing does; its replies
+    to the job are JSON, checked and never unpickled."""
+    trusted_pipe = ROOT / "rewards" / "supervised.py"
     pattern = re.compile(r"\bimport pickle\b|\bpickle\.load|torch\.load\(|distributed\.checkpoint|weights_only=False")
     offenders = [str(p.relative_to(ROOT)) for d in ("model", "rollout", "rewards", "teachers", "rl", "bench", "tests")
-                 for p in (ROOT / d).rglob("*.py") if p.name != "test_resume.py" and p != Path(__file__)
+                 for p in (ROOT / d).rglob("*.py") if p.name != "test_resume.py" and p not in (Path(__file__), trusted_pipe)
                  and pattern.search(p.read_text())]
     assert offenders == []

@@ -114,7 +114,7 @@ def _exit_table(path: Path) -> list[str]:
 
 
 def test_the_readme_lists_every_rl_command():
-    from rl.cli.main import build_parser
+    from rl.cli.commands import build_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     listed = set(re.findall(r"^\| `rl (\w+)", README.read_text(encoding="utf-8"), re.M))

@@ -365,7 +365,7 @@ def test_config_modules_do_not_import_torch():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Through the real console entry point (needs rl/cli/main.py)
+# Through the real console entry point (needs rl/cli/commands.py)
 
 
 def _env() -> dict[str, str]:

@@ -18,7 +18,7 @@ from rl.store.trajectories import StoreError, TrajectoryStore, decode_array
 from rl.store.db import alembic_config, head_revision, schema_state, sqlite_url, upgrade_store
 from tests.unit.test_store import make_sample
 
-HEAD = "0005"
+HEAD = "0006"
 """The newest schema revision (rl/store/migrations/versions)."""
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -64,7 +64,7 @@ def legacy_run(tmp_path: Path, which: str) -> Path:
     return run_dir
 
 
-def test_head_is_0005_and_the_baseline_is_d07e8ae_exactly(tmp_path):
+def test_head_is_0006_and_the_baseline_is_d07e8ae_exactly(tmp_path):
     from alembic import command
 
     assert head_revision() == HEAD

@@ -78,19 +78,16 @@ def test_math_times_out_on_a_pathological_answer_instead_of_hanging():
     assert (v.correct, v.reason) == (False, "parsed 9^{9^{9^{9}}}, comparing with 42 timed out (1 s)")
 
 
-def test_math_off_the_main_thread_runs_in_a_child_process_that_is_killed_when_it_overruns(monkeypatch):
+def test_math_off_the_main_thread_runs_in_a_child_process_that_is_killed_when_it_overruns():
     out = []
     worker = threading.Thread(target=lambda: out.append(V.math_verdict("The answer is 42.", "42")))
     worker.start()
     worker.join(120)
     assert out == [Verdict(1.0, True, "parsed 42", answered=True)]
-    monkeypatch.setattr(V, "_CHILD_START_S", -3.95)  # the parent waits 0.05 s: the child overruns, is killed
-    worker = threading.Thread(target=lambda: out.append(V.math_verdict(r"\boxed{9^{9^{9^{9}}}}", "42", timeout_s=1,
-                                                                          literal_numbers=False)))
-    worker.start()
-    worker.join(60)
-    assert out[1] == Verdict(0.0, False, "math verification timed out in its child process (1 s limits)")
-    assert V._child_pool is None  # the next call starts a fresh child
+    # a limit of 0.05 s: the child overruns and is killed (its process group with it); the next call gets a fresh one
+    assert V._in_child(V._math_verdict_here, (r"\boxed{9^{9^{9^{9}}}}", "42", 1, False), 0.05, "timed out") == \
+        Verdict(0.0, False, "timed out")
+    assert V._in_child(V._math_verdict_here, ("The answer is 42.", "42", 1, True), 30, "timed out").correct
 
 
 def test_a_batch_off_the_main_thread_is_one_child_call_with_the_main_threads_verdicts(monkeypatch):
@@ -183,7 +180,7 @@ def test_a_python_reward_function_that_hangs_is_stopped_and_the_next_call_works(
     worker = threading.Thread(target=lambda: out.append(_judge(spec, "x", "42")))
     worker.start()
     worker.join(30)
-    assert out == [Verdict(0.0, False, "reward function tests.tasks.reward_fns:hangs timed out in its child process (1.5 s)")]
+    assert out == [Verdict(0.0, False, "the reward function did not return within 1.5 s")]
     assert time.monotonic() - t0 < 10
     assert _judge({**spec, "function": "tests.tasks.reward_fns:echo_length"}, " 42 ", "42").correct  # a fresh child
 
@@ -196,4 +193,4 @@ def test_python_reward_function_results_become_verdicts():
                   "about 40", "42", {"hint": "40"}).correct
     assert _judge(fn + "graded", "x", "42", {"q": "7"}) == Verdict(0.25, False, "graded 7")
     assert _judge(fn + "raises", "x", "42") == Verdict(0.0, False, "reward function error: RuntimeError: boom")
-    assert _judge(fn + "returns_none", "x", "42") == Verdict(0.0, False, "reward function returned None, not Verdict | float | bool")
+    assert _judge(fn + "returns_none", "x", "42") == Verdict(0.0, False, "the reward function returned None, not Verdict | float | bool")

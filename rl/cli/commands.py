@@ -2,7 +2,7 @@
 
     rl validate RECIPE [--set a.b=c ...]
     rl train RECIPE [--run-dir DIR] [--resume RUN_DIR] [--set a.b=c ...]
-    rl resume RUN_DIR [--set a.b=c ...]       continue a preempted or killed run from its checkpoint
+    rl resume RUN_DIR [--set a.b=c ...] [--new-identity]   continue a preempted or killed run from its checkpoint
     rl reconfigure RUN_DIR [PATCH.yaml] [--set mixture.arith=2 ...]   change a running job live
     rl traj ls RUN_DIR [filters]      rl traj show RUN_DIR SAMPLE_ID
     rl eval RUN_DIR [--effort 10,25,50,75,90,100]
@@ -21,6 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from configbase import finite_float
 from rl.recipe_io import RecipeError, load_recipe
 from rl.cli.db import add_db_parser
 from rl.cli.eval import add_eval_parser
@@ -32,9 +33,16 @@ from rl.cli.traj import add_traj_parser
 EXIT_BAD_INPUT = 2
 EXIT_PREEMPTED = 3
 EXIT_WORKER_FAILED = 4
+EXIT_DIVERGED = 5
 """Exit codes (README "Exit codes"): 0 done, 1 internal error (a traceback), 2 bad input or refused (one line),
 3 preempted by SIGTERM/SIGINT with a checkpoint written: `rl resume` continues it (a scheduler requeues on 3),
-4 a worker died or hung: `rl resume` continues from the newest checkpoint (requeue too)."""
+4 a worker died or hung: `rl resume` continues from the newest checkpoint (requeue too), 5 the training diverged (a
+non-finite loss or gradient norm at step N, not applied): the newest checkpoint is the last good one; fix the recipe
+(a lower lr), then `rl resume RUN_DIR --set ...` (do not requeue as is: it would diverge again)."""
+EXIT_INTERRUPTED = 130
+"""SIGINT (Ctrl-C) while a command starts, before a job installs its own handler (whose first SIGINT writes a
+checkpoint and exits 3, its second exits 130 at once): 128 + SIGINT, as a shell reports it; nothing new to resume."""
+INTERRUPTED = "interrupted (SIGINT)"
 
 
 def _add_recipe_args(p: argparse.ArgumentParser) -> None:
@@ -46,12 +54,19 @@ def _add_recipe_args(p: argparse.ArgumentParser) -> None:
 def cmd_validate(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     from rewards.procedural import ProceduralTask
+    from rl.algo.prompt_lengths import check_prompt_lengths  # the first rows of files; the job checks every row
+    from rl.algo.rendering import Renderer
     from rl.runtime.memory import check  # torch (a meta-device model): after the recipe itself checked out
 
     try:
-        for task in (d.build() for d in recipe.datasets):
+        tasks = {d.name: d.build() for d in recipe.datasets}
+        for task in tasks.values():
             if isinstance(task, ProceduralTask):  # its held-out set, drawn in milliseconds (files: the job scans them)
                 task.scan()
+        renderer = Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
+                            tools=recipe.tools.declared() if recipe.tools else None)
+        check_prompt_lengths(renderer, tasks, recipe.engine.overlong_prompts, recipe.effort.levels if recipe.effort else (),
+                             preview=True)
         memory = check(recipe)
     except ValueError as e:
         print(f"rl validate: {e}", file=sys.stderr)
@@ -77,32 +92,42 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if not (run_dir / "recipe.yaml").is_file():
         raise RecipeError(str(run_dir), "not a run directory (no recipe.yaml)")
     return _train(load_recipe(run_dir / "recipe.yaml", args.overrides), run_dir, "rl resume", resume=True,
-                  break_lock=args.break_lock)
+                  break_lock=args.break_lock, new_identity=args.new_identity)
 
 
-def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = False, break_lock: bool = False) -> int:
+def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = False, break_lock: bool = False,
+           new_identity: bool = False) -> int:
     from model.chat_template import ChatTemplateError
     from model.formats import CheckpointFormatError
     from model.kv_cache import KVFormatDeviceError
     from rewards.dataset_io import DatasetError
+    from rewards.verifiers import RewardFunctionFailed
     from rl.checkpoint.format import CheckpointError
-    from rl.algo.driver import train  # heavy: torch
+    from rl.algo.driver import Diverged, train  # heavy: torch
     from rl.checkpoint.run_dir import RunDirError
     from rl.runtime.placement import PlacementError
     from rl.runtime.groups import WorkerFailure
     from rl.runtime.sandbox_nodes import SandboxStartError
     from rl.store.db import StoreError
     from rollout.engine import KVPoolSizeError
+    from configbase.files import WriteRefused
 
     try:
-        summary = train(recipe, run_dir, resume=resume, overwrite=overwrite, break_lock=break_lock)
+        summary = train(recipe, run_dir, resume=resume, overwrite=overwrite, break_lock=break_lock,
+                        new_identity=new_identity)
     except (CheckpointError, CheckpointFormatError, ChatTemplateError, StoreError, DatasetError, RunDirError,
-            SandboxStartError, PlacementError, KVPoolSizeError, KVFormatDeviceError) as e:
+            SandboxStartError, PlacementError, KVPoolSizeError, KVFormatDeviceError, WriteRefused) as e:
         print(f"{prefix}: {str(e).strip().splitlines()[-1]}", file=sys.stderr)  # a worker's: its own last line
         return EXIT_BAD_INPUT
     except WorkerFailure as e:
         print(f"{prefix}: {e}" + ("" if e.at_start else f"; the newest checkpoint holds: rl resume {run_dir}"), file=sys.stderr)
         return EXIT_BAD_INPUT if e.at_start else EXIT_WORKER_FAILED
+    except Diverged as e:
+        print(f"{prefix}: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except RewardFunctionFailed as e:  # a `python:` verifier that keeps failing; from a Ray actor, its `cause`
+        print(f"{prefix}: {getattr(e, 'cause', None) or e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print("RESULT " + " ".join(f"{k}={v}" for k, v in summary.items()))
     return EXIT_PREEMPTED if summary.get("preempted") else 0
 
@@ -138,13 +163,18 @@ def cmd_reconfigure(args: argparse.Namespace) -> int:
               "nothing was queued", file=sys.stderr)
         return EXIT_BAD_INPUT
     pid = rc.submit(run_dir, patch)
-    answer = rc.wait_answer(run_dir, pid, args.wait)
+    answer = rc.wait_answer(run_dir, pid, args.wait, alive=lambda: running_job(run_dir) is not None)
+    if answer is None and running_job(run_dir) is None:  # the job ended without answering: nothing may linger
+        print("rl reconfigure: the job stopped before answering; " + (
+            "the patch was withdrawn, nothing changed" if rc.withdraw(run_dir, pid) else
+            "it was validating the patch, which a resume refuses"), file=sys.stderr)
+        return EXIT_BAD_INPUT
     if answer is None:
         print(f"queued: patch {pid} waits in {rc.inbox(run_dir)}; the job applies it at its next token boundary "
               f"(no answer within {args.wait:g} s: is the job running, or in an SFT stage?)")
         return 0
-    if answer["status"] != "applied":
-        print(f"rl reconfigure: patch refused by the running job: {answer['reason']}", file=sys.stderr)
+    if answer["status"] != "applied":  # the job validated it (rl/reconfigure.py) and runs on unchanged
+        print(f"rl reconfigure: the job refused the patch: {answer['reason']}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(f"applied: config version {answer['version']} at train step {answer['train_step']}: {answer['patch']}")
     return 0
@@ -187,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="run directory")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field (compatible changes only: budgets, logging, lr, ...)")
+    p.add_argument("--new-identity", action="store_true",
+                   help="resume this run directory as a new run in its store (a copy of a run: its rows up to the "
+                        "checkpoint are copied under a new run id; the original's stay its own)")
     _add_break_lock(p)
     p.set_defaults(func=cmd_resume)
     p = sub.add_parser("reconfigure", help="change a running job's dataset mixture, caps or teachers")
@@ -194,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("patch", nargs="?", help="YAML patch: mixture, dataset_max_inflight, teachers, add_teachers")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="patch field, e.g. --set mixture.reverse=3 --set teachers.reverse=t07 (repeatable)")
-    p.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the job's answer")
+    p.add_argument("--wait", type=finite_float, default=60.0, help="seconds to wait for the job's answer")
     p.set_defaults(func=cmd_reconfigure)
     p = sub.add_parser("sandbox", help="run the sandbox server of this node (sandbox_client/)", add_help=False)
     p.add_argument("action", choices=["serve"], help="serve: run a sandbox server until SIGTERM/SIGINT")
@@ -216,6 +249,22 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(f"rl {args.command}: recipe error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BaseException as e:  # SIGINT before a job's own handler (rl/checkpoint/preempt.py) took it over
+        if not _interrupted(e):
+            raise
+        print(f"rl {args.command}: {INTERRUPTED}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _interrupted(e: BaseException | None) -> bool:
+    """A KeyboardInterrupt, or an error raised while unwinding from one (cleanup code that meets a module whose import
+    the interrupt cut short, e.g. numpy's): either way the user's Ctrl-C, and one line."""
+    seen = 0
+    while e is not None and seen < 20:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e, seen = e.__context__, seen + 1
+    return False
 
 
 if __name__ == "__main__":
