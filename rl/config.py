@@ -315,7 +315,8 @@ class SandboxConfig(StrictConfig):
     which many jobs may share); None (default): `auto` when the recipe has tools, else no sandbox (verifiers get
     no code runner)."""
     limits: Limits = Field(default_factory=Limits)
-    """Per-run limits: memory_mib, cpu_s, max_processes, timeout_s, output_bytes, file_mib, snapshot_mib."""
+    """Per-run limits: memory_mib, cpu_s, max_processes, timeout_s, output_bytes, file_mib, snapshot_mib, disk_mib,
+    disk_inodes."""
     backend: Literal["bwrap", "process"] = "bwrap"
     """Isolation of the servers the job starts (`auto`): bwrap (namespaces + cgroups, strong) or process
     (rlimits only, weak: for machines without user namespaces). A server started apart has its own."""
