@@ -12,14 +12,17 @@ once on the unmutated copy; if it fails the script stops (a mutant is killed onl
 
     python bench/mutants.py --quick            # the mutations with fast covering tests (a few minutes on CPU)
     python bench/mutants.py                    # all of them (adds ones covered only by slow integration tests)
+    python bench/mutants.py --new              # only the mutations of the newer modules (issue #40, class 8)
     python bench/mutants.py --only disp-cap-ignores-group-size     # one (repeatable)
     python bench/mutants.py --list             # the table of mutations, nothing run
 
 Mutants run one after another (on 2 cores, parallel torch processes only slow each other down). The child
 processes import the scratch copy (PYTHONPATH), write no bytecode (a stale .pyc of the same size and second
 could hide a mutation) and use OMP_WAIT_POLICY=PASSIVE (spinning OpenMP threads made torch tests up to 50x
-slower while other jobs shared the two cores). Last line:
-RESULT mutants=<n> killed=<k> kill_rate=<r> survived=<ids> minutes=<m>
+slower while other jobs shared the two cores). Last line (`_new`: the mutations of the modules written since
+this bench's first version, issue #40 class 8: loop normalisers, staleness masks, checkpoint records, explicit
+checkpoint steps, loaders, verifiers, effort, tool turns, sandbox limits; `--new` runs only those):
+RESULT mutants=<n> kill_rate=<r> mutants_new=<m> kill_rate_new=<q> killed=<k> survived=<ids> minutes=<t>
 """
 
 from __future__ import annotations
@@ -59,9 +62,18 @@ class Mutant:
     """Test files or node ids that cover the mutated code (run in the scratch copy)."""
     quick: bool = True
     """Part of `--quick` (its covering tests are fast)."""
+    new: bool = False
+    """Of the modules written since this bench's first version (issue #40, class 8): reported apart."""
 
 
 M = Mutant
+
+
+def N(*args, **kwargs) -> Mutant:
+    """A mutant of the newer modules (`Mutant.new`)."""
+    return Mutant(*args, **kwargs, new=True)
+
+
 MUTANTS: list[Mutant] = [
     # -- rl/dispatch.py: policies, caps, off-policy bounds, warm-up discard, its checkpoint record ------------
     M("disp-sample-credit-off-by-one", "rl/dispatch.py",
@@ -121,7 +133,7 @@ MUTANTS: list[Mutant] = [
       'self._groups, self._ready = s["open"], s["ready"]',
       "a restored dispatcher forgets the prompt it drew but could not release", (CKPT, CKPT_FORMAT, DISPATCH_RULES)),
     M("disp-reconfigure-drops-caps", "rl/dispatch.py",
-      'update={"mixture": dict(mixture), "dataset_max_inflight": dict(caps)}', 'update={"mixture": dict(mixture)}',
+      '"dataset_max_inflight": dict(caps)})', "})",
       "live reconfiguration changes the mixture but not the caps", (DISPATCH, DISPATCH_RULES)),
 
     # -- rl/store/trajectories.py: rollback, mark_trained, set_outcome, config versions, audit ----------------------------
@@ -237,7 +249,9 @@ MUTANTS: list[Mutant] = [
       "a resume may replace a stage by one of another type", (CKPT, CKPT_RULES)),
     M("resume-rollback-before-check", "rl/algo/resume.py",
       '    check_resumable(recipe_from_yaml(state["recipe_yaml"]), recipe)\n'
+      '    if new_identity:\n        _fork(run_dir, store, state["watermark"], say)\n'
       '    undone = store.rollback_to(state["watermark"], checkpoint=str(path))\n',
+      '    if new_identity:\n        _fork(run_dir, store, state["watermark"], say)\n'
       '    undone = store.rollback_to(state["watermark"], checkpoint=str(path))\n'
       '    check_resumable(recipe_from_yaml(state["recipe_yaml"]), recipe)\n',
       "the store is rolled back before the recipe is checked: a refused resume has already changed it",
@@ -346,7 +360,7 @@ MUTANTS: list[Mutant] = [
       "(self.means.get(k, 0.0) + v) / (2 if k in self.means else 1)",
       "micro-batch means are averaged instead of weighted by their tokens", (TRAINER,)),
     M("trainer-grads-not-cleared", "rl/train/trainer.py",
-      "        self.opt.zero_grad(set_to_none=True)\n", "",
+      "        self.sched.step()\n        self.opt.zero_grad(set_to_none=True)\n", "        self.sched.step()\n",
       "gradients are not cleared after a step and leak into the next one", (TRAINER,)),
 
     # -- rl/reconfigure.py: live patches -----------------------------------------------------------------
@@ -377,6 +391,208 @@ MUTANTS: list[Mutant] = [
       "w = min(range(self.n_workers), key=self.load.__getitem__)",
       "w = max(range(self.n_workers), key=self.load.__getitem__)",
       "requests go to the most loaded engine", (RAY_RUNTIME,), quick=False),
+]
+
+
+# -- issue #40 class 8: the modules written since the first version (reported apart: `Mutant.new`) ----------------
+NORMS, LOSSES, OBJECTIVES = "tests/unit/test_normalisers.py", "tests/unit/test_losses.py", "tests/unit/test_objectives.py"
+MASKS = "tests/unit/test_staleness_masks.py"
+RECORDS, RUN_SPECS = "tests/unit/test_records_roundtrip.py", "tests/unit/test_run_specs.py"
+HF_DEFAULTS, FUSED_EXPERTS = "tests/unit/test_hf_config_defaults.py", "tests/unit/test_fused_experts.py"
+MATH_LITERALS, EFFORT, EFFORT_LEVELS = ("tests/unit/test_math_literals.py", "tests/unit/test_effort.py",
+                                        "tests/unit/test_effort_levels.py")
+TOOL_TIMEOUTS, EXEC_LIMITS = "tests/unit/test_tool_turn_limits.py", "tests/unit/test_exec_limits.py"
+
+MUTANTS += [
+    # -- rl/algo/async_grpo.py: the per-step normaliser the loop builds (tool turns, PPO mini-batches) ------------
+    N("norm-counts-tool-output", "rl/algo/async_grpo.py",
+      "num_tokens = float(sum(s.num_trained_tokens for s in samples))",
+      "num_tokens = float(sum(s.num_response_tokens for s in samples))",
+      "the step's normaliser counts tool-output tokens, which are never trained", (NORMS,)),
+    N("norm-mini-batch-whole-step", "rl/algo/async_grpo.py",
+      "norm = num_tokens * tokens / max(sum(trained), 1) if len(mini) > 1 else num_tokens", "norm = num_tokens",
+      "every mini-batch is divided by the whole step's tokens (each PPO update shrinks by the mini-batch count)",
+      (NORMS,)),
+    N("norm-mini-batch-share-counts-tool-output", "rl/algo/async_grpo.py",
+      "trained = [sum(s.num_trained_tokens for i in part for s in computed[i]) for part in mini]",
+      "trained = [sum(s.num_response_tokens for i in part for s in computed[i]) for part in mini]",
+      "a mini-batch's share of the normaliser counts its tool-output tokens", (NORMS,)),
+    N("norm-mini-batch-own-tokens", "rl/algo/async_grpo.py",
+      "norm = num_tokens * tokens / max(sum(trained), 1) if len(mini) > 1 else num_tokens",
+      "norm = tokens if len(mini) > 1 else num_tokens",
+      "a mini-batch is divided by its own tokens: the uniform groups the step skipped leave the normaliser", (NORMS,)),
+
+    N("opd-remap-moves-active-teachers", "rl/reconfigure.py",
+      "return dispatched if dispatched in self.active_teachers else self.teacher_for(dataset)",
+      "return self.teacher_for(dataset)",
+      "after a remap, in-flight samples of a teacher still in use move to their dataset's new teacher too", (NORMS,)),
+    N("opd-remap-keeps-removed-teacher", "rl/reconfigure.py",
+      "return dispatched if dispatched in self.active_teachers else self.teacher_for(dataset)", "return dispatched",
+      "in-flight samples of a teacher a patch removed are still scored by it", (NORMS,)),
+    N("opd-remap-not-stored", "rl/algo/async_grpo.py",
+      "                job.store.set_teacher(ids, name)\n", "                pass\n",
+      "the store keeps the removed teacher for samples another teacher scored", (NORMS,)),
+
+    # -- rl/train/losses.py, rl/train/objectives.py: staleness masks (GRPO, OPD's KL, KL to the reference) --------
+    N("mask-staleness-bound", "rl/train/losses.py",
+      "keep = ((current_version - versions) <= max_staleness).to(mask.dtype)",
+      "keep = ((current_version - versions) < max_staleness).to(mask.dtype)",
+      "tokens exactly max_staleness versions old are masked", (MASKS, LOSSES)),
+    N("mask-sample-frac-boundary", "rl/train/losses.py",
+      "keep = keep * (stale <= max_sample_stale_frac).to(mask.dtype)[:, None]",
+      "keep = keep * (stale < max_sample_stale_frac).to(mask.dtype)[:, None]",
+      "a sample whose stale share is exactly max_sample_stale_frac is dropped", (MASKS, LOSSES)),
+    N("mask-sample-frac-over-padding", "rl/train/losses.py",
+      "stale = ((1 - keep) * mask).sum(-1) / mask.sum(-1).clamp_min(1.0)", "stale = ((1 - keep) * mask).sum(-1) / mask.shape[-1]",
+      "a sample's stale share is taken over the padded row, not its response tokens", (MASKS, LOSSES)),
+    N("mask-sample-frac-counts-prompt", "rl/train/losses.py",
+      "stale = ((1 - keep) * mask).sum(-1)", "stale = (1 - keep).sum(-1)",
+      "a sample's stale share counts positions off the response (prompt, padding, tool output)", (MASKS, LOSSES)),
+    N("mask-normaliser-kept-only", "rl/train/losses.py",
+      "loss = (per_token * keep).sum() / x.num_tokens", "loss = (per_token * keep).sum() / keep.sum().clamp_min(1.0)",
+      "the GRPO loss is divided by the kept tokens, so masking rescales the others' gradient", (MASKS, LOSSES)),
+    N("mask-frac-not-passed", "rl/train/objectives.py",
+      "s.max_staleness, s.max_sample_stale_frac)", "s.max_staleness)",
+      "the objective never applies max_sample_stale_frac", (MASKS, OBJECTIVES)),
+    N("mask-opd-kl-unmasked", "rl/train/objectives.py",
+      "        weights = b.mask * keep\n", "        weights = b.mask\n",
+      "OPD's KL term trains on stale tokens the GRPO term masks", (MASKS, OBJECTIVES)),
+    N("mask-kl-ref-unmasked", "rl/train/objectives.py",
+      "loss = loss + s.kl_ref_coef * (k3 * keep).sum() / rows.num_tokens",
+      "loss = loss + s.kl_ref_coef * k3.sum() / rows.num_tokens",
+      "the KL-to-reference term trains on stale tokens", (MASKS, OBJECTIVES)),
+    N("mask-entropy-bonus-unmasked", "rl/train/objectives.py",
+      "kept, coef = b.mask * keep, s.entropy_coef", "kept, coef = b.mask, s.entropy_coef",
+      "the entropy bonus counts stale tokens", (MASKS, OBJECTIVES)),
+
+    # -- rl/algo/records.py: live-config and loop fields through a checkpoint round trip ---------------------------
+    N("rec-caps-not-saved", "rl/algo/records.py",
+      '"caps": dict(live.caps),', '"caps": {},',
+      "per-dataset caps a patch set are not written to the checkpoint", (RECORDS, CKPT_FORMAT)),
+    N("rec-caps-not-restored", "rl/algo/records.py",
+      'caps=dict(d["caps"]),', "caps={},",
+      "per-dataset caps are not restored from the checkpoint", (RECORDS, CKPT_FORMAT)),
+    N("rec-assignment-not-restored", "rl/algo/records.py",
+      'assignment=dict(d["assignment"]),', "assignment={},",
+      "the dataset -> teacher assignment a patch changed is not restored", (RECORDS, CKPT_FORMAT)),
+    N("rec-teachers-not-restored", "rl/algo/records.py",
+      'teachers={name: TeacherSpec.model_validate(spec) for name, spec in d["teachers"].items()},', "teachers={},",
+      "teachers a patch added are not restored", (RECORDS, CKPT_FORMAT)),
+    N("rec-live-version-reset", "rl/algo/records.py",
+      'LiveConfig(version=int(d["version"]),', "LiveConfig(version=0,",
+      "the live config's version restarts at 0 (a patch already held is applied again)", (RECORDS, CKPT_FORMAT)),
+    N("rec-teacher-of-dropped", "rl/algo/records.py",
+      '"teacher_of": dict(rec["teacher_of"])}', '"teacher_of": {}}',
+      "in-flight prompts forget the teacher they were dispatched under", (RECORDS, CKPT_FORMAT)),
+    N("rec-effort-of-dropped", "rl/algo/records.py",
+      '"effort_of": dict(rec["effort_of"]), "clock"', '"effort_of": {}, "clock"',
+      "in-flight samples forget their effort level", (RECORDS, CKPT_FORMAT)),
+
+    # -- rl/checkpoint/format.py, rl/checkpoint/run_specs.py: explicit --step / RUN:STEP checkpoints -------------
+    N("spec-step-unverified", "rl/checkpoint/format.py",
+      'p.name.startswith(f"step-{global_step:08d}-") and self.problem(p) is None), None)',
+      'p.name.startswith(f"step-{global_step:08d}-")), None)',
+      "an explicit --step / RUN:STEP checkpoint is not verified like the newest one", (RUN_SPECS,)),
+    N("spec-step-oldest", "rl/checkpoint/format.py",
+      "        return next((p for p in reversed(self.complete())\n", "        return next((p for p in self.complete()\n",
+      "of several checkpoints of one step, the oldest is taken", (RUN_SPECS,)),
+    N("spec-step-kept-in-path", "rl/checkpoint/run_specs.py",
+      "        text, step = head, int(tail)\n", "        step = int(tail)\n",
+      "RUN:STEP keeps ':STEP' in the directory it looks for", (RUN_SPECS,)),
+    N("spec-run-json-ignored", "rl/checkpoint/run_specs.py",
+      'if (path / "checkpoints").is_dir() or (path / "run.json").is_file():', 'if (path / "checkpoints").is_dir():',
+      "a run directory with no checkpoints yet is taken for a model path (no one-line 'no verified checkpoint')",
+      (RUN_SPECS,)),
+
+    # -- model/formats.py, model/conversion.py: Hugging Face config.json defaults and tensors -------------------------
+    N("hf-default-rms-eps", "model/formats.py",
+      '"rms_norm_eps": cfg.get("rms_norm_eps", 1e-6)', '"rms_norm_eps": cfg.get("rms_norm_eps", 1e-5)',
+      "a config.json without rms_norm_eps gets 1e-5, not transformers' 1e-6", (HF_DEFAULTS,)),
+    N("hf-default-tied", "model/formats.py",
+      'bool(cfg.get("tie_word_embeddings", False))', 'bool(cfg.get("tie_word_embeddings", True))',
+      "a config.json without tie_word_embeddings is taken as tied", (HF_DEFAULTS,)),
+    N("hf-default-rope-theta", "model/formats.py",
+      "float(theta if theta is not None else 10000.0)", "float(theta if theta is not None else 500000.0)",
+      "a config.json without rope_theta gets Llama 3's 500000, not transformers' 10000", (HF_DEFAULTS,)),
+    N("hf-default-norm-topk", "model/formats.py",
+      'bool(cfg.get("norm_topk_prob", False))', 'bool(cfg.get("norm_topk_prob", True))',
+      "a Qwen3-MoE config.json without norm_topk_prob renormalises the top-k weights", (HF_DEFAULTS,)),
+    N("hf-head-dim-ignored", "model/formats.py",
+      '"head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,', '"head_dim": cfg["hidden_size"] // heads,',
+      "an explicit head_dim (Qwen3: not hidden / heads) is ignored", (HF_DEFAULTS,)),
+    N("hf-fused-gate-up-swapped", "model/conversion.py",
+      "return [Piece(self.ours.format(**f), (), t[:, :inter]), Piece(self.up.format(**f), (), t[:, inter:])]",
+      "return [Piece(self.ours.format(**f), (), t[:, inter:]), Piece(self.up.format(**f), (), t[:, :inter])]",
+      "transformers 5's fused gate_up_proj is split up-first", (FUSED_EXPERTS,)),
+
+    # -- rewards/verifiers.py: the math verifier's literal-number rule ------------------------------------------------
+    N("math-fraction-for-integer", "rewards/verifiers.py",
+      "return not all(g.is_integer for g in numbers) and bool(_FRACTION.fullmatch(text))",
+      "return bool(_FRACTION.fullmatch(text))",
+      "a fraction ('84/2') is accepted for an integer reference", (MATH_LITERALS,)),
+    N("math-decimal-refused", "rewards/verifiers.py",
+      r'_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")',
+      r'_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)")',
+      "a decimal answer ('0.75') is refused as an expression", (MATH_LITERALS,)),
+    N("math-decimal-reference-unchecked", "rewards/verifiers.py",
+      'numbers = [g for g in gold if getattr(g, "is_Float", False) or (getattr(g, "is_number", False) and g.is_rational)]',
+      'numbers = [g for g in gold if getattr(g, "is_number", False) and g.is_rational]',
+      "a decimal reference (a sympy Float) is not seen as a number: any expression equal to it scores", (MATH_LITERALS,)),
+    N("math-spaced-fraction-refused", "rewards/verifiers.py",
+      r"\d+\s*/\s*\d+", r"\d+/\d+",
+      "a fraction written with spaces ('3 / 4') is refused for a fractional reference", (MATH_LITERALS,)),
+    N("math-trailing-period-refused", "rewards/verifiers.py",
+      '.strip("*$").strip().rstrip(".").strip()', '.strip("*$").strip()',
+      "'The answer is 42.' is refused: the sentence's period is read as part of the number", (MATH_LITERALS,)),
+    N("math-thousands-refused", "rewards/verifiers.py",
+      r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?", r"\d+(?:\.\d+)?",
+      "'1,000' is refused as an expression", (MATH_LITERALS,)),
+
+    # -- rewards/effort.py: effort levels ----------------------------------------------------------------------------
+    N("effort-two-levels-no-decay", "rewards/effort.py",
+      "        if len(self.levels) < 2:\n", "        if len(self.levels) <= 2:\n",
+      "with exactly two levels the penalty does not decay with effort", (EFFORT_LEVELS, EFFORT)),
+    N("effort-spacing-divides-by-count", "rewards/effort.py",
+      "(self.levels[-1] - self.levels[0]) / (len(self.levels) - 1)", "(self.levels[-1] - self.levels[0]) / len(self.levels)",
+      "the mean spacing divides the span by the level count, not the gaps", (EFFORT_LEVELS, EFFORT)),
+    N("effort-levels-unsorted", "rewards/effort.py",
+      "        return sorted(v)\n", "        return v\n",
+      "levels are kept in the recipe's order, so b_min is the first one written", (EFFORT_LEVELS, EFFORT)),
+    N("effort-lambda-ignored", "rewards/effort.py",
+      "return self.lam * (self.levels[-1]", "return (self.levels[-1]",
+      "τ ignores λ", (EFFORT_LEVELS, EFFORT)),
+    N("effort-cap-is-floor", "rewards/effort.py",
+      "return -min(self.c_max,", "return -max(self.c_max,",
+      "C_max is the smallest deduction instead of the largest", (EFFORT_LEVELS, EFFORT)),
+
+    # -- rl/runtime/tool_turns.py: tool turns ---------------------------------------------------------------------------
+    N("tools-timeout-larger-wins", "rl/runtime/tool_turns.py",
+      "timeout = min(self.timeout_s, self.limits.timeout_s)", "timeout = max(self.timeout_s, self.limits.timeout_s)",
+      "of tools.timeout_s and the sandbox's timeout_s the larger wins", (TOOL_TIMEOUTS,)),
+    N("tools-timeout-sandbox-ignored", "rl/runtime/tool_turns.py",
+      "timeout = min(self.timeout_s, self.limits.timeout_s)", "timeout = self.timeout_s",
+      "the sandbox's own timeout_s is ignored when tools.timeout_s is larger", (TOOL_TIMEOUTS,)),
+    N("tools-turn-limit-off-by-one", "rl/runtime/tool_turns.py",
+      "if p.tool_turns >= self.max_turns:", "if p.tool_turns > self.max_turns:",
+      "a sample makes one tool call more than max_turns", (TOOL_TIMEOUTS,)),
+    N("tools-killed-call-not-a-failure", "rl/runtime/tool_turns.py",
+      '"failure": None if r.reason == "ok" else r.reason}', '"failure": None}',
+      "a call the sandbox killed (timeout, memory) is appended as output instead of failing its sample",
+      (TOOL_TIMEOUTS,)),
+
+    # -- sandbox_client/: the limits of one exec and of a work directory ----------------------------------------------
+    N("sandbox-exec-timeout-ignored", "sandbox_client/server.py",
+      "float(timeout or sb.limits.timeout_s))", "float(sb.limits.timeout_s))",
+      "an exec's own timeout is ignored: the sandbox's (30 s by default) always applies", (EXEC_LIMITS,)),
+    N("sandbox-output-at-cap-truncated", "sandbox_client/runner.py",
+      "            if len(chunk) > room:\n", "            if len(chunk) >= room:\n",
+      "output of exactly output_bytes is reported truncated and its exec killed", (EXEC_LIMITS,)),
+    N("sandbox-file-limit-in-kib", "sandbox_client/backends.py",
+      'f"--fsize={limits.file_mib * MIB}"', 'f"--fsize={limits.file_mib << 10}"',
+      "RLIMIT_FSIZE is set in KiB where file_mib is MiB: every file over a few KiB fails", (EXEC_LIMITS,)),
+    N("sandbox-disk-cap-is-memory", "sandbox_client/server.py",
+      "mount_capped(work, limits.disk_mib * MIB,", "mount_capped(work, limits.memory_mib * MIB,",
+      "the work directory is sized by memory_mib instead of disk_mib", (EXEC_LIMITS,)),
 ]
 
 
@@ -450,17 +666,17 @@ def run_all(chosen: list[Mutant], files: list[str], scratch: Path, timeout: floa
         raise SystemExit(f"the covering tests fail without any mutation:\n{tail}")
 
     rows = []
-    print(f"{'id':40s} {'file':22s} {'killed':8s} {'seconds':>7s}")
+    print(f"{'id':40s} {'file':22s} {'killed':8s} {'seconds':>7s}  (new: issue #40's modules)")
     for m in chosen:
         tree = scratch / m.id
         shutil.copytree(base, tree)
         apply(m, tree)
         verdict, secs, tail = run_tests(tree, list(m.tests), timeout)
         killed = verdict != "pass"
-        rows.append({"id": m.id, "file": m.file, "bug": m.bug, "tests": list(m.tests), "quick": m.quick,
+        rows.append({"id": m.id, "file": m.file, "bug": m.bug, "tests": list(m.tests), "quick": m.quick, "new": m.new,
                      "verdict": verdict, "killed": killed, "seconds": round(secs, 1), "tail": tail})
         label = "timeout" if verdict == "timeout" else ("yes" if killed else "SURVIVED")
-        print(f"{m.id:40s} {m.file:22s} {label:8s} {secs:7.1f}", flush=True)
+        print(f"{m.id:40s} {m.file:22s} {label:8s} {secs:7.1f}{'  new' if m.new else ''}", flush=True)
         if not keep:
             shutil.rmtree(tree, ignore_errors=True)
     return rows
@@ -470,6 +686,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="only the mutations with fast covering tests")
     ap.add_argument("--only", action="append", default=[], help="run this mutation id (repeatable)")
+    ap.add_argument("--new", action="store_true", help="only the mutations of the newer modules (Mutant.new)")
     ap.add_argument("--list", action="store_true", help="print the mutations and exit")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mutant's test run (a timeout counts as killed)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "mutants.json"), help="JSON results")
@@ -486,11 +703,11 @@ def main() -> None:
     if args.only:
         chosen = [m for m in MUTANTS if m.id in args.only]
     else:
-        chosen = [m for m in MUTANTS if m.quick or not args.quick]
+        chosen = [m for m in MUTANTS if (m.quick or not args.quick) and (m.new or not args.new)]
     if args.list:
         for m in chosen:
-            print(f"{m.id:40s} {m.file:22s} {'quick' if m.quick else 'full':5s}  {m.bug}")
-        print(f"{len(chosen)} mutations")
+            print(f"{m.id:40s} {m.file:22s} {'quick' if m.quick else 'full':5s} {'new' if m.new else 'old':3s}  {m.bug}")
+        print(f"{len(chosen)} mutations ({sum(m.new for m in chosen)} new)")
         return
 
     t_start = time.monotonic()
@@ -508,6 +725,8 @@ def main() -> None:
             shutil.rmtree(scratch, ignore_errors=True)
 
     n, k = len(rows), sum(r["killed"] for r in rows)
+    fresh = [r for r in rows if r["new"]]
+    n_new, k_new = len(fresh), sum(r["killed"] for r in fresh)
     survived = [r["id"] for r in rows if not r["killed"]]
     by_file: dict[str, list[int]] = {}
     for r in rows:
@@ -515,12 +734,16 @@ def main() -> None:
         by_file[r["file"]][0] += 1
         by_file[r["file"]][1] += r["killed"]
     print("\nper module: " + ", ".join(f"{f} {kk}/{nn}" for f, (nn, kk) in sorted(by_file.items())))
+    if n_new:
+        print(f"old modules: {k - k_new}/{n - n_new} killed; new modules (issue #40): {k_new}/{n_new} killed")
     minutes = (time.monotonic() - t_start) / 60
-    result = {"mutants": n, "killed": k, "kill_rate": round(k / n, 3) if n else 0.0, "survived": survived,
+    result = {"mutants": n, "killed": k, "kill_rate": round(k / n, 3) if n else 0.0, "mutants_new": n_new,
+              "killed_new": k_new, "kill_rate_new": round(k_new / n_new, 3) if n_new else 0.0, "survived": survived,
               "minutes": round(minutes, 2), "quick": args.quick, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"RESULT mutants={n} killed={k} kill_rate={result['kill_rate']:.3f} survived={','.join(survived) or '-'} "
+    print(f"RESULT mutants={n} kill_rate={result['kill_rate']:.3f} mutants_new={n_new} "
+          f"kill_rate_new={result['kill_rate_new']:.3f} killed={k} survived={','.join(survived) or '-'} "
           f"minutes={minutes:.1f}")
 
 
