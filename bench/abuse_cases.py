@@ -641,6 +641,13 @@ def _identity(w, add) -> None:
         assert r.returncode == 0, r.stderr[-1000:]
         return recipe, db
 
+    def fallen_behind_copy(d: Path) -> None:
+        """d/orig trained to step 2 on the shared store, copied to d/copy, then resumed to step 4."""
+        shared_run(d)
+        shutil.copytree(d / "orig", d / "copy", ignore=shutil.ignore_patterns(".lock"))
+        r = _rl("resume", str(d / "orig"), "--set", "stages.0.max_steps=4")
+        assert r.returncode == 0, r.stderr[-1000:]
+
     def original_kept(d: Path) -> str | None:
         run_id = json.loads((d / "orig" / "run.json").read_text())["run_id"]
         with sqlite3.connect(f"file:{d / 'shared' / 'store.db'}?mode=ro", uri=True) as c:
@@ -650,19 +657,13 @@ def _identity(w, add) -> None:
     @add("identity", "a copy that fell behind resumed against the shared store", may_write=("copy",),
          check=original_kept, should_end_s=60)
     def _(d):
-        shared_run(d)
-        shutil.copytree(d / "orig", d / "copy", ignore=shutil.ignore_patterns(".lock"))
-        r = _rl("resume", str(d / "orig"), "--set", "stages.0.max_steps=4")
-        assert r.returncode == 0, r.stderr[-1000:]
+        fallen_behind_copy(d)
         return ["resume", str(d / "copy"), "--set", "stages.0.max_steps=6"]
 
     @add("identity", "the same copy resumed with --new-identity", want_rc=0, may_write=("copy", "shared"),
          check=original_kept, should_end_s=60)
     def _(d):
-        shared_run(d)
-        shutil.copytree(d / "orig", d / "copy", ignore=shutil.ignore_patterns(".lock"))
-        r = _rl("resume", str(d / "orig"), "--set", "stages.0.max_steps=4")
-        assert r.returncode == 0, r.stderr[-1000:]
+        fallen_behind_copy(d)
         return ["resume", str(d / "copy"), "--new-identity", "--set", "stages.0.max_steps=6"]
 
     @add("identity", "a directory moved to another path resumes (same newest step)", want_rc=0,
