@@ -62,10 +62,14 @@ class HostWorld:
         self.scratch.chmod(0o711)  # sandbox uids traverse it to their work directories
         for path in self.canaries:
             path.write_text(f"canary {self.secret}\n")
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen()
-        self.listener.setblocking(False)
-        self.server = self.start_server("main", max_sandboxes=self.max_sandboxes)
+        try:
+            self.listener.bind(("127.0.0.1", 0))
+            self.listener.listen()
+            self.listener.setblocking(False)
+            self.server = self.start_server("main", max_sandboxes=self.max_sandboxes)
+        except BaseException:  # a server that does not start leaves no canary behind either
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
