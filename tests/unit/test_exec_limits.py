@@ -4,27 +4,18 @@ while a smaller one is written, and the reason names the limit that ended the co
 second; tests/integration/test_sandbox_hostile.py has the hostile programs."""
 
 import asyncio
-import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
-from sandbox_client import Limits, LocalServer, SandboxClient
+from tests.sandbox_server import bwrap_server
+from sandbox_client import Limits, SandboxClient
 
 
 @pytest.fixture(scope="module")
 def socket_path():
-    if shutil.which("bwrap") is None and os.environ.get("CI") != "true":
-        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap; .ci/run does)")
-    scratch = Path(tempfile.mkdtemp(prefix="asyncrl-exec-limits-"))
-    scratch.chmod(0o711)
-    srv = LocalServer(scratch / "s.sock", scratch / "state", max_sandboxes=4)
-    yield scratch / "s.sock"
-    srv.stop()
-    shutil.rmtree(scratch, ignore_errors=True)
+    with bwrap_server("asyncrl-exec-limits-") as (_, path):
+        yield path
 
 
 def _exec(socket_path, limits: Limits, *, command: str | None = None, code: str | None = None,

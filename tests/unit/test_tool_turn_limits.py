@@ -4,11 +4,7 @@ of being appended as output; a sample that already made `max_turns` calls is fin
 engine (tiny model, char tokenizer) and a real sandbox server (bubblewrap); each sample starts paused at its call,
 as in tests/integration/test_tool_turns.py."""
 
-import os
-import shutil
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +16,8 @@ from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.tool_calls import PYTHON_TOOL
 from rollout.types import GenerationRequest, RolloutState
-from sandbox_client import Limits, LocalServer
+from tests.sandbox_server import bwrap_server
+from sandbox_client import Limits
 from tests.conftest import debug_config
 
 SLEEP = "```python\nimport time; time.sleep(10); print('late')\n```"
@@ -29,14 +26,8 @@ PRINT = "```python\nprint(6*7)\n```"
 
 @pytest.fixture(scope="module")
 def socket_path():
-    if shutil.which("bwrap") is None and os.environ.get("CI") != "true":
-        pytest.skip("bubblewrap is not installed (apt-get install bubblewrap; .ci/run does)")
-    scratch = Path(tempfile.mkdtemp(prefix="asyncrl-tool-limits-"))
-    scratch.chmod(0o711)
-    srv = LocalServer(scratch / "s.sock", scratch / "state", max_sandboxes=4)
-    yield scratch / "s.sock"
-    srv.stop()
-    shutil.rmtree(scratch, ignore_errors=True)
+    with bwrap_server("asyncrl-tool-limits-") as (_, path):
+        yield path
 
 
 def _run(socket_path, turn: str, *, tools_timeout: float, sandbox_timeout: float, max_turns: int = 2,
