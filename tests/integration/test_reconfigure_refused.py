@@ -38,7 +38,9 @@ RECIPE = {
     "runtime": {"ray": False},
     "stages": [{"type": "grpo", "max_steps": 4, "prompts_per_step": 2, "group_size": G, "micro_batch_size": 8,
                 "steps_per_call": 2, "dispatch": {"policy": "sample", "max_inflight": 8}}],
-    "checkpoint": {"every_steps": 2, "keep_last": 2},
+    # written in place: a crash "after the step-2 checkpoint" must find it committed (a background write commits at
+    # the first step after it is done, which a slow machine may not reach before the crash)
+    "checkpoint": {"every_steps": 2, "keep_last": 2, "background": False},
     "eval": {"max_problems": 2},
     "logging": {"wandb": False, "progress_bar": False},
 }
