@@ -33,6 +33,7 @@ from model.eager_ops import rms_norm_eager, rope_eager  # noqa: F401  (the kerne
 from model.config import ModelConfig, MoEFFNConfig, RopeScalingConfig
 from model.kv_cache import PagedBatch, fake_quant, kv_format
 from model.sparse_attention import CSA2Attention, CSA2Cache, SharedState
+from model.varlen import PackedSequences, varlen_attention
 
 
 def is_dtensor(t) -> bool:
@@ -162,12 +163,18 @@ class Attention(nn.Module):
         q, k, v = decode_fused.qkv_norm_rope(qkv, cos, sin, self.num_heads, self.num_kv_heads, *norm_w, eps, cache)
         return self._attend(q, k, v, batch, written=cache is not None)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch | None,
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch | PackedSequences | None,
                 written: bool = False) -> torch.Tensor:
         """q [B, T, H, D], k, v [B, T, KVH, D] (after RoPE) -> o_proj(attention) [B, T, hidden], writing K/V to
-        the paged cache unless `written` (the rollout path's kernel has put them there, bf16 format)."""
+        the paged cache unless `written` (the rollout path's kernel has put them there, bf16 format). `batch`: the
+        engine's paged batch, a packed training forward's rows (model/varlen.py: B = 1, a document mask), or None."""
         B, T = q.shape[:2]
         gqa = self.num_heads != self.num_kv_heads
+        if isinstance(batch, PackedSequences):
+            if self.qat_format is not None:
+                k, v = fake_quant(k, self.qat_format), fake_quant(v, self.qat_format)
+            out = varlen_attention(q, k, v, batch)  # [1, N, H, D]
+            return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
         if batch is None or batch.is_prefill:
             # Training and prefill: causal attention over the (right-padded) tokens themselves.
             if batch is not None and not written:
@@ -390,8 +397,13 @@ class Decoder(nn.Module):
         csa2_cache: CSA2Cache | None = None,
         compute_indexer_loss: bool = False,
         indexer_query_mask: torch.Tensor | None = None,
+        packed: PackedSequences | None = None,
     ) -> DecoderOutput:
         """input_ids, positions [B, T]; routing_replay [B, T, num_layers, top_k] or None.
+
+        packed: input_ids [1, N] holds several rows back to back (model/varlen.py), attended with a document mask;
+        positions must restart at every row (`PackedSequences.positions`). Training only (no paged batch), dense
+        attention only: a CSA2 layer's compressed entries and indexer span the whole sequence, so CSA2 trains padded.
 
         checkpoint_layers: recompute each layer in the backward pass (training only). A layer's
         replayed expert ids are an argument of that layer, so the recomputation reuses exactly the
@@ -409,6 +421,8 @@ class Decoder(nn.Module):
             raise ValueError("a CSA2 model takes csa2_cache (positions continue from it), not a paged batch or positions")
         if not sparse and (csa2_cache is not None or compute_indexer_loss):
             raise ValueError("csa2_cache / compute_indexer_loss need config.sparse_attention")
+        if packed is not None and (sparse or batch is not None or positions is None or input_ids.shape[0] != 1):
+            raise ValueError("a packed forward is one row of dense attention with its positions, and no paged batch")
         cos = sin = shared = None
         if sparse:
             shared = SharedState(compute_indexer_loss=compute_indexer_loss, query_mask=indexer_query_mask)
@@ -416,7 +430,7 @@ class Decoder(nn.Module):
             if positions is None:
                 positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
             cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        if self._rollout is not None and fused.ENABLED and not sparse and not torch.is_grad_enabled():
+        if self._rollout is not None and fused.ENABLED and not sparse and not torch.is_grad_enabled() and packed is None:
             self._rollout.refresh()  # a check of version counters; copies only after an in-place weight update
             return self._forward_rollout(self.model.embed_tokens(input_ids), cos, sin, batch, routing_replay)
         h = self.model.embed_tokens(input_ids)
@@ -425,9 +439,9 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.model.layers):
             replay_i = None if routing_replay is None else routing_replay[:, :, i]
             if recompute:
-                h, ids = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, None, replay_i, use_reentrant=False)
+                h, ids = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, packed, replay_i, use_reentrant=False)
             else:
-                h, ids = layer(h, cos, sin, batch, replay_i, shared, csa2_cache)
+                h, ids = layer(h, cos, sin, packed if packed is not None else batch, replay_i, shared, csa2_cache)
             if ids is not None:
                 routing.append(ids)
         return DecoderOutput(self.model.norm(h), torch.stack(routing, dim=2) if routing else None,

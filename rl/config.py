@@ -96,9 +96,17 @@ class SFTStage(StrictConfig):
     micro_batch_size: int | None = Field(None, gt=0)
     """Demonstrations per forward/backward (gradients accumulate over a step); None: a worker's whole share."""
     micro_batch_tokens: int | None = Field(None, gt=0)
-    """Padded tokens per forward/backward at most (rows × the longest row's tokens; verl's dynamic batch size):
+    """Tokens per forward/backward at most (packed: the rows' tokens; padded: rows × the longest row's; verl's
+    dynamic batch size):
     micro-batches are cut by tokens instead of rows, so short rows share a forward and long ones get their own
     (a row longer than this goes alone). Set, it replaces micro_batch_size."""
+    packing: Literal["auto", "packed", "padded"] = "auto"
+    """How a micro-batch's rows reach the forward: `packed` back to back with no padding, attention masked to each
+    row (FlashAttention's variable-length kernel on CUDA, model/varlen.py), or `padded` to the longest row. `auto`:
+    packed on CUDA, padded on CPU (where the packed layout runs one attention call per row). With packing on CUDA and
+    neither micro-batch field set, micro-batches are cut at 16,384 tokens (rl/train/trainer.py
+    `PACKED_TOKENS_CUDA`). CSA2 models and OPD stages always run padded (a CSA2 layer's compressed entries span a
+    whole row; OPD teachers read the padded rows)."""
     optim: OptimConfig = Field(default_factory=OptimConfig)
     """Optimizer of this stage."""
     effort_prefix_frac: float = Field(1.0, ge=0, le=1)
@@ -156,9 +164,17 @@ class GRPOStage(StrictConfig):
     micro_batch_size: int = Field(64, gt=0)
     """Samples per forward/backward; gradients accumulate over a step."""
     micro_batch_tokens: int | None = Field(None, gt=0)
-    """Padded tokens per forward/backward at most (rows × the longest row's tokens; verl's dynamic batch size):
+    """Tokens per forward/backward at most (packed: the rows' tokens; padded: rows × the longest row's; verl's
+    dynamic batch size):
     micro-batches are cut by tokens instead of rows, so short samples share a forward and long ones get their
     own (a sample longer than this goes alone). Set, it replaces micro_batch_size."""
+    packing: Literal["auto", "packed", "padded"] = "auto"
+    """How a micro-batch's rows reach the forward: `packed` back to back with no padding, attention masked to each
+    row (FlashAttention's variable-length kernel on CUDA, model/varlen.py), or `padded` to the longest row. `auto`:
+    packed on CUDA, padded on CPU (where the packed layout runs one attention call per row). With packing on CUDA and
+    neither micro-batch field set, micro-batches are cut at 16,384 tokens (rl/train/trainer.py
+    `PACKED_TOKENS_CUDA`). CSA2 models and OPD stages always run padded (a CSA2 layer's compressed entries span a
+    whole row; OPD teachers read the padded rows)."""
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4))
     """Optimizer of this stage."""
     log_every: int = Field(1, gt=0)

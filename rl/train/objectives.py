@@ -33,11 +33,12 @@ ENTROPY_CHUNK_ROWS = 1024
 """Rows of the [positions, vocab] log-probabilities per chunk of the `rl/entropy` metric (its temporaries)."""
 
 
-def _forward_hidden(model: Decoder, b: PackedBatch, routing: torch.Tensor | None = None,
+def _forward_hidden(model: Decoder, b: PackedBatch, routing: bool = False,
                     checkpoint_layers: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """-> (final hidden states [B, T, hidden], the CSA2 indexer KL over real tokens, or None for dense attention)."""
+    """-> (final hidden states [B, T, hidden], or [1, N, hidden] for a packed batch (`PackedBatch.at` reads them),
+    the CSA2 indexer KL over real tokens, or None for dense attention). `routing`: replay the recorded expert ids."""
     sparse = model.config.is_sparse
-    out = model.forward_hidden(b.input_ids, routing_replay=routing, checkpoint_layers=checkpoint_layers,
+    out = model.forward_hidden(**b.forward_kwargs(routing), checkpoint_layers=checkpoint_layers,
                                compute_indexer_loss=sparse, indexer_query_mask=b.token_mask() if sparse else None)
     return out.hidden, out.indexer_loss
 
@@ -53,7 +54,7 @@ def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temp
     position, [B, T] (0 off the trained positions), with gradient (the `entropy_coef` bonus); then "rl/entropy" is
     its mean."""
     idx = (b.mask > 0).nonzero(as_tuple=True)
-    logp = torch.log_softmax(model.logits(hidden[idx]).float() / temperature, dim=-1)
+    logp = torch.log_softmax(model.logits(b.at(hidden, idx)).float() / temperature, dim=-1)
     lp = logp.gather(-1, b.targets[idx][:, None]).squeeze(-1)
     if entropy is not None:  # log p is finite here (a log-softmax of finite logits): no 0 · -inf
         ent = -(logp.exp() * logp).sum(-1)
@@ -68,14 +69,23 @@ def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temp
     return torch.zeros(b.targets.shape, dtype=lp.dtype, device=lp.device).index_put(idx, lp)
 
 
+def _tokens_by_default(stage: SFTStage | GRPOStage) -> bool:
+    """Neither micro_batch_size nor micro_batch_tokens set in the recipe: a packed CUDA trainer cuts micro-batches
+    by tokens (rl/train/trainer.py `PACKED_TOKENS_CUDA`)."""
+    return not {"micro_batch_size", "micro_batch_tokens"} & stage.model_fields_set
+
+
 class SFTObjective:
     """Cross-entropy on the demonstrations' response tokens (and EOS)."""
 
     routing_replay = False
     pads = True  # `Objective.pads`
+    packs = True  # `Objective.packs`
 
     def __init__(self, stage: SFTStage, **_handles):
         self.micro_batch_size, self.micro_batch_tokens = stage.micro_batch_size, stage.micro_batch_tokens
+        self.packing = stage.packing
+        self.tokens_by_default = _tokens_by_default(stage)
 
     def __call__(self, model: Decoder, b: PackedBatch, rows: TrainBatch, upcoming: TrainBatch | None) -> LossTerms:
         hidden, indexer_kl = _forward_hidden(model, b)
@@ -90,11 +100,14 @@ class GRPOObjective:
     """The clipped, staleness-masked policy loss of rl/train/losses.py on whole groups."""
 
     pads = True  # `Objective.pads`: the reference policy has the policy's positions
+    packs = True  # `Objective.packs`: so does the reference policy's forward
 
     def __init__(self, stage: GRPOStage, *, model: Decoder, temperature: float, current_version: int,
                  reference: Decoder | None = None, **_handles):
         self.stage, self.temperature, self.current_version = stage, temperature, current_version
         self.micro_batch_size, self.micro_batch_tokens = stage.micro_batch_size, stage.micro_batch_tokens
+        self.packing = stage.packing
+        self.tokens_by_default = _tokens_by_default(stage)
         self.routing_replay = stage.routing_replay and model.config.is_moe
         self.reference = reference
         """The run's initial policy (frozen), when the stage penalises the KL to it."""
@@ -126,7 +139,7 @@ class GRPOObjective:
             loss = loss - coef * (bonus[0] * kept).sum() / rows.num_tokens
         if s.kl_ref_coef > 0:
             with torch.no_grad():
-                ref_hidden = self.reference.forward_hidden(b.input_ids, routing_replay=b.routing).hidden
+                ref_hidden = self.reference.forward_hidden(**b.forward_kwargs(self.routing_replay)).hidden
                 ref_logprobs = response_logprobs(self.reference, ref_hidden, b, self.temperature)
             k3 = reference_kl(x.logprobs, ref_logprobs) * b.mask
             loss = loss + s.kl_ref_coef * (k3 * keep).sum() / rows.num_tokens
@@ -134,9 +147,9 @@ class GRPOObjective:
         return LossTerms(loss, sums={"rl/loss": float(loss.detach())}, means={**metrics, **entropy})
 
     def __call__(self, model: Decoder, b: PackedBatch, rows: TrainBatch, upcoming: TrainBatch | None) -> LossTerms:
-        if self.routing_replay and b.routing is None:
+        if self.routing_replay and not b.has_routing:
             raise ValueError("routing_replay is on but the samples carry no routing trace")
-        hidden, indexer_kl = _forward_hidden(model, b, b.routing, self.stage.activation_checkpointing)
+        hidden, indexer_kl = _forward_hidden(model, b, self.routing_replay, self.stage.activation_checkpointing)
         terms = self.policy_terms(model, hidden, b, rows, self.keep(b))
         terms.indexer_kl = indexer_kl
         return terms
@@ -149,6 +162,7 @@ class OPDObjective(GRPOObjective):
     """Full-vocabulary reverse KL to each row's teacher (seed §5.2.4), optionally plus the GRPO loss."""
 
     pads = False  # the teachers read the packed ids; their position limits are their own
+    packs = False  # the teachers read the rows padded (their own forwards): the student's stays padded too
 
     def __init__(self, stage: OPDStage, *, model: Decoder, temperature: float, current_version: int, pool,
                  reference: Decoder | None = None):

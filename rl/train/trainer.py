@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from model.decoder import Decoder
+from model.varlen import PackedSequences
 from rl.config import OptimConfig
 from rl.train.parallel import Single, idle_loss
 from rl.types import Sample
@@ -78,7 +79,11 @@ def divergence(grad_norm: float, metrics: "StepMetrics") -> str | None:
 
 @dataclass
 class PackedBatch:
-    """Right-padded teacher-forcing batch; position t predicts targets[:, t] from input_ids[:, :t+1]."""
+    """Right-padded teacher-forcing batch; position t predicts targets[:, t] from input_ids[:, :t+1].
+
+    With `packed` set, the forward runs on the rows laid back to back instead (`flat_ids` [1, N], N the real tokens,
+    positions restarting per row, document-masked attention: model/varlen.py), and the [B, T] tensors stay the
+    losses' view of the same tokens: `at` reads the forward's output at [B, T] positions."""
 
     input_ids: torch.Tensor  # [B, T]
     targets: torch.Tensor  # [B, T]
@@ -87,6 +92,33 @@ class PackedBatch:
     routing: torch.Tensor | None = None  # [B, T, L, k] recorded expert ids of each input token
     versions: torch.Tensor | None = None  # [B, T] policy version of each response target token
     lengths: torch.Tensor | None = None  # [B] real (unpadded) tokens of each row of input_ids
+    packed: PackedSequences | None = None  # set: the forward's layout is the packed one below
+    flat_ids: torch.Tensor | None = None  # [1, N] the rows' input ids back to back
+    flat_routing: torch.Tensor | None = None  # [1, N, L, k] (replacing `routing`, which stays None)
+
+    def forward_kwargs(self, routing: bool) -> dict:
+        """`Decoder.forward_hidden`'s input for this batch's layout (`routing`: replay the recorded expert ids)."""
+        if self.packed is None:
+            return {"input_ids": self.input_ids, "routing_replay": self.routing if routing else None}
+        return {"input_ids": self.flat_ids, "positions": self.packed.positions(self.flat_ids.device),
+                "packed": self.packed, "routing_replay": self.flat_routing if routing else None}
+
+    @property
+    def has_routing(self) -> bool:
+        return self.routing is not None or self.flat_routing is not None
+
+    def at(self, out: torch.Tensor, idx: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The forward's output [B, T, ...] (or [1, N, ...] packed) at the [B, T] positions `idx` (row, t)."""
+        if self.packed is None:
+            return out[idx]
+        return out[0, self.packed.cu_seqlens[:-1].long()[idx[0]] + idx[1]]
+
+    def unpack(self, out: torch.Tensor) -> torch.Tensor:
+        """The forward's output as [B, T, ...] (zeros on padding): as is unpacked."""
+        if self.packed is None:
+            return out
+        real = self.token_mask().nonzero(as_tuple=True)
+        return out.new_zeros(*self.input_ids.shape, *out.shape[2:]).index_put(real, self.at(out, real))
 
     def token_mask(self) -> torch.Tensor:
         """[B, T] bool: True on real tokens, False on right padding (all True without `lengths`)."""
@@ -133,9 +165,12 @@ def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]
          behavior_B: Sequence[Sequence[float]] | None = None, routing_B: Sequence | None = None,
          versions_B: Sequence[Sequence[int]] | None = None, device: str | torch.device = "cpu",
          loss_masks_B: Sequence[Sequence[int] | None] | None = None, pad_to: int = 1,
-         max_len: int | None = None) -> PackedBatch:
+         max_len: int | None = None, packed: bool = False) -> PackedBatch:
     """`loss_masks_B`: per response token 1 (trained) or 0 (a tool's output, appended, not sampled); None: all 1.
-    `pad_to`, `max_len`: the padded length, `padded_length` of the longest row's."""
+    `pad_to`, `max_len`: the padded length, `padded_length` of the longest row's. `packed`: the forward's layout is
+    the rows back to back (`PackedBatch.packed`; `pad_to` does not apply)."""
+    if packed:
+        pad_to = 1
     seqs = [list(p) + list(r) for p, r in zip(prompts_B, responses_B)]
     B, T = len(seqs), padded_length(max(len(s) for s in seqs) - 1, pad_to, max_len)
     input_ids = torch.zeros(B, T, dtype=torch.long)
@@ -144,6 +179,8 @@ def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]
     behav = torch.zeros(B, T)
     versions = torch.zeros(B, T, dtype=torch.long) if versions_B is not None else None
     routing = None
+    lengths = [len(s) - 1 for s in seqs]
+    starts = np.concatenate([[0], np.cumsum(lengths)]) if packed else None
     for i, (s, p, r) in enumerate(zip(seqs, prompts_B, responses_B)):
         n = len(s) - 1
         input_ids[i, :n] = torch.tensor(s[:-1])
@@ -158,12 +195,23 @@ def pack(prompts_B: Sequence[Sequence[int]], responses_B: Sequence[Sequence[int]
         if routing_B is not None and routing_B[i] is not None:
             tr = torch.tensor(routing_B[i], dtype=torch.long)  # a copy: arrays from Ray are read-only
             if routing is None:
-                routing = torch.zeros(B, T, *tr.shape[1:], dtype=torch.long)
-            routing[i, : tr.shape[0]] = tr
-    return PackedBatch(*(t.to(device) for t in (input_ids, targets, mask, behav)),
-                       routing=None if routing is None else routing.to(device),
-                       versions=None if versions is None else versions.to(device),
-                       lengths=torch.tensor([len(s) - 1 for s in seqs], device=device))
+                routing = torch.zeros(1 if packed else B, int(starts[-1]) if packed else T, *tr.shape[1:],
+                                      dtype=torch.long)
+            n = min(tr.shape[0], lengths[i])  # a trace covers the input tokens (its last token's ids are unused)
+            if packed:
+                routing[0, starts[i] : starts[i] + n] = tr[:n]
+            else:
+                routing[i, : tr.shape[0]] = tr
+    out = PackedBatch(*(t.to(device) for t in (input_ids, targets, mask, behav)),
+                      versions=None if versions is None else versions.to(device),
+                      lengths=torch.tensor(lengths, device=device))
+    if not packed:
+        out.routing = None if routing is None else routing.to(device)
+        return out
+    out.packed = PackedSequences.from_lengths(lengths, device)
+    out.flat_ids = input_ids[out.token_mask().cpu()][None].to(device)  # row-major: the rows back to back
+    out.flat_routing = None if routing is None else routing.to(device)
+    return out
 
 
 @dataclass(frozen=True)
@@ -210,10 +258,10 @@ class TrainBatch:
         return TrainBatch(num_tokens=self.num_tokens, **pick)
 
     def pack(self, device: str | torch.device, routing: bool = False, pad_to: int = 1,
-             max_len: int | None = None) -> PackedBatch:
+             max_len: int | None = None, packed: bool = False) -> PackedBatch:
         return pack(self.prompts_B, self.responses_B, self.behavior_logprobs_B,
                     routing_B=self.routing_B if routing else None, versions_B=self.versions_B, device=device,
-                    loss_masks_B=self.loss_masks_B, pad_to=pad_to, max_len=max_len)
+                    loss_masks_B=self.loss_masks_B, pad_to=pad_to, max_len=max_len, packed=packed)
 
 
 @dataclass
@@ -236,7 +284,12 @@ class Objective(Protocol):
     micro_batch_size: int | None
     """Rows per forward/backward; None: the whole shard at once."""
     micro_batch_tokens: int | None
-    """Padded tokens per forward/backward at most; set, it replaces micro_batch_size (`micro_batches`)."""
+    """Tokens per forward/backward at most (padded ones included unless packed); set, it replaces
+    micro_batch_size (`micro_batches`)."""
+    packing: str
+    """The stage's `packing` (rl/config.py): "auto", "packed" or "padded" (`Trainer.packs` decides)."""
+    tokens_by_default: bool
+    """Packed on CUDA with neither micro-batch field set: micro-batches of `PACKED_TOKENS_CUDA` tokens."""
     routing_replay: bool
     """Pack the rows' recorded routing traces for the forward to replay (MoE, seed §5.2.1)."""
     pads: bool
@@ -333,27 +386,38 @@ def by_length(batch: TrainBatch) -> list[int]:
     return sorted(range(len(batch)), key=lambda i: len(batch.prompts_B[i]) + len(batch.responses_B[i]))
 
 
-def micro_batches(batch: TrainBatch, rows: int | None, tokens: int | None) -> list[list[int]]:
+def micro_batches(batch: TrainBatch, rows: int | None, tokens: int | None, packed: bool = False) -> list[list[int]]:
     """The rows of each micro-batch, shortest first: `rows` at a time (None: all), or with `tokens`, as many
-    consecutive rows as keep rows × the longest one's tokens (its padded size) within `tokens` (at least one)."""
+    consecutive rows as keep the micro-batch's tokens within `tokens` (at least one row): rows × the longest one's
+    tokens (its padded size), or with `packed` the rows' own tokens summed (no padding is computed)."""
     order = by_length(batch)
     if tokens is None:
         size = rows or max(len(order), 1)
         return [order[lo : lo + size] for lo in range(0, len(order), size)]
     out: list[list[int]] = []
+    used = 0
     for i in order:  # ascending lengths: the row joining a micro-batch is its longest
         length = len(batch.prompts_B[i]) + len(batch.responses_B[i]) - 1  # the packed row (rl/trainer.pack)
-        if out and (len(out[-1]) + 1) * length <= tokens:
+        size = used + length if packed else (len(out[-1]) + 1) * length if out else length
+        if out and size <= tokens:
             out[-1].append(i)
+            used = size
         else:
             out.append([i])
+            used = length
     return out
+
+
+PACKED_TOKENS_CUDA = 16384
+"""Tokens per packed micro-batch on CUDA when the stage sets neither micro_batch_size nor micro_batch_tokens
+(verl's ppo_max_token_len_per_gpu default): micro-batches by tokens, so a long-tail batch's long rows do not
+share a forward with many others, and short rows fill a forward to the same work."""
 
 
 class Trainer:
     def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu", total_steps: int | None = None,
                  autocast: torch.dtype | None = None, parallel: Single | None = None, seq_bucket: int | None = None,
-                 cudnn_attention: bool = False):
+                 cudnn_attention: bool = False, packing: str | None = None):
         """total_steps: the stage's optimizer steps (the cosine schedule decays over them). autocast: the
         forward's compute dtype under mixed precision (master weights, gradients and AdamW stay the model's).
         parallel: the data-parallel strategy over `model` (rl/train/parallel.py; default: one rank)."""
@@ -365,8 +429,28 @@ class Trainer:
             SEQ_BUCKET_CUDNN if torch.device(device).type == "cuda" and cudnn_attention else 1)
         """Micro-batch lengths are padded up to a multiple of this (`SEQ_BUCKET_CUDNN` says when and why), for
         objectives that allow it (`Objective.pads`)."""
+        self.packing = packing
+        """Overrides the objectives' `packing` ("packed" / "padded"; None: theirs), for benchmarks and tests."""
         self.parallel = parallel if parallel is not None else Single(model)
         self.opt, self.sched = build_optimizer(model, optim, total_steps)
+
+    def packs(self, objective: Objective) -> bool:
+        """Whether `objective`'s micro-batches run packed (model/varlen.py): `packing` "packed", or "auto" on CUDA;
+        never for CSA2 models (their compressed entries and indexer span a whole row) or objectives whose other
+        models read the padded rows (`Objective.packs`: OPD's teachers)."""
+        mode = self.packing or getattr(objective, "packing", "padded")
+        if self.model.config.is_sparse or not getattr(objective, "packs", False) or mode == "padded":
+            return False
+        return mode == "packed" or torch.device(self.device).type == "cuda"
+
+    def micro_batch_plan(self, batch: TrainBatch, objective: Objective) -> tuple[list[list[int]], bool]:
+        """(the rows of each micro-batch, packed or not)."""
+        packed = self.packs(objective)
+        tokens = objective.micro_batch_tokens
+        if tokens is None and packed and getattr(objective, "tokens_by_default", False) and \
+                torch.device(self.device).type == "cuda":
+            tokens = PACKED_TOKENS_CUDA
+        return micro_batches(batch, objective.micro_batch_size, tokens, packed), packed
 
     def train_step(self, batch: TrainBatch | Sequence[TrainBatch], objective: Objective) -> StepMetrics:
         """One optimizer step on this rank's rows: `accumulate` the gradient, then `apply` it. A list of batches
@@ -394,8 +478,8 @@ class Trainer:
         the most; the extra ones are zero-weight (`idle_loss`, rl/train/parallel.py says why). `step_end`: add the
         objective's whole-step counters (`Objective.step_metrics`); `train_step` adds them once itself."""
         self.model.train()
-        micro = [batch.select(rows) for rows in micro_batches(batch, objective.micro_batch_size,
-                                                              objective.micro_batch_tokens)]
+        plan, packed = self.micro_batch_plan(batch, objective)
+        micro = [batch.select(rows) for rows in plan]
         count = self.parallel.micro_batches(len(micro))
         metrics = StepMetrics()
         aux_weight = self.model.config.sparse_attention.aux_loss_weight if self.model.config.is_sparse else 0.0
@@ -407,7 +491,7 @@ class Trainer:
                 rows = micro[k]
                 b = rows.pack(self.device, routing=objective.routing_replay,
                               pad_to=self.seq_bucket if objective.pads else 1,
-                              max_len=self.model.config.max_position_embeddings)
+                              max_len=self.model.config.max_position_embeddings, packed=packed)
                 with forward_context(self.device, self.autocast, self.cudnn_attention):
                     terms = objective(model, b, rows, micro[k + 1] if k + 1 < len(micro) else None)
                 tokens = float(b.mask.sum())
