@@ -38,7 +38,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from model.decoder import Decoder
+from model.decoder import Decoder, is_dtensor
 from model.varlen import PackedSequences
 from rl.config import OptimConfig
 from rl.train.parallel import Single, idle_loss
@@ -376,7 +376,11 @@ def lr_factor(cfg: OptimConfig, step: int, total_steps: int | None) -> float:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
                     total_steps: int | None = None) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    params = list(model.parameters())
+    # one fused kernel for the whole update on CUDA (torch's default there is the multi-tensor foreach loop);
+    # FSDP2's sharded parameters (DTensors) keep the default
+    fused = bool(params) and all(p.is_cuda and not is_dtensor(p) for p in params)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(cfg, step, total_steps))
     return opt, sched
 
@@ -414,6 +418,36 @@ PACKED_TOKENS_CUDA = 16384
 share a forward with many others, and short rows fill a forward to the same work."""
 
 
+class StepClock:
+    """Where a train step's time goes, without a host sync inside the step: on CUDA a timing event is recorded at
+    each mark and read once at the end (`seconds`); elsewhere the host clock. The time between two marks is
+    charged to the later mark's name: `forward` (packing the rows, the forward and the loss), `backward`,
+    `optimizer` (clipping and the AdamW step)."""
+
+    def __init__(self, device: str | torch.device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+        self.mark("start")
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((name, event))
+        else:
+            self.marks.append((name, time.perf_counter()))
+
+    def seconds(self) -> dict[str, float]:
+        """{"train/<name>_s": seconds} summed over the step's intervals."""
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out: dict[str, float] = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
+            out[f"train/{name}_s"] = out.get(f"train/{name}_s", 0.0) + dt
+        return out
+
+
 class Trainer:
     def __init__(self, model: Decoder, optim: OptimConfig, device: str | torch.device = "cpu", total_steps: int | None = None,
                  autocast: torch.dtype | None = None, parallel: Single | None = None, seq_bucket: int | None = None,
@@ -433,6 +467,8 @@ class Trainer:
         """Overrides the objectives' `packing` ("packed" / "padded"; None: theirs), for benchmarks and tests."""
         self.parallel = parallel if parallel is not None else Single(model)
         self.opt, self.sched = build_optimizer(model, optim, total_steps)
+        self.clock: StepClock | None = None
+        """The running `train_step`'s clock (None between steps and in a bare `accumulate`)."""
 
     def packs(self, objective: Objective) -> bool:
         """Whether `objective`'s micro-batches run packed (model/varlen.py): `packing` "packed", or "auto" on CUDA;
@@ -461,10 +497,15 @@ class Trainer:
         batches = [batch] if isinstance(batch, TrainBatch) else list(batch)
         total = sum(b.num_tokens for b in batches)
         metrics, norms = StepMetrics(), []
-        for b in batches:
-            part = self.accumulate(b, objective, step_end=False)
-            norms.append(self.apply(part))
-            metrics.add(part, part.tokens, scale=b.num_tokens / total if total > 0 else 1.0)
+        self.clock = StepClock(self.device)
+        try:
+            for b in batches:
+                part = self.accumulate(b, objective, step_end=False)
+                norms.append(self.apply(part))
+                metrics.add(part, part.tokens, scale=b.num_tokens / total if total > 0 else 1.0)
+            metrics.shared.update(self.clock.seconds())
+        finally:
+            self.clock = None
         metrics.add_step(objective.step_metrics())  # the objective's counters of the whole step, once
         metrics.shared["train/grad_norm"] = sum(norms) / len(norms)
         metrics.shared["train/lr"] = self.sched.get_last_lr()[0]
@@ -494,6 +535,8 @@ class Trainer:
                               max_len=self.model.config.max_position_embeddings, packed=packed)
                 with forward_context(self.device, self.autocast, self.cudnn_attention):
                     terms = objective(model, b, rows, micro[k + 1] if k + 1 < len(micro) else None)
+                if self.clock is not None:
+                    self.clock.mark("forward")
                 tokens = float(b.mask.sum())
                 loss = terms.loss
                 if terms.indexer_kl is not None:
@@ -505,6 +548,8 @@ class Trainer:
 
         for k in range(count):
             done = self.parallel.backward(loss_of(k), last=k == count - 1)
+            if self.clock is not None:
+                self.clock.mark("backward" if done is not None else "idle")
             if done is not None:
                 metrics.add(*done)
         if step_end:
@@ -522,4 +567,6 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.clock is not None:
+            self.clock.mark("optimizer")
         return gnorm
