@@ -39,6 +39,9 @@ SHAPES = {  # name -> ModelConfig fields (random weights of the published archit
                     ffn=DenseFFNConfig(intermediate_size=1536), tie_word_embeddings=True, rope_theta=100000.0),
     "qwen3": dict(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
                   ffn=DenseFFNConfig(intermediate_size=3072), qk_norm=True, tie_word_embeddings=True, rope_theta=1e6),
+    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                       ffn=DenseFFNConfig(intermediate_size=6144), qk_norm=True, tie_word_embeddings=True,
+                       rope_theta=1e6),
     "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                  ffn=DenseFFNConfig(intermediate_size=128)),
 }

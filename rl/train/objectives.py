@@ -24,6 +24,7 @@ import torch
 
 from model.decoder import Decoder
 from model.reverse_kl import reverse_kl_loss
+from model.token_logprobs import token_logprobs
 from rl.config import GRPOStage, OPDStage, SFTStage
 from rl.train.losses import PolicyLossInputs, grpo_loss, reference_kl, sft_loss, staleness_keep
 from rl.train.trainer import LossTerms, PackedBatch, StepMetrics, TrainBatch
@@ -31,6 +32,14 @@ from rl.train.trainer import LossTerms, PackedBatch, StepMetrics, TrainBatch
 
 ENTROPY_CHUNK_ROWS = 1024
 """Rows of the [positions, vocab] log-probabilities per chunk of the `rl/entropy` metric (its temporaries)."""
+
+LOGPROBS = "chunked"
+"""How `response_logprobs` computes the trained tokens' log-probs and entropy: "chunked" (model/token_logprobs.py:
+from the hidden states and the output head in chunks of tokens, forward and backward, never a [tokens, vocab]
+tensor; a Triton kernel on CUDA) or "materialised" (the [tokens, vocab] float32 logits and their log-softmax, as
+before issue #41; bench/train_step.py compares the two)."""
+LOGPROB_CHUNK_ROWS: int | None = None
+"""Tokens per chunk of the chunked path (None: model/token_logprobs.py `default_chunk_size`, ~512 MiB of logits)."""
 
 
 def _forward_hidden(model: Decoder, b: PackedBatch, routing: bool = False,
@@ -54,6 +63,8 @@ def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temp
     position, [B, T] (0 off the trained positions), with gradient (the `entropy_coef` bonus); then "rl/entropy" is
     its mean."""
     idx = (b.mask > 0).nonzero(as_tuple=True)
+    if LOGPROBS == "chunked":
+        return _chunked_logprobs(model, b.at(hidden, idx), b, idx, temperature, stats, entropy)
     logp = torch.log_softmax(model.logits(b.at(hidden, idx)).float() / temperature, dim=-1)
     lp = logp.gather(-1, b.targets[idx][:, None]).squeeze(-1)
     if entropy is not None:  # log p is finite here (a log-softmax of finite logits): no 0 · -inf
@@ -73,6 +84,26 @@ def _tokens_by_default(stage: SFTStage | GRPOStage) -> bool:
     """Neither micro_batch_size nor micro_batch_tokens set in the recipe: a packed CUDA trainer cuts micro-batches
     by tokens (rl/train/trainer.py `PACKED_TOKENS_CUDA`)."""
     return not {"micro_batch_size", "micro_batch_tokens"} & stage.model_fields_set
+
+
+def _chunked_logprobs(model: Decoder, h: torch.Tensor, b: PackedBatch, idx: tuple[torch.Tensor, torch.Tensor],
+                      temperature: float, stats: dict[str, float] | None, entropy: list[torch.Tensor] | None
+                      ) -> torch.Tensor:
+    """`response_logprobs` through model/token_logprobs.py. The output head's matmul runs in the dtype autocast gives
+    it (bf16 under mixed precision, as `model.logits` would), the softmax statistics in float32."""
+    w = model.lm_head.weight
+    if torch.is_autocast_enabled(h.device.type):
+        dtype = torch.get_autocast_dtype(h.device.type)
+    else:
+        dtype = torch.promote_types(h.dtype, w.dtype)
+    with torch.autocast(h.device.type, enabled=False):
+        lp, ent = token_logprobs(h.to(dtype), w.to(dtype), b.targets[idx], temperature,
+                                 entropy=entropy is not None or stats is not None, chunk_size=LOGPROB_CHUNK_ROWS)
+    if ent is not None and stats is not None:
+        stats["rl/entropy"] = float(ent.detach().mean()) if ent.numel() else 0.0
+    if entropy is not None:
+        entropy.append(torch.zeros(b.targets.shape, dtype=ent.dtype, device=ent.device).index_put(idx, ent))
+    return torch.zeros(b.targets.shape, dtype=lp.dtype, device=lp.device).index_put(idx, lp)
 
 
 class SFTObjective:

@@ -161,3 +161,31 @@ def test_packing_lays_rows_back_to_back():
     assert b.packed.offsets == (0, 4, 6) and b.packed.positions("cpu").tolist() == [[0, 1, 2, 3, 0, 1]]
     assert b.flat_routing[0, :, 0].tolist() == [[0, 1], [2, 3], [4, 5], [6, 7], [100, 101], [102, 103]]
     assert b.targets.tolist() == [[6, 8, 9, 10], [11, 12, 0, 0]]  # the losses' [B, T] view is the padded one
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's varlen kernel is CUDA's")
+def test_on_cuda_the_packed_step_takes_flash_varlen_and_the_padded_steps_gradients():
+    """bf16 autocast on CUDA: the packed forward runs FlashAttention's variable-length kernel (model/varlen.py) and the
+    step's gradient is the padded step's within bf16 rounding (2% of the gradient's norm: different kernels and sums)."""
+    from model.varlen import flash_varlen_ok
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False, max_position_embeddings=512)).float().cuda()
+    rows = _rows(16, seed=4)
+    grads = {}
+    for mode in ("padded", "packed"):
+        trainer = Trainer(copy.deepcopy(model), OptimConfig(), device="cuda", autocast=torch.bfloat16)
+        objective = _make("grpo", trainer.model, packing=mode)
+        assert trainer.packs(objective) == (mode == "packed")
+        if mode == "packed":
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                trainer.accumulate(rows, objective)
+            names = " ".join(e.key for e in prof.key_averages()).lower()
+            assert "varlen" in names and "flash" in names, names[:3000]  # not one SDPA call per row
+        else:
+            trainer.accumulate(rows, objective)
+        grads[mode] = torch.cat([p.grad.float().flatten() for p in trainer.model.parameters()])
+    q = torch.zeros(1, 4, 4, 16, device="cuda", dtype=torch.bfloat16)
+    assert flash_varlen_ok(q)
+    rel = float((grads["packed"] - grads["padded"]).norm() / grads["padded"].norm())
+    assert rel < 2e-2, rel
