@@ -78,6 +78,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
     """Causal attention within each packed row. q [1, N, H, D], k, v [1, N, KVH, D] (after RoPE; KVH divides H)
     -> [1, N, H, D]."""
     gqa = q.shape[2] != k.shape[2]
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        # autocast casts SDPA's inputs to its dtype but knows nothing of the varlen op: RoPE's float32 cos/sin have
+        # promoted q and k to float32 here, which FlashAttention does not take
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     if flash_varlen_ok(q):
         varlen_attn, causal, takes_gqa = _flash_varlen()
         if gqa and not takes_gqa:
