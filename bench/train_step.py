@@ -57,7 +57,7 @@ from model.token_logprobs import default_chunk_size  # noqa: E402
 from rl.config import GRPOStage, OptimConfig, SFTStage  # noqa: E402
 from rl.train import objectives  # noqa: E402
 from rl.train.objectives import build_objective  # noqa: E402
-from rl.train.trainer import TrainBatch, Trainer, micro_batches  # noqa: E402
+from rl.train.trainer import TrainBatch, Trainer  # noqa: E402
 
 DATASHEET_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, by device name
 
@@ -142,7 +142,7 @@ class LargestVocabTensor(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if any(r.alias_info is not None for r in func._schema.returns):  # views and out= writes allocate nothing
+        if any(r.alias_info is not None for r in func._schema.returns):  # noqa: SLF001  # views and out= writes allocate nothing
             return out
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-1] == self.vocab and \
@@ -164,7 +164,10 @@ def run_arm(a, arm: dict, model0: Decoder, batch: TrainBatch) -> dict:
     bf16 = a.dtype == "bfloat16"
     trainer = Trainer(model, OptimConfig(lr=1e-6), device=a.device, autocast=torch.bfloat16 if bf16 else None)
     stage = stage_for(a, arm)
-    make = lambda: build_objective(stage, model=model, temperature=1.0, current_version=0)  # noqa: E731
+
+    def make(model=model):  # bound now: `model` is deleted at the end
+        return build_objective(stage, model=model, temperature=1.0, current_version=0)
+
     # the first step's gradient, before any update (the packed-vs-padded check), then the step itself
     first = trainer.accumulate(batch, make())
     grad = torch.cat([p.grad.detach().float().flatten() for p in model.parameters() if p.grad is not None]).cpu()
