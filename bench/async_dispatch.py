@@ -41,7 +41,7 @@ def recipe_for(policy: str, a, ray: bool | None = None, pipelined: bool = True, 
     ray = a.ray if ray is None else ray
     return Recipe.model_validate({
         "run": {"name": f"bench-{policy}", "seed": 0, "device": a.device, "num_threads": a.threads,
-                **({"dtype": a.dtype} if a.dtype else {})},
+                "compile": a.compile, **({"dtype": a.dtype} if a.dtype else {})},
         "model": {"hidden_size": a.hidden, "num_layers": a.layers, "num_heads": a.heads, "num_kv_heads": max(1, a.heads // 2),
                   "head_dim": a.hidden // a.heads, "max_position_embeddings": a.max_tokens + 16,
                   "ffn": {"type": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": a.hidden}
@@ -123,6 +123,8 @@ def main() -> None:
     ap.add_argument("--ffn", choices=["moe", "dense"], default="moe",
                     help="MoE 4 experts top-2 (default) or a dense MLP (the engine captures dense decode in CUDA graphs)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], help="run.dtype (default: the recipe's, float32)")
+    ap.add_argument("--compile", choices=["auto", "layers", "ops", "off"], default="auto",
+                    help="run.compile: the training forward under torch.compile (auto: on CUDA with bfloat16)")
     ap.add_argument("--prompts", type=int, default=32, help="groups per train step")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--steps", type=int, default=6)

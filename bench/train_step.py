@@ -65,6 +65,8 @@ DATASHEET_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}  # dense bf16, 
 def response_lengths(a, rng: random.Random) -> list[int]:
     if a.lengths == "longtail":  # median 1,024, p99 ~10K (σ = ln 10 / 2.326), cap 16,384
         return [max(1, min(a.cap, int(rng.lognormvariate(math.log(1024), math.log(10) / 2.326)))) for _ in range(a.samples)]
+    if a.lengths == "cap":  # every response as long as the cap allows: does one such sample train at all?
+        return [a.cap - a.prompt] * a.samples
     return [max(1, min(int(rng.lognormvariate(0, 0.5) * a.response), 4 * a.response)) for _ in range(a.samples)]
 
 
@@ -91,11 +93,13 @@ def parse_arm(text: str) -> dict:
     size, *flags = rest.split("+")
     by_tokens = kind == "packed" or size.endswith("t")
     size = size.removesuffix("t")
-    if kind not in ("padded", "packed") or not size.isdigit() or set(flags) - {"materialised", "ckpt"}:
+    if kind not in ("padded", "packed") or not size.isdigit() or set(flags) - {"materialised", "ckpt", "compile",
+                                                                               "compileops"}:
         raise SystemExit(f"train_step.py: bad arm {text!r} (padded:<rows>, padded:<tokens>t or packed:<tokens>, "
-                         "+materialised, +ckpt)")
+                         "+materialised, +ckpt, +compile (layers), +compileops)")
+    compiled = "layers" if "compile" in flags else "ops" if "compileops" in flags else None
     return {"name": text, "kind": kind, "size": int(size), "tokens": by_tokens, "materialised": "materialised" in flags,
-            "ckpt": "ckpt" in flags}
+            "ckpt": "ckpt" in flags, "compile": compiled}
 
 
 def stage_for(a, arm: dict):
@@ -151,6 +155,22 @@ class LargestVocabTensor(TorchDispatchMode):
         return out
 
 
+def profile_step(trainer: Trainer, batch: TrainBatch, objective, name: str, top: int = 18) -> None:
+    """One step under torch.profiler: the kernels that took the most device time, and their share of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available() and trainer.device != "cpu"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        trainer.train_step(batch, objective)
+        sync(trainer.device)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, attr) > 0 and (not cuda or e.device_type.name == "CUDA")]
+    total = sum(getattr(e, attr) for e in events)
+    print(f"  profile of {name}: {total / 1e3:.1f} ms of {'device' if cuda else 'CPU'} time in {len(events)} kernels")
+    for e in sorted(events, key=lambda e: -getattr(e, attr))[:top]:
+        print(f"    {getattr(e, attr) / 1e3:8.1f} ms {getattr(e, attr) / total:6.1%} x{e.count:<5d} {e.key[:110]}")
+
+
 def padded_share(batch: TrainBatch, plan: list[list[int]], packed: bool) -> float:
     lengths = [len(p) + len(r) - 1 for p, r in zip(batch.prompts_B, batch.responses_B)]
     real = sum(lengths)
@@ -161,6 +181,7 @@ def padded_share(batch: TrainBatch, plan: list[list[int]], packed: bool) -> floa
 def run_arm(a, arm: dict, model0: Decoder, batch: TrainBatch) -> dict:
     objectives.LOGPROBS = "materialised" if arm["materialised"] else "chunked"
     model = copy.deepcopy(model0)
+    model.compile_for_training(arm["compile"], backend="inductor" if a.device == "cuda" else "aot_eager")
     bf16 = a.dtype == "bfloat16"
     trainer = Trainer(model, OptimConfig(lr=1e-6), device=a.device, autocast=torch.bfloat16 if bf16 else None)
     stage = stage_for(a, arm)
@@ -193,6 +214,12 @@ def run_arm(a, arm: dict, model0: Decoder, batch: TrainBatch) -> dict:
            "split_ms": {k.split("/")[1][:-2]: statistics.median(v) * 1e3 for k, v in split.items()}}
     row["tokens_per_s"] = batch.sequence_tokens / (row["ms"] / 1e3)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if a.device == "cuda" else float("nan")
+    if arm["compile"]:
+        stats = torch._dynamo.utils.counters["stats"]  # noqa: SLF001
+        print(f"  {arm['name']}: torch.compile made {stats['unique_graphs']} graphs in {stats['calls_captured']} "
+              f"captured calls; graph breaks {sum(torch._dynamo.utils.counters['graph_break'].values())}")  # noqa: SLF001
+    if a.profile:
+        profile_step(trainer, batch, make(), arm["name"])
     if a.watch_logits:
         watch = LargestVocabTensor(model.config.vocab_size, a.chunk_rows)
         with watch:
@@ -214,22 +241,26 @@ def main() -> None:
     ap.add_argument("--objective", choices=["grpo", "sft"], default="grpo")
     ap.add_argument("--samples", type=int, default=256, help="rows per step (the SmolLM2 GRPO recipe: 32 x 8)")
     ap.add_argument("--prompt", type=int, default=80, help="prompt tokens per row")
-    ap.add_argument("--lengths", choices=["short", "longtail"], default="short")
+    ap.add_argument("--lengths", choices=["short", "longtail", "cap"], default="short",
+                    help="longtail: median 1K, p99 ~10K, capped at --cap; cap: every row --cap tokens, prompt included")
     ap.add_argument("--response", type=int, default=40, help="short: median response tokens per row (log-normal)")
     ap.add_argument("--cap", type=int, default=16384, help="longtail: the longest response")
-    ap.add_argument("--arms", default="padded:32,padded:128,packed:16384,packed:16384+materialised")
+    ap.add_argument("--arms", help="comma-separated (default: padded:32,padded:128,packed:16384,packed:16384+materialised;"
+                    " --quick: padded:8,packed:128,packed:128+materialised)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per arm")
     ap.add_argument("--kv-gib", type=float, default=0.0, help="GiB held beside the trainer (the recipe's KV pool)")
+    ap.add_argument("--profile", action="store_true", help="one more step per arm under torch.profiler: the top kernels")
     ap.add_argument("--no-watch", dest="watch_logits", action="store_false",
                     help="skip the extra step that looks for materialised logits (it runs every op through Python)")
     a = ap.parse_args()
     if a.quick:
         a.device, a.shape, a.samples, a.prompt, a.response, a.steps = "cpu", "tiny", 24, 12, 8, 2
-        a.arms = "padded:8,packed:128,packed:128+materialised"
+        a.arms = a.arms or "padded:8,packed:128,packed:128+materialised"
+    a.arms = a.arms or "padded:32,padded:128,packed:16384,packed:16384+materialised"
     a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
     arms = [parse_arm(t) for t in a.arms.split(",")]
     torch.set_num_threads(min(torch.get_num_threads(), 8))
-    cfg = ModelConfig(**SHAPES[a.shape], max_position_embeddings=a.prompt + (a.cap if a.lengths == "longtail" else 4 * a.response) + 8)
+    cfg = ModelConfig(**SHAPES[a.shape], max_position_embeddings=a.prompt + (a.cap if a.lengths != "short" else 4 * a.response) + 8)
     vocab = cfg.vocab_size
     a.chunk_rows = default_chunk_size(vocab, torch.bfloat16 if a.dtype == "bfloat16" else torch.float32)
     if a.quick:  # the tiny vocabulary's chunks would hold a whole micro-batch: chunk smaller, so the check bites
@@ -253,6 +284,11 @@ def main() -> None:
         except torch.OutOfMemoryError:
             print(f"{arm['name']:>28s}: out of memory", flush=True)
             torch.cuda.empty_cache()
+            continue
+        except Exception as e:  # noqa: BLE001  (a compile arm that fails to compile: say so, measure the others)
+            if not arm["compile"]:
+                raise
+            print(f"{arm['name']:>28s}: failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
             continue
         tflops = 6 * n_params * row["tokens_per_s"] / 1e12
         row["mfu"] = tflops / peak if peak == peak else float("nan")

@@ -28,11 +28,13 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from model import compile as train_compile
 from model import fused
 from model.eager_ops import rms_norm_eager, rope_eager  # noqa: F401  (the kernels' references, used here)
 from model.config import ModelConfig, MoEFFNConfig, RopeScalingConfig
 from model.kv_cache import PagedBatch, fake_quant, kv_format
 from model.sparse_attention import CSA2Attention, CSA2Cache, SharedState
+from model import varlen
 from model.varlen import PackedSequences, varlen_attention
 
 
@@ -48,6 +50,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.compile_backend: str | None = None
+        """The training forward's norm under torch.compile with this backend (model/compile.py "ops"); None: eager."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and not torch.is_grad_enabled():  # rollout / evaluation: one fused kernel
@@ -55,6 +59,8 @@ class RMSNorm(nn.Module):
 
             if norm_rope.ENABLED:
                 return norm_rope.rms_norm(x, self.weight, self.eps)
+        if self.compile_backend is not None and torch.is_grad_enabled():
+            return train_compile.compiled(rms_norm_eager, self.compile_backend)(x, self.weight, self.eps)
         return rms_norm_eager(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +138,8 @@ class Attention(nn.Module):
         self.qat_format = kv_format(cfg.kv_cache.dtype) if cfg.kv_cache.qat else None
         self.rollout_weights: fused.FusedWeights | None = None
         """q/k/v concatenated for the rollout path (`Decoder.enable_rollout_fusion`); None: off."""
+        self.compile_backend: str | None = None
+        """The training forward's RoPE under torch.compile with this backend (model/compile.py "ops"); None: eager."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -140,7 +148,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.compile_backend is not None and torch.is_grad_enabled():
+            rope = train_compile.compiled(rope_eager, self.compile_backend)
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return self._attend(q, k, v, batch)
 
     def forward_rollout(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PagedBatch | None
@@ -210,8 +222,13 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(f, d, bias=False)
         self.rollout_weights: fused.FusedWeights | None = None
         """gate/up concatenated for the rollout path (`Decoder.enable_rollout_fusion`); None: off."""
+        self.compile_backend: str | None = None
+        """The training forward's SiLU·up under torch.compile with this backend (model/compile.py "ops"); None: eager."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compile_backend is not None and torch.is_grad_enabled():
+            return self.down_proj(train_compile.compiled(train_compile.silu_mul, self.compile_backend)(
+                self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward_rollout(self, x: torch.Tensor) -> torch.Tensor:
@@ -367,6 +384,8 @@ class Decoder(nn.Module):
         self.config = cfg
         self._rollout: fused.RolloutFusion | None = None
         """The rollout path's fused weights (`enable_rollout_fusion`); None: off."""
+        self._compiled_layers: list | None = None
+        """The training forward's layers under torch.compile (`compile_for_training("layers")`); None: eager."""
         self.model = DecoderBody(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -436,8 +455,11 @@ class Decoder(nn.Module):
         h = self.model.embed_tokens(input_ids)
         routing = []
         recompute = checkpoint_layers and batch is None and not sparse and torch.is_grad_enabled()
+        compiled = self._compiled_layers if batch is None and torch.is_grad_enabled() else None
         for i, layer in enumerate(self.model.layers):
             replay_i = None if routing_replay is None else routing_replay[:, :, i]
+            if compiled is not None and compiled[i] is not None:
+                layer = compiled[i]
             if recompute:
                 h, ids = torch.utils.checkpoint.checkpoint(layer, h, cos, sin, packed, replay_i, use_reentrant=False)
             else:
@@ -458,6 +480,28 @@ class Decoder(nn.Module):
                 routing.append(ids)
         hidden, _ = self.model.norm.add_forward(y, h)
         return DecoderOutput(hidden, torch.stack(routing, dim=2) if routing else None)
+
+    def compile_for_training(self, mode: str | None, backend: str = "inductor") -> None:
+        """Run the training forward (grad enabled, no paged batch) under torch.compile (model/compile.py): "layers"
+        compiles each dense, non-CSA2 decoder layer whole (MoE and CSA2 layers, whose dispatch is data-dependent,
+        take "ops" instead); "ops" compiles the norms, RoPE and SiLU·up only; None: eager. Parameters and the
+        state dict are untouched, so checkpoints, FSDP and the rollout copy do not see it. `backend`: torch.compile's
+        ("aot_eager" traces and runs autograd's graphs without code generation: the CPU tests)."""
+        if mode is not None and mode not in train_compile.MODES:
+            raise ValueError(f"compile mode {mode!r}: expected one of {train_compile.MODES} or None")
+        whole = [mode == "layers" and not layer.is_moe and not layer.is_sparse for layer in self.model.layers]
+        self._compiled_layers = None
+        if mode is not None:
+            varlen.prepare_for_compile()
+        if any(whole):
+            self._compiled_layers = [torch.compile(layer, dynamic=True, backend=backend) if w else None
+                                     for layer, w in zip(self.model.layers, whole)]
+        for layer, w in zip(self.model.layers, whole):
+            ops = backend if mode is not None and not w else None
+            for m in layer.modules():
+                if isinstance(m, (RMSNorm, Attention, SwiGLU)):
+                    m.compile_backend = ops
+        self.model.norm.compile_backend = backend if mode is not None else None
 
     # -- rollout fusion (model/fused.py) -----------------------------------------------------------------
     def enable_rollout_fusion(self, share_storage: bool = False) -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +55,7 @@ class PackedSequences:
         return torch.cat([torch.arange(b - a, device=device) for a, b in zip(self.offsets, self.offsets[1:])])[None]
 
 
-@lru_cache(maxsize=None)
-def _flash_varlen():
+def _find_flash_varlen():
     """(varlen_attn, how it is told causal, whether it takes GQA) for this PyTorch, or None without it. The
     keyword changed between releases: `is_causal=True` (2.10-2.11) or `window_size=(-1, 0)` (later)."""
     try:
@@ -67,6 +65,20 @@ def _flash_varlen():
     params = inspect.signature(varlen_attn).parameters
     causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     return varlen_attn, causal, "enable_gqa" in params
+
+
+_FLASH_VARLEN: tuple | None | bool = False
+"""`_find_flash_varlen()`'s answer once looked up (False: not yet). Not at import: torch.nn.attention.varlen imports
+torch._dynamo."""
+
+
+def _flash_varlen():
+    """`_find_flash_varlen()`, looked up once (`prepare_for_compile` looks it up before a layer is compiled: the
+    compiled layer then reads a constant)."""
+    global _FLASH_VARLEN
+    if _FLASH_VARLEN is False:
+        _FLASH_VARLEN = _find_flash_varlen()
+    return _FLASH_VARLEN
 
 
 def flash_varlen_ok(q: torch.Tensor) -> bool:
@@ -92,8 +104,26 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packed: 
         cu = packed.cu_seqlens
         out = varlen_attn(q[0], k[0], v[0], cu, cu, packed.max_len, packed.max_len, **causal, **extra)
         return out[None]
+    return _ATTEND_ROWS(q, k, v, packed.offsets, gqa)
+
+
+def prepare_for_compile() -> None:
+    """Before a layer is compiled (model/compile.py): the FlashAttention lookup done, so the graph reads its answer, and
+    the per-row loop kept out of graphs (`torch.compiler.disable`: it runs eagerly, no graph for each set of lengths).
+    Not at import: torch.compiler.disable imports torch._dynamo (a second and more), which `rl validate` never needs."""
+    global _ATTEND_ROWS
+    _flash_varlen()
+    if _ATTEND_ROWS is _attend_rows:
+        _ATTEND_ROWS = torch.compiler.disable(_attend_rows)
+
+
+def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: tuple[int, ...], gqa: bool) -> torch.Tensor:
     outs = []
-    for a, b in zip(packed.offsets, packed.offsets[1:]):
+    for a, b in zip(offsets, offsets[1:]):
         outs.append(F.scaled_dot_product_attention(q[:, a:b].transpose(1, 2), k[:, a:b].transpose(1, 2),
                                                    v[:, a:b].transpose(1, 2), is_causal=True, enable_gqa=gqa))
     return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+_ATTEND_ROWS = _attend_rows
+"""`_attend_rows`, kept out of compiled graphs once `prepare_for_compile` ran."""

@@ -207,9 +207,17 @@ class AsyncGRPO:
             self.policy.add_requests(dict(per_worker))
 
     def collect_rewards(self, block: bool) -> None:
+        """Read the reward workers' verdicts into the store and the finished groups: all of them (`block`), or those
+        ready now, in whatever order they came (a slow batch on one worker holds up none behind it on another)."""
         rewards, clock = self.job.rewards, self.clock
-        while self.pending_rewards and (block or rewards.ready(self.pending_rewards[0][0])):
-            fut, gens = self.pending_rewards.pop(0)
+        while self.pending_rewards:
+            if block:
+                fut, gens = self.pending_rewards.pop(0)
+            else:
+                i = next((i for i, (f, _) in enumerate(self.pending_rewards) if rewards.ready(f)), None)
+                if i is None:
+                    break
+                fut, gens = self.pending_rewards.pop(i)
             t0 = time.perf_counter()
             verdicts = rewards.get(fut)
             clock.verify_s += time.perf_counter() - t0
@@ -251,13 +259,13 @@ class AsyncGRPO:
                          f"easy for the policy")
 
     def batch_may_form(self, generating: bool = True) -> bool:
-        """Enough complete groups for a train batch. With dynamic sampling, while the engines generate, only the
-        groups whose rewards are all in count (the uniform ones among them were filtered as their verdicts came): a
-        group still being verified may yet be filtered out, and waiting for its verdicts at every rollout call (the
-        reward workers a call behind) would hold the controller each time for a batch that then does not form; its
-        verdicts arrive while the engines run the next call. The batch is then taken from those verified groups
-        (rollout_until_batch), without a wait. With nothing generating there is nothing else to wait for."""
-        if not self.filters_uniform or not generating:
+        """Enough complete groups for a train batch. While the engines generate, only the groups whose rewards are
+        all in count: waiting for the verdicts of a group just finished (the reward workers are a call behind) would
+        leave the GPU idle while the engines could run the next call, during which they arrive (issue #41: the
+        SmolLM2 job spent 30% of its rollout time in that wait). With dynamic sampling a group still being verified may
+        also yet be filtered out. The batch is then taken from those verified groups (rollout_until_batch), without a
+        wait. With nothing generating there is nothing else to do: the controller waits for the verdicts."""
+        if not generating:
             return self.disp.num_ready_groups >= self.stage.prompts_per_step
         return verified_groups(self.disp.ready_group_sizes(), self.finished) >= self.stage.prompts_per_step
 
@@ -400,9 +408,9 @@ class AsyncGRPO:
                 generating = any(r.active or r.waiting for r in results)
                 if self.batch_may_form(generating):
                     inflight_versions = [v for r in results for v in r.oldest_versions]
-                    if self.filters_uniform and generating:
-                        # the batch from the groups whose verdicts are all in (the uniform ones among them filtered
-                        # as they came): no wait for the verdicts still out, whose groups may yet be filtered; they
+                    if generating:
+                        # the batch from the groups whose verdicts are all in (with dynamic sampling the uniform ones
+                        # among them filtered as they came): no wait for the verdicts still out (batch_may_form); they
                         # stay ready for a later batch
                         verified = verified_group_ids(disp.ready_group_sizes(), self.finished)
                         batch = disp.take_batch(inflight_versions, self.tokens_of, eligible=verified.__contains__)
@@ -576,6 +584,10 @@ class AsyncGRPO:
             "time/train_s": clock.train_s,
             "time/weight_update_s": clock.weight_update_s,  # of train_s: the engines take the new weights
             "time/checkpoint_s": clock.checkpoint_s,  # periodic checkpoints taken at token boundaries (not in rollout_s)
+            # of the stage's wall time so far, the share in which neither the engines (their rollout calls, timed on the
+            # workers) nor the trainer ran: the controller's own work, waits for verdicts, checkpoints
+            "time/gpu_idle_share": 1.0 - (clock.engine_s + clock.train_s) / max(
+                clock.rollout_s + clock.train_s + clock.checkpoint_s, 1e-9),
         })
         metrics.update(rollout_breakdown(samples))
         if self.on_failure is not None:

@@ -325,7 +325,7 @@ class Runtime:
                       name="policy worker", timeout_s=cfg.worker_timeout_s)
         self.policy = PolicyGroup(group)
         reward_actor = ray.remote(num_cpus=0, concurrency_groups=HEALTH)(RewardWorker)
-        self.rewards = RewardGroup(Group([reward_actor.remote(recipe) for _ in range(cfg.num_reward_workers)], remote=True,
+        self.rewards = RewardGroup(Group([reward_actor.remote(recipe) for _ in range(cfg.reward_workers())], remote=True,
                                          name="reward worker", timeout_s=cfg.worker_timeout_s))
         group.timeout_s, group.timeout_field = cfg.worker_start_timeout_s, "runtime.worker_start_timeout_s"
         if n > 1:  # the group meets at rank 0's node address (a cluster spans nodes), not at a loopback address

@@ -14,12 +14,16 @@ Per worker (one device); the trainer's tensors are float32 (`build_policy`), als
     (model/kv_cache.py; CSA2 models keep per-sequence caches: counted at max_seq_len for each of
     max_batch_size sequences at the compressed rate);
     the OPD teacher pool's device budget (the largest of the stages');
-    the training step's logits: one micro-batch (the largest of the stages'; SFT without one: its batch;
-    micro_batch_tokens where set) of trained positions (the output head runs on response tokens only,
-    rl/train/objectives.py: engine.max_new_tokens per rollout; engine.max_seq_len per SFT demonstration or with
-    tool turns) × vocab_size, float32, three times (the logits, their log-softmax, and the gradient of
-    either; rl/train/losses.py), the activation that dominates at a real vocabulary.
-Other activations and the allocator's slack are not counted: the estimate is a floor. The device's memory:
+    the training step's logits: on GRPO and SFT stages one chunk of the chunked log-prob path (model/token_logprobs.py:
+    at most `default_chunk_size` rows, or the micro-batch's trained positions if fewer) × vocab_size, float32,
+    three times; on OPD stages (full-vocabulary teachers) one micro-batch of trained positions (the output head runs
+    on response tokens only, rl/train/objectives.py: engine.max_new_tokens per rollout; engine.max_seq_len per SFT
+    demonstration or with tool turns) × vocab_size × 4 bytes, three times (the logits, their log-softmax, and the
+    gradient of either; rl/train/losses.py);
+    the training forward's saved activations (`activation_bytes_per_token`, issue #41): one micro-batch's tokens
+    (micro_batch_tokens, or its rows × engine.max_seq_len, the longest a row can be) × the bytes autograd keeps
+    per token for the backward, layer by layer.
+The allocator's slack and the backward's transient buffers are not counted: the estimate is a floor. The device's memory:
 the first CUDA device's total where there is one, `run.device_memory_gib` where the recipe states it (a
 host without that device), else the host's RAM for CPU runs; with none of these the estimate is printed only.
 """
@@ -29,10 +33,10 @@ from __future__ import annotations
 import contextlib
 import os
 
-from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
+from rl.config import PACKED_TOKENS_CUDA, GRPOStage, OPDStage, Recipe, SFTStage
 
 GIB = 2**30
-PARTS = ("weights", "gradients", "adamw", "reference", "engine_weights", "kv_pool", "teachers", "logits")
+PARTS = ("weights", "gradients", "adamw", "reference", "engine_weights", "kv_pool", "teachers", "logits", "activations")
 
 
 @contextlib.contextmanager
@@ -79,13 +83,16 @@ def estimate(recipe: Recipe) -> dict[str, float]:
         if capacity is not None:  # the share of what is free when the engine starts
             before = params * elem / shards + engine_weights + (params * elem if reference else 0.0) + teachers
             kv = e.kv_memory_fraction * max(capacity - before, 0.0)
-    logits = max(3 * _trained_positions(recipe, s) * m.vocab_size * 4 for s in recipe.stages)
+    logits = max(3 * _logit_rows(recipe, s) * m.vocab_size * 4 for s in recipe.stages)
+    autocast = recipe.run.dtype == "bfloat16"
+    activations = max(_micro_batch_tokens(recipe, s) * activation_bytes_per_token(
+        m, autocast, getattr(s, "activation_checkpointing", False)) for s in recipe.stages)
     trainer = params * elem / shards
     parts = {"weights": trainer, "gradients": trainer, "adamw": 2 * trainer,
              "reference": params * elem if reference else 0.0,
              "engine_weights": engine_weights,
              "kv_pool": float(kv), "teachers": float(teachers),
-             "logits": float(logits)}
+             "logits": float(logits), "activations": float(activations)}
     return {**parts, "total": sum(parts.values()), "parameters": float(params)}
 
 
@@ -106,6 +113,73 @@ def parameter_count(cfg) -> int:
     ends = small.num_parameters() - sum(per_layer)
     full, rest = divmod(cfg.num_layers, period)
     return ends + full * sum(per_layer) + sum(per_layer[:rest]) if built == period else small.num_parameters()
+
+
+def activation_bytes_per_token(m, autocast: bool, checkpointing: bool = False, backward: bool = True) -> float:
+    """Bytes the training forward keeps per token for its backward (model/decoder.py's eager path; seed-independent
+    arithmetic), summed over the layers, plus the embedding and final norm. Per dense layer, with hidden d, q width
+    Q = heads·head_dim, KV width K = kv_heads·head_dim, FFN width f, and under bf16 autocast (float32 alone: every
+    tensor 4 bytes and no casts):
+      each RMSNorm keeps its float32 input and normalised input (8d), and each matmul that reads it a bf16 cast of
+      its output (autocast casts per call: q, k, v 3·2d; gate, up 2·2d), with the residual stream in float32: 26d;
+      attention keeps RoPE'd q, k and v (2Q + 4K) and its output (2Q); qk-norm adds its float32 input and
+      normalised input for q and k (8Q + 8K);
+      the SwiGLU keeps gate, up, silu(gate) and their product: 8f (MoE: per routed expert and token, 8·f_e·top_k,
+      the tokens' copies gathered per expert 2d·top_k, the router's float32 scores 4E, and the shared experts').
+    With activation checkpointing a layer keeps only its float32 input (4d) and one layer's full set is rebuilt at a
+    time. Plus (`backward`) one layer's backward at a time (twice a layer's set: the gradients of its activations). Against
+    bench/train_step.py's peaks on an H200 (bf16 autocast, packed, 2026-12-04; the peak less weights, gradients and
+    AdamW): Qwen3-0.6B shape 2.66 MiB a token here, 2.47 measured (eager, 32K tokens); 1.7B 4.12 here, 4.5 measured
+    (eager, 16K; the rest: autocast's bf16 weight copies, GQA's K/V repeated on torch 2.11), 2.6 with run.compile
+    layers (inductor keeps fewer); checkpointed 0.65 here, 0.82 measured (compiled). CSA2 layers are counted as dense attention (their compressed entries and
+    indexer keys are per-token too, not counted)."""
+    d, q, k = m.hidden_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    b16, cast = (2, 1) if autocast else (4, 0)
+    norms = 2 * (8 * d)  # input and post-attention norms: float32 input and normalised input each
+    casts = cast * 5 * b16 * d  # q, k, v, gate, up: each matmul's own cast of the norm's output
+    if not autocast:
+        norms += 2 * 4 * d  # float32: the norm's output itself is the matmuls' saved input
+    attention = b16 * (2 * q + 2 * k) + b16 * q + 4 * m.num_heads  # q, k, v after RoPE; the output; log-sum-exp
+    if m.qk_norm:
+        attention += 8 * (q + k)
+    ffn = m.ffn
+    if getattr(ffn, "type", "dense") == "moe":
+        f_e, top = ffn.moe_intermediate_size, ffn.num_experts_per_tok
+        mlp = 4 * b16 * f_e * top + b16 * d * top + 4 * ffn.num_experts
+        if getattr(ffn, "num_shared_experts", 0):
+            mlp += 4 * b16 * ffn.num_shared_experts * f_e
+    else:
+        mlp = 4 * b16 * ffn.intermediate_size
+    layer = norms + casts + attention + mlp  # (the residual stream is each norm's float32 input)
+    ends = 4 * d + 8 * d + 8 * m.head_dim  # the embedding's output, the final norm, RoPE's cos and sin
+    transient = 2 * layer if backward else 0  # one layer's backward at a time: the gradients of its activations
+    if checkpointing:
+        return m.num_layers * 4 * d + (layer if backward else 0) + transient + ends  # (+ the one layer rebuilt)
+    return m.num_layers * layer + transient + ends
+
+
+def _micro_batch_tokens(recipe: Recipe, stage) -> int:
+    """Tokens (prompt and response) of one micro-batch's forward: micro_batch_tokens where set, else its rows × the
+    longest a row can be (engine.max_seq_len), or on CUDA with packing by default (neither field set) the packed
+    budget rl/train/trainer.py uses there."""
+    if stage.micro_batch_tokens is not None:
+        return stage.micro_batch_tokens
+    if recipe.run.device == "cuda" and not isinstance(stage, OPDStage) and stage.packing != "padded" and \
+            not {"micro_batch_size", "micro_batch_tokens"} & stage.model_fields_set:
+        return PACKED_TOKENS_CUDA
+    rows = stage.micro_batch_size or getattr(stage, "batch_size", 1)
+    return rows * recipe.engine.max_seq_len
+
+
+def _logit_rows(recipe: Recipe, stage) -> int:
+    """Rows of [rows, vocab] float32 logits the loss holds at once: OPD's trained positions (full-vocabulary
+    teachers), else one chunk of model/token_logprobs.py's path."""
+    from model.token_logprobs import DEFAULT_CHUNK_BYTES
+
+    positions = _trained_positions(recipe, stage)
+    if isinstance(stage, OPDStage):
+        return positions
+    return min(positions, max(64, DEFAULT_CHUNK_BYTES // (4 * recipe.model.vocab_size)))
 
 
 def _trained_positions(recipe: Recipe, stage) -> int:
@@ -134,9 +208,22 @@ def device_capacity(recipe: Recipe) -> tuple[float | None, str]:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")), "host RAM"
 
 
+TOKEN_CAP_MARGIN = 1.25
+"""`token_cap` sizes micro-batches for this many times `activation_bytes_per_token` (the estimate is within about 20%
+of the measured peaks either way)."""
+
+
+def token_cap(free_bytes: float, parameters: int, per_token: float, optimizer_allocated: bool) -> int:
+    """Tokens one training micro-batch may hold on a device with `free_bytes` left (after the engine's KV pool and the
+    weights): less the float32 gradients (allocated in the backward), the AdamW moments when not yet allocated, and
+    1 GiB of slack, over `TOKEN_CAP_MARGIN` × `per_token`. At least 1: a row longer than that still trains alone."""
+    left = free_bytes - 4 * parameters - (0 if optimizer_allocated else 8 * parameters) - GIB
+    return max(1, int(left / (TOKEN_CAP_MARGIN * per_token)))
+
+
 def describe(parts: dict[str, float]) -> str:
     shown = ", ".join(f"{k} {parts[k] / GIB:.2f}" for k in PARTS if parts[k])
-    return f"{parts['total'] / GIB:.2f} GiB per worker ({shown}; other activations not counted)"
+    return f"{parts['total'] / GIB:.2f} GiB per worker ({shown}; the allocator's slack not counted)"
 
 
 def check(recipe: Recipe) -> str:
@@ -146,8 +233,13 @@ def check(recipe: Recipe) -> str:
     line = f"memory: {describe(parts)} on {recipe.run.device}"
     if capacity is None:
         return f"{line}; not checked ({source})"
+    per_token = max(activation_bytes_per_token(recipe.model, recipe.run.dtype == "bfloat16",
+                                               getattr(s, "activation_checkpointing", False)) for s in recipe.stages)
+    fits = int((capacity - parts["total"] + parts["activations"]) / per_token)
+    line += (f"; the training forward keeps ~{per_token / 2**20:.2f} MiB a token: micro-batches of up to "
+             f"{fits:,} tokens fit beside the rest")
     if parts["total"] > capacity:
         raise ValueError(f"the {recipe.run.device} worker needs at least {describe(parts)}, more than the "
-                         f"{capacity / GIB:.2f} GiB of {source}: lower engine.max_batch_size / max_seq_len / num_blocks, micro_batch_size, "
+                         f"{capacity / GIB:.2f} GiB of {source}: lower engine.max_batch_size / max_seq_len / num_blocks, micro_batch_size / micro_batch_tokens (or turn on activation_checkpointing), "
                          f"the teachers' device_memory_mib, or the model")
     return f"{line}, of {capacity / GIB:.2f} GiB ({source})"

@@ -163,6 +163,7 @@ class PolicyWorker:
         bf16 = recipe.run.dtype == "bfloat16"
         self.rollout_model = (rollout_copy(self.model, torch.bfloat16 if bf16 else torch.float32) if bf16 or sharded
                               else self.model)
+        self.model.compile_for_training(recipe.compile_mode())  # the training forward only (model/compile.py)
         self.parallel: Single = Single(self.model)
         """The trainer's data-parallel strategy (rl/train/parallel.py); set by `join_process_group`."""
         tok = recipe.tokenizer.build()
@@ -315,6 +316,24 @@ class PolicyWorker:
             # resumed job penalises the KL to the same reference without keeping it in checkpoints
             with torch.random.fork_rng(devices=[]):  # building it must not move the training RNG
                 self.reference = build_policy(self.recipe).eval().requires_grad_(False)
+        if self.recipe.run.device == "cuda":  # after the reference and the pool: what is left is the trainer's
+            self.trainer.token_cap = self._token_cap(stage)
+
+    def _token_cap(self, stage: SFTStage | GRPOStage) -> int:
+        """The most tokens a training micro-batch may hold on this device (rl/runtime/memory.py `token_cap`): what is
+        free now (the engine's KV pool, the weights, their engine copy and the reference are allocated), less the
+        teachers' device budget on an OPD stage (the pool loads them as they are used)."""
+        from rl.runtime.memory import activation_bytes_per_token, token_cap
+
+        free, _ = torch.cuda.mem_get_info()
+        free += torch.cuda.memory_reserved() - torch.cuda.memory_allocated()  # the allocator's cache is free to us
+        if isinstance(stage, OPDStage):
+            free -= stage.teachers.device_memory_mib * 2**20
+        rt = self.recipe.runtime
+        shards = rt.num_workers if rt.parallel == "fsdp2" and rt.num_workers > 1 else 1
+        per_token = activation_bytes_per_token(self.recipe.model, self.recipe.run.dtype == "bfloat16",
+                                               getattr(stage, "activation_checkpointing", False))
+        return token_cap(free, self.model.num_parameters() // shards, per_token, optimizer_allocated=False)
 
     def add_teachers(self, specs: Sequence[TeacherSpec]) -> None:
         """Load teachers into this worker's pool, all or none (rl/reconfigure.py: the job validates a patch by loading

@@ -82,7 +82,7 @@ def response_logprobs(model: Decoder, hidden: torch.Tensor, b: PackedBatch, temp
 
 def _tokens_by_default(stage: SFTStage | GRPOStage) -> bool:
     """Neither micro_batch_size nor micro_batch_tokens set in the recipe: a packed CUDA trainer cuts micro-batches
-    by tokens (rl/train/trainer.py `PACKED_TOKENS_CUDA`)."""
+    by tokens (rl/config.py `PACKED_TOKENS_CUDA`)."""
     return not {"micro_batch_size", "micro_batch_tokens"} & stage.model_fields_set
 
 

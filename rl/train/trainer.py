@@ -40,7 +40,7 @@ import torch
 
 from model.decoder import Decoder, is_dtensor
 from model.varlen import PackedSequences
-from rl.config import OptimConfig
+from rl.config import PACKED_TOKENS_CUDA, OptimConfig
 from rl.train.parallel import Single, idle_loss
 from rl.types import Sample
 
@@ -398,24 +398,26 @@ def micro_batches(batch: TrainBatch, rows: int | None, tokens: int | None, packe
     if tokens is None:
         size = rows or max(len(order), 1)
         return [order[lo : lo + size] for lo in range(0, len(order), size)]
-    out: list[list[int]] = []
+    return split_to_cap(batch, order, tokens, packed)
+
+
+def split_to_cap(batch: TrainBatch, rows: list[int], cap: int, packed: bool) -> list[list[int]]:
+    """`rows` (ascending lengths, as `micro_batches` gives them) in consecutive parts whose computed tokens stay
+    within `cap` (at least one row each): the rows' own tokens packed, rows × the longest padded."""
+    parts: list[list[int]] = []
     used = 0
-    for i in order:  # ascending lengths: the row joining a micro-batch is its longest
+    for i in rows:  # ascending lengths: the row joining a part is its longest
         length = len(batch.prompts_B[i]) + len(batch.responses_B[i]) - 1  # the packed row (rl/trainer.pack)
-        size = used + length if packed else (len(out[-1]) + 1) * length if out else length
-        if out and size <= tokens:
-            out[-1].append(i)
+        size = used + length if packed else (len(parts[-1]) + 1) * length if parts else length
+        if parts and size <= cap:
+            parts[-1].append(i)
             used = size
         else:
-            out.append([i])
+            parts.append([i])
             used = length
-    return out
+    return parts
 
 
-PACKED_TOKENS_CUDA = 16384
-"""Tokens per packed micro-batch on CUDA when the stage sets neither micro_batch_size nor micro_batch_tokens
-(verl's ppo_max_token_len_per_gpu default): micro-batches by tokens, so a long-tail batch's long rows do not
-share a forward with many others, and short rows fill a forward to the same work."""
 
 
 class StepClock:
@@ -469,6 +471,10 @@ class Trainer:
         self.opt, self.sched = build_optimizer(model, optim, total_steps)
         self.clock: StepClock | None = None
         """The running `train_step`'s clock (None between steps and in a bare `accumulate`)."""
+        self.token_cap: int | None = None
+        """The most tokens (computed: packed, or rows × the longest padded) one micro-batch may hold, whatever the
+        stage's micro-batch fields say (rl/runtime/memory.py `token_cap`: what the device has left for activations;
+        the worker sets it on CUDA). A micro-batch over it is split; the gradient is the same. None: no cap."""
 
     def packs(self, objective: Objective) -> bool:
         """Whether `objective`'s micro-batches run packed (model/varlen.py): `packing` "packed", or "auto" on CUDA;
@@ -486,7 +492,10 @@ class Trainer:
         if tokens is None and packed and getattr(objective, "tokens_by_default", False) and \
                 torch.device(self.device).type == "cuda":
             tokens = PACKED_TOKENS_CUDA
-        return micro_batches(batch, objective.micro_batch_size, tokens, packed), packed
+        plan = micro_batches(batch, objective.micro_batch_size, tokens, packed)
+        if self.token_cap is not None:
+            plan = [part for rows in plan for part in split_to_cap(batch, rows, self.token_cap, packed)]
+        return plan, packed
 
     def train_step(self, batch: TrainBatch | Sequence[TrainBatch], objective: Objective) -> StepMetrics:
         """One optimizer step on this rank's rows: `accumulate` the gradient, then `apply` it. A list of batches

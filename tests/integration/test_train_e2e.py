@@ -87,6 +87,12 @@ def test_metrics_logged_to_jsonl_and_wandb_offline(tiny_run):
             assert 0 < r[key] - before[key] < r["time/rollout_s"] - before["time/rollout_s"], key
         # the train phase's: the weight update after the optimizer step is one part of it
         assert 0 < r["time/weight_update_s"] - before["time/weight_update_s"] < r["time/train_s"] - before["time/train_s"]
+        # the share of the stage's wall time in which neither the engines nor the trainer ran
+        assert 0 <= r["time/gpu_idle_share"] < 1
+    # verdicts come from a Ray reward actor a call later; the controller takes each batch from the groups already
+    # verified while the engines generate (sample dispatch keeps them generating) instead of blocking for the rest
+    # at every step, as it did before (one wait per step)
+    assert grpo[-1]["rollout/reward_waits_total"] < len(grpo)
     assert any("eval/accuracy" in r for r in records)
     pytest.importorskip("wandb")
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run directory missing"

@@ -200,11 +200,11 @@ def test_uniform_groups_are_those_with_every_reward_in_and_equal_per_effort_grou
     assert uniform_groups({"unrewarded": 2}, {}, None) == []
 
 
-def test_with_dynamic_sampling_a_batch_is_waited_for_only_when_verified_groups_fill_it():
-    """The controller blocks for verdicts before taking a batch. Without dynamic sampling every complete group
-    trains, so complete groups decide; with it a group still being verified may be filtered out, so only the
-    complete groups whose rewards are all in count (else it would block at every rollout call for a batch that
-    then does not form)."""
+def test_while_the_engines_generate_a_batch_forms_only_from_verified_groups():
+    """The controller takes a batch from the complete groups whose rewards are all in while the engines generate,
+    with or without dynamic sampling (issue #41: blocking for the verdicts of groups just finished left the GPU idle
+    for 30% of the SmolLM2 job's rollout); with dynamic sampling a group still being verified may also yet be
+    filtered out. With nothing generating it waits for the verdicts, so complete groups decide."""
     from types import SimpleNamespace as S
 
     from rl.algo.async_grpo import AsyncGRPO, verified_groups
@@ -217,14 +217,13 @@ def test_with_dynamic_sampling_a_batch_is_waited_for_only_when_verified_groups_f
         return S(filters_uniform=ds, stage=S(prompts_per_step=per_step), finished=done,
                  disp=S(ready_group_sizes=lambda: dict(ready), num_ready_groups=len(ready)))
 
-    assert AsyncGRPO.batch_may_form(controller(False, 3, finished))  # complete groups decide
-    assert not AsyncGRPO.batch_may_form(controller(True, 3, finished))  # b is not verified
-    assert AsyncGRPO.batch_may_form(controller(True, 2, finished))
-    assert AsyncGRPO.batch_may_form(controller(True, 3, {**finished, "b": ["s", "s"]}))
-    assert not AsyncGRPO.batch_may_form(controller(False, 4, finished))
-    # with nothing generating there is nothing to gain from not waiting (and nothing else would bring b's verdict)
-    assert AsyncGRPO.batch_may_form(controller(True, 3, finished), generating=False)
-    assert not AsyncGRPO.batch_may_form(controller(True, 4, finished), generating=False)
+    for ds in (False, True):
+        assert not AsyncGRPO.batch_may_form(controller(ds, 3, finished))  # b is not verified
+        assert AsyncGRPO.batch_may_form(controller(ds, 2, finished))
+        assert AsyncGRPO.batch_may_form(controller(ds, 3, {**finished, "b": ["s", "s"]}))
+        # with nothing generating there is nothing to gain from not waiting (and nothing else would bring b's verdict)
+        assert AsyncGRPO.batch_may_form(controller(ds, 3, finished), generating=False)
+        assert not AsyncGRPO.batch_may_form(controller(ds, 4, finished), generating=False)
 
 
 def test_a_batch_taken_from_eligible_groups_leaves_the_others_ready_for_the_next():

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from model.decoder import Decoder
-from rl.runtime.memory import PARTS, estimate
+from model.token_logprobs import DEFAULT_CHUNK_BYTES
+from rl.runtime.memory import PARTS, activation_bytes_per_token, estimate
 from rl.recipe_io import load_recipe
 from rl.runtime.worker import PolicyWorker
 from rollout.engine import Engine
@@ -39,7 +40,14 @@ def test_the_estimate_counts_what_the_worker_allocates(config, sets):
     e = recipe.engine  # the output head runs on response positions: max_new_tokens per rollout, max_seq_len per demonstration
     positions = [s.micro_batch_tokens or (s.micro_batch_size or s.batch_size if s.type == "sft" else s.micro_batch_size)
                  * (e.max_seq_len if s.type == "sft" else e.max_new_tokens) for s in recipe.stages]
-    assert parts["logits"] == max(3 * n * recipe.model.vocab_size * 4 for n in positions)
+    # GRPO and SFT stages hold one chunk of model/token_logprobs.py's path; OPD's full-vocabulary loss every position
+    chunk = max(64, DEFAULT_CHUNK_BYTES // (4 * recipe.model.vocab_size))
+    assert parts["logits"] == max(3 * (n if s.type == "opd" else min(n, chunk)) * recipe.model.vocab_size * 4
+                                  for n, s in zip(positions, recipe.stages))
+    # a micro-batch's tokens (its rows at the longest a row can be, or micro_batch_tokens) × what each keeps
+    tokens = [s.micro_batch_tokens or (s.micro_batch_size or getattr(s, "batch_size", 1)) * e.max_seq_len
+              for s in recipe.stages]
+    assert parts["activations"] == max(n * activation_bytes_per_token(recipe.model, bf16) for n in tokens) > 0
     assert parts["total"] == sum(parts[k] for k in PARTS)
 
 
@@ -51,8 +59,8 @@ def test_validate_refuses_a_recipe_that_cannot_fit_and_prints_the_estimate():
                             [["--set", "run.device_memory_gib=0.01"], []])
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("rl validate: the cpu worker needs at least 0.11 GiB per worker (") and "0.01 GiB of run.device_memory_gib" in lines[0]
-    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("memory: 0.11 GiB per worker (weights")
+    assert lines[0].startswith("rl validate: the cpu worker needs at least 0.92 GiB per worker (") and "0.01 GiB of run.device_memory_gib" in lines[0]
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("memory: 0.92 GiB per worker (weights")
 
 
 def test_fsdp2_shards_the_trainer_and_the_engine_keeps_full_weights():
@@ -85,3 +93,36 @@ def test_validate_counts_a_shape_only_model_without_initialising_it():
             "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo', rc)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.stdout.splitlines()[-1] == "no dynamo 0", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("variant", [dict(moe=False, qk_norm=False), dict(moe=False, qk_norm=True), dict(moe=True)])
+def test_the_activation_estimate_is_what_autograd_keeps_per_token(variant):
+    """rl/runtime/memory.py `activation_bytes_per_token` (float32, without the backward's transient buffers) against
+    the bytes of the tensors autograd saves for the backward, measured with saved-tensor hooks: the growth per token
+    between two lengths (parameters and other fixed costs cancel), within 15% (MoE: which experts a token takes
+    varies, and the estimate counts the top-k copies a token can need)."""
+    import torch
+
+    from tests.conftest import debug_config
+
+    cfg = debug_config(**variant)
+    torch.manual_seed(0)
+    model = Decoder(cfg).float()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved(n: int) -> int:
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.forward_hidden(torch.randint(0, cfg.vocab_size, (1, n)))
+        return sum(seen.values())
+
+    measured = (saved(192) - saved(64)) / 128
+    estimated = activation_bytes_per_token(cfg, autocast=False, backward=False)
+    assert estimated == pytest.approx(measured, rel=0.15), (estimated, measured)
