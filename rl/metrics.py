@@ -132,6 +132,15 @@ class RolloutClock:
     """Σ `concurrency` over every call of the stage, those the window let go included (a checkpoint written before
     the window has neither field: `ckpt_records.clock_from_record` takes them from its whole list)."""
     concurrency_calls: int = 0
+    parks: int = 0
+    """Samples parked because an engine's KV pool ran dry (rollout/engine.py `_grow`), summed over the workers."""
+    parked_bytes: int = 0
+    """Bytes of KV those parks copied to host memory."""
+    parked: int = 0
+    """Samples parked at the end of the last rollout call, summed over the workers."""
+    kv_used_sum: float = 0.0
+    """Σ over rollout calls of the workers' mean share of their KV pool held (`kv_used_frac`)."""
+    kv_used_calls: int = 0
 
     def add_concurrency(self, x: float) -> None:
         self.concurrency.append(x)

@@ -87,6 +87,10 @@ class EngineConfig(StrictConfig):
     sample_in_graph: bool = True
     """A decode step whose rows all sample at top_p = 1 draws its tokens inside the decode graph (rollout/graphs.py)
     instead of with ~40 eagerly launched sampler kernels after the replay; same tokens. False: always after."""
+    expected_tokens: int | None = Field(None, gt=0)
+    """The prompt + response tokens a sample is expected to hold on average while it is in flight, for `rl validate`'s
+    arithmetic only: how many samples the KV pool holds at that length beside how many at max_seq_len (the engine
+    allocates blocks as samples grow, so the first is what it sustains; rollout/engine.py `_grow`). None: not shown."""
     paged_decode_kernel: bool = True
     """In graphed decode, attend through the paged Triton kernel, which reads the cache in its storage
     format (bf16, fp8, fp4) with no gathered copy; False: gather a fixed-length context, then SDPA."""

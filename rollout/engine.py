@@ -131,6 +131,8 @@ class _Seq:
     """The shared-prompt registry entry this sequence holds (owner or sibling)."""
     inflight: int = 0
     """Tokens sampled by launched steps and not read yet (overlapped steps: 0 or 1 between steps)."""
+    admitted: int = 0
+    """When the engine admitted it (a counter): under memory pressure the most recent are parked first."""
 
     @property
     def num_cached(self) -> int:
@@ -207,6 +209,12 @@ class EngineStats:
     discarded_tokens: int = 0
     """Overlapped steps: tokens sampled for rows that had finished or paused at the step before, or in the
     step an interrupt dropped (computed, never read)."""
+    parks: int = 0
+    """Times a sample was parked because the KV pool ran dry (its KV to host memory, resumed when blocks free)."""
+    parked_bytes: int = 0
+    """Bytes of KV those parks copied out of the pool."""
+    max_parks: int = 0
+    """The most times any one sample was parked."""
 
 
 def free_memory(device: torch.device) -> int:
@@ -283,6 +291,10 @@ class Engine:
         self._prompts: dict[tuple[int, ...], _SharedPrompt] = {}
         self._copies: list[tuple[int, int]] = []  # (src, dst) blocks to copy after this step's prefill
         self._filling: list[_SharedPrompt] = []  # shared prompts whose owner is still fed in chunks
+        self._admissions = 0  # `_Seq.admitted`
+        self._parks: dict[str, int] = {}  # sample id -> times parked under pressure (while it is unfinished)
+        self.watermark = max(1, self.cache.num_blocks // 100)
+        """Free blocks a new admission leaves for the running samples to grow into (vLLM's 1%)."""
 
     # -- public API ------------------------------------------------------------------------------
     def add(self, requests: list[GenerationRequest]) -> None:
@@ -322,6 +334,17 @@ class Engine:
     def num_paused(self) -> int:
         return len(self._paused)
 
+    @property
+    def num_parked(self) -> int:
+        """Samples waiting with their KV out of the pool: parked under memory pressure, or handed back by `resume`."""
+        return sum(st.has_kv for st in self._waiting)
+
+    @property
+    def kv_used_frac(self) -> float:
+        """Tokens whose KV the running and paused samples hold, over the pool's capacity in tokens."""
+        held = sum(s.cached for s in (*self._active, *self._ready, *self._paused.values()))
+        return held / (self.cache.num_blocks * self.cache.block_size)
+
     def has_work(self) -> bool:
         return bool(self._active or self._waiting or self._ready or self._paused or self._done or self._inflight)
 
@@ -355,6 +378,8 @@ class Engine:
         chunk = self.cfg.prefill_chunk_tokens
         for e in [e for e in self._filling if e.owner.cached >= len(e.key) - 1]:
             self._filled(e)
+        if not self.sparse:
+            self._grow(prev)
         partial = [s for s in self._active if chunk is not None and s.pending > chunk]  # fed a chunk, sample nothing
         if partial:
             self._feed_chunks(partial, chunk)
@@ -519,7 +544,7 @@ class Engine:
     def interrupt(self) -> list[RolloutState]:
         """Stop at the current token boundary: every held sequence's state (active, paused, appended to) is
         copied out of the pool (to host memory, or beside the pool with `park_kv: device`) and its blocks are
-        freed; waiting requests are returned too (with no KV)."""
+        freed; waiting requests are returned too (with no KV; samples parked under memory pressure with theirs)."""
         rec, self._inflight = self._inflight, None
         if rec is not None:  # the boundary is the last step read: the launched one is dropped (module docstring)
             if rec.prefilled:  # its prefills' KV stays (all but each prompt's last position): so do their expert ids
@@ -530,9 +555,18 @@ class Engine:
                 if s not in rec.dropped:
                     s.inflight, s.cached = s.inflight - 1, s.cached - 1
                     self.stats.discarded_tokens += 1
+        states = self._export([*self._active, *self._ready, *self._paused.values()], set(self._paused),
+                              to_host=self.cfg.park_kv == "host")
+        states += self._waiting
+        self._active, self._waiting, self._ready, self._paused = [], [], [], {}
+        self._new_pauses = []
+        return states
+
+    def _export(self, seqs: list[_Seq], paused: set[str], to_host: bool) -> list[RolloutState]:
+        """Each sequence's state with its KV copied out of the pool (one gather for all; to host memory or beside the
+        pool) and its blocks freed. A sibling whose shared prompt KV is not computed yet goes back as a fresh request."""
         states, kept = [], []
-        paused = set(self._paused)
-        for s in [*self._active, *self._ready, *self._paused.values()]:
+        for s in seqs:
             if s.prompt is not None and not s.prompt.filled and s is not s.prompt.owner:  # a sibling whose shared KV
                 states.append(RolloutState(request=s.request, tokens=list(s.tokens)))  # is not computed yet: a fresh
                 self._free(s)  # request again (nothing generated)
@@ -548,18 +582,14 @@ class Engine:
             else:
                 kept.append((len(states), s, routing, extra))
                 states.append(None)  # filled below, in this order
-        # the paged KV of every kept sequence in one gather (and one copy to host memory unless `park_kv: device`)
-        exported = self.cache.export([self.cache.slots(s.blocks, 0, s.cached) for _, s, _, _ in kept],
-                                     to_host=self.cfg.park_kv == "host")
+        # the paged KV of every kept sequence in one gather (and one copy to host memory unless kept beside the pool)
+        exported = self.cache.export([self.cache.slots(s.blocks, 0, s.cached) for _, s, _, _ in kept], to_host=to_host)
         for (i, s, routing, extra), kv in zip(kept, exported):
             states[i] = RolloutState(
                 s.request, list(s.tokens), list(s.logprobs), list(s.versions), kv["k"], kv["v"], routing,
                 s.generate_s, kv_format=self.cache.format.name, k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale"),
                 **extra)
             self._free(s)
-        states += self._waiting
-        self._active, self._waiting, self._ready, self._paused = [], [], [], {}
-        self._new_pauses = []
         return states
 
     def resume(self, states: list[RolloutState]) -> None:
@@ -587,6 +617,54 @@ class Engine:
         P = len(s.request.prompt_tokens)
         return bool(stop.matches(s.tokens[P + s.turn_start:]))
 
+    def _grow(self, prev: _Step | None) -> None:
+        """Give every running sequence the blocks its next step writes into (positions up to its tokens so far, the
+        one in flight included). When the pool has too few, park the most recently admitted sequences (never the
+        oldest, so the oldest always progresses and nothing deadlocks) until the rest fit: their KV goes to host
+        memory (`_export`), their blocks back to the pool, and they wait at the head of the queue, ahead of new
+        prompts, to be resumed with no re-prefill as blocks free. Their tokens do not change (sampling is
+        counter-based: the token a parked sample draws next is the one it would have drawn)."""
+        short = {id(s): max(0, self.cache.blocks_for(len(s.tokens) + s.inflight) - len(s.blocks)) for s in self._active}
+        if sum(short.values()) > self.cache.num_free_blocks:
+            victims = []
+            copying = {dst for _, dst in self._copies}
+            for v in sorted(self._active, key=lambda s: -s.admitted)[:-1]:  # youngest first; the oldest stays
+                if sum(short.values()) <= self.cache.num_free_blocks:
+                    break
+                if v.cached == 0 or copying.intersection(v.blocks) or (v.prompt is not None and not v.prompt.filled):
+                    continue  # prefilled at this step, or tied to a shared prompt not computed yet: not parkable now
+                victims.append(v)
+                short.pop(id(v))
+                self._active.remove(v)
+            self._park(victims, prev)
+        for s in self._active:
+            if short.get(id(s)):
+                s.blocks += self.cache.allocate(short[id(s)])
+
+    def _park(self, victims: list[_Seq], prev: _Step | None) -> None:
+        """Move `victims` (out of `_active`) to host memory and the head of the waiting queue, oldest first."""
+        if not victims:
+            return
+        if prev is not None:  # their token in the step still running is dropped, as an interrupt drops it
+            if prev.prefilled:  # (its prefills' expert ids are read first: the prompt's KV stays with the sample)
+                if prev.done is not None:
+                    prev.done.synchronize()
+                self._prefill_routing(prev)
+            on_device = {id(s) for s in prev.seqs}
+            for v in victims:
+                if id(v) in on_device and v not in prev.dropped:  # (counted as discarded when `prev` is read)
+                    prev.dropped.add(v)
+                    v.inflight, v.cached = v.inflight - 1, v.cached - 1
+        victims.sort(key=lambda s: s.admitted)
+        states = self._export(victims, set(), to_host=True)
+        for st in states:
+            sid = st.request.sample_id
+            self._parks[sid] = self._parks.get(sid, 0) + 1
+            self.stats.max_parks = max(self.stats.max_parks, self._parks[sid])
+            self.stats.parked_bytes += st.nbytes
+        self.stats.parks += len(states)
+        self._waiting[0:0] = states
+
     def _shareable(self, st: RolloutState) -> bool:
         """A fresh request whose prompt fills at least one block before its last token."""
         return (self.cfg.share_prompt_kv and not self.sparse and not st.has_kv
@@ -603,11 +681,15 @@ class Engine:
             fresh = not (st.has_kv or st.paused)  # a new prompt: prefilled in this step
             if fresh and not prefill_now:
                 break
-            need = self.cache.blocks_for(len(st.request.prompt_tokens) + self._max_new(st.request))
+            # blocks as the sequence grows (`_grow`): now those its next step writes into (its tokens so far), with
+            # `watermark` blocks left for the running samples; CSA2 keeps per-sequence caches, budgeted at the worst case
+            need = self.cache.blocks_for(len(st.request.prompt_tokens) + self._max_new(st.request) if self.sparse
+                                         else len(st.tokens))
             entry = self._prompts.get(st.request.prompt_tokens) if self._shareable(st) else None
             full = (len(st.request.prompt_tokens) - 1) // self.cache.block_size if entry is not None else 0
-            if need - full > self.cache.num_free_blocks:
-                if not (self._active or self._paused):
+            running = bool(self._active or self._paused or self._ready)
+            if need - full + (self.watermark if running and not self.sparse else 0) > self.cache.num_free_blocks:
+                if not running:
                     raise CacheFullError(f"{st.request.sample_id} needs {need} KV blocks; the pool has {self.cache.num_free_blocks} free")
                 break
             self._waiting.pop(0)
@@ -616,7 +698,8 @@ class Engine:
             blocks = self.cache.share(entry.blocks[:full]) + self.cache.allocate(need - full) if entry else self.cache.allocate(need)
             seq = _Seq(st.request, list(st.tokens), blocks, list(st.logprobs), list(st.policy_versions),
                        generate_s=st.generate_s, cached=st.cached, appended=list(st.appended_spans),
-                       tool_turns=list(st.tool_turns))
+                       tool_turns=list(st.tool_turns), admitted=self._admissions)
+            self._admissions += 1
             if entry is not None:
                 self._join_prompt(seq, entry, full)
             elif self._shareable(st):  # the first of its prompt: its prefill at this step fills the registry's blocks
@@ -853,6 +936,7 @@ class Engine:
 
     def _release(self, s: _Seq, reason: str) -> Generation:
         self._free(s)
+        self._parks.pop(s.request.sample_id, None)
         routing = _trace(s.routing, min(s.cached, len(s.tokens) - 1))  # fed positions; a token launched once more is not one
         P = len(s.request.prompt_tokens)
         return Generation(

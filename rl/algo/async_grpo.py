@@ -478,6 +478,11 @@ class AsyncGRPO:
             clock.engine_s += max(r.seconds for r in results)
             clock.engine_steps += max(r.steps for r in results)
             clock.prefill_calls += sum(r.prefill_calls for r in results)
+            clock.parks += sum(r.parks for r in results)
+            clock.parked_bytes += sum(r.parked_bytes for r in results)
+            clock.parked = sum(r.parked for r in results)
+            clock.kv_used_sum += sum(r.kv_used_frac for r in results) / len(results)
+            clock.kv_used_calls += 1
         clock.generated_tokens += sum(r.generated for r in results)
         self.job.progress.generated(sum(r.generated for r in results), self.job.state.global_step)
         for g in gens:
@@ -580,6 +585,10 @@ class AsyncGRPO:
             "time/dispatch_s": clock.dispatch_s,  # and drawing, rendering and tokenising new prompts into requests
             "rollout/engine_steps_total": clock.engine_steps,
             "rollout/prefill_calls_total": clock.prefill_calls,
+            "rollout/kv_used_frac": clock.kv_used_sum / max(clock.kv_used_calls, 1),  # the stage's mean over calls
+            "rollout/parked": clock.parked,  # samples whose KV is out of the pool, waiting for blocks
+            "rollout/parks_total": clock.parks,
+            "rollout/parked_bytes_total": clock.parked_bytes,
             "train/uniform_groups_skipped_total": clock.uniform_groups_skipped,
             "time/train_s": clock.train_s,
             "time/weight_update_s": clock.weight_update_s,  # of train_s: the engines take the new weights

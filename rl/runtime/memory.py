@@ -221,6 +221,35 @@ def token_cap(free_bytes: float, parameters: int, per_token: float, optimizer_al
     return max(1, int(left / (TOKEN_CAP_MARGIN * per_token)))
 
 
+def kv_concurrency(recipe: Recipe, parts: dict[str, float]) -> str:
+    """How many samples the KV pool holds at max_seq_len and at `engine.expected_tokens`, by arithmetic alone, and a
+    warning when a stage's `dispatch.max_inflight` is more than it holds at the expected length (at max_seq_len
+    without one): past that, samples are parked (rollout/engine.py `_grow`) and wait instead of decoding."""
+    m, e = recipe.model, recipe.engine
+    if m.is_sparse or not parts["kv_pool"]:
+        return ""
+    per_token = parts["kv_pool"] / (e.pool_blocks * e.block_size) if e.kv_memory_fraction is None else None
+    if per_token is None:  # a share of free memory: the pool's tokens from its bytes
+        import torch
+
+        from model.kv_cache import kv_format
+
+        per_token = m.num_layers * kv_format(m.kv_cache.dtype).bytes_per_token_per_layer(
+            m.num_kv_heads, m.head_dim, getattr(torch, recipe.run.dtype))
+    tokens = int(parts["kv_pool"] / per_token)
+    at_max = tokens // e.max_seq_len
+    line = f"; KV pool {tokens:,} tokens: {at_max:,} samples at max_seq_len {e.max_seq_len}"
+    held = at_max
+    if e.expected_tokens is not None:
+        held = tokens // e.expected_tokens
+        line += f", {held:,} at engine.expected_tokens {e.expected_tokens}"
+    inflight = max((s.dispatch.max_inflight for s in recipe.stages if isinstance(s, GRPOStage)), default=0)
+    if inflight > held:
+        line += (f" (warning: dispatch.max_inflight {inflight} is more than that: the rest are parked and wait for "
+                 "blocks)")
+    return line
+
+
 def describe(parts: dict[str, float]) -> str:
     shown = ", ".join(f"{k} {parts[k] / GIB:.2f}" for k in PARTS if parts[k])
     return f"{parts['total'] / GIB:.2f} GiB per worker ({shown}; the allocator's slack not counted)"
@@ -232,14 +261,14 @@ def check(recipe: Recipe) -> str:
     capacity, source = device_capacity(recipe)
     line = f"memory: {describe(parts)} on {recipe.run.device}"
     if capacity is None:
-        return f"{line}; not checked ({source})"
+        return f"{line}; not checked ({source}){kv_concurrency(recipe, parts)}"
+    if parts["total"] > capacity:
+        raise ValueError(f"the {recipe.run.device} worker needs at least {describe(parts)}, more than the "
+                         f"{capacity / GIB:.2f} GiB of {source}: lower engine.max_batch_size / max_seq_len / num_blocks, "
+                         "micro_batch_size / micro_batch_tokens (or turn on activation_checkpointing), "
+                         f"the teachers' device_memory_mib, or the model")
     per_token = max(activation_bytes_per_token(recipe.model, recipe.run.dtype == "bfloat16",
                                                getattr(s, "activation_checkpointing", False)) for s in recipe.stages)
     fits = int((capacity - parts["total"] + parts["activations"]) / per_token)
-    line += (f"; the training forward keeps ~{per_token / 2**20:.2f} MiB a token: micro-batches of up to "
-             f"{fits:,} tokens fit beside the rest")
-    if parts["total"] > capacity:
-        raise ValueError(f"the {recipe.run.device} worker needs at least {describe(parts)}, more than the "
-                         f"{capacity / GIB:.2f} GiB of {source}: lower engine.max_batch_size / max_seq_len / num_blocks, micro_batch_size / micro_batch_tokens (or turn on activation_checkpointing), "
-                         f"the teachers' device_memory_mib, or the model")
-    return f"{line}, of {capacity / GIB:.2f} GiB ({source})"
+    return (f"{line}, of {capacity / GIB:.2f} GiB ({source}); the training forward keeps ~{per_token / 2**20:.2f} MiB "
+            f"a token: micro-batches of up to {fits:,} tokens fit beside the rest{kv_concurrency(recipe, parts)}")

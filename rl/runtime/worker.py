@@ -60,6 +60,14 @@ class StepResult:
     the controller's (dispatch, rewards, the store) and the round trip."""
     prefill_calls: int = 0
     """Prefill forwards the engine ran in this call (one per admission of new prompts)."""
+    parked: int = 0
+    """Samples waiting with their KV out of the pool after this call (parked under memory pressure)."""
+    parks: int = 0
+    """Samples parked during this call because the KV pool ran dry (rollout/engine.py `_grow`)."""
+    parked_bytes: int = 0
+    """Bytes of KV those parks copied to host memory."""
+    kv_used_frac: float = 0.0
+    """Tokens held in the KV pool over its capacity, after this call."""
 
 
 def build_policy(recipe: Recipe, read_weights: bool = True) -> Decoder:
@@ -235,6 +243,7 @@ class PolicyWorker:
             self.add_requests(requests)
         self.rollout_model.eval()
         t0, prefills = time.perf_counter(), self.engine.stats.prefill_calls
+        parks, parked_bytes = self.engine.stats.parks, self.engine.stats.parked_bytes
         finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
         for i in range(num_steps):
             if self.tools is not None:  # start calls of new pauses, append finished calls' outputs
@@ -255,7 +264,9 @@ class PolicyWorker:
         # samples paused at a tool call are in flight too (the controller must not see a stall)
         return StepResult(finished, self.engine.num_active + self.engine.num_paused, self.engine.num_waiting, steps,
                           self.engine.stats.generated_tokens - before, finish_step, self.engine.oldest_versions(),
-                          time.perf_counter() - t0, self.engine.stats.prefill_calls - prefills)
+                          time.perf_counter() - t0, self.engine.stats.prefill_calls - prefills, self.engine.num_parked,
+                          self.engine.stats.parks - parks, self.engine.stats.parked_bytes - parked_bytes,
+                          self.engine.kv_used_frac)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """Run requests to completion (evaluation); in-flight samples are parked meanwhile and

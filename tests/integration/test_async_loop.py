@@ -18,7 +18,7 @@ from rl.algo.async_grpo import AsyncGRPO, run_async_grpo
 from rl.config import Recipe
 from rl.algo.job import open_job
 from rl.checkpoint.preempt import Preempted
-from rl.store.trajectories import TrajectoryStore
+from rl.store.trajectories import LOGPROB_DTYPE, TrajectoryStore, decode_array
 
 pytestmark = pytest.mark.integration
 
@@ -343,3 +343,33 @@ def test_mini_batches_take_an_optimizer_step_each_and_train_every_group_once(tmp
     state = json.loads((find_checkpoint(run_dir) / TRAINER_JSON).read_text())
     scheduler = dict(dict(state["tree"]["dict"])["scheduler"]["dict"])
     assert scheduler["last_epoch"] == 2 * STEPS
+
+
+def test_a_pressured_kv_pool_parks_samples_and_a_stopped_job_resumes_to_the_same_samples(reference, tmp_path):
+    """An engine pool of 14 blocks for 8 samples in flight that may each grow to 5 (issue #42): samples are parked and
+    resumed as they grow (rollout/parks_total), the job trains what the roomy reference trains (the same tokens;
+    log-probs and losses within float noise: parking changes which rows share a forward), and a job stopped at a token
+    boundary with samples parked resumes to the same samples (the checkpoint holds parked states' KV too)."""
+    _, samples, losses = reference
+    tight = Recipe.model_validate({**RECIPE, "engine": {**RECIPE["engine"], "num_blocks": 14}})
+
+    def same(run_dir: Path) -> None:
+        got_samples, got_losses = trained(run_dir)
+        assert got_samples.keys() == samples.keys()
+        for sid, (tokens, logprobs, reward, step) in got_samples.items():
+            ref = samples[sid]
+            assert (tokens, reward, step) == (ref[0], ref[2], ref[3]), sid
+            assert np.allclose(decode_array(logprobs, LOGPROB_DTYPE), decode_array(ref[1], LOGPROB_DTYPE), atol=1e-5), sid
+        assert got_losses.keys() == losses.keys()
+        assert all(abs(got_losses[k] - losses[k]) <= 1e-4 * max(1.0, abs(losses[k])) for k in losses)
+
+    run_dir = tmp_path / "tight"
+    assert run_stage(run_dir, recipe=tight)
+    same(run_dir)
+    last = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "rl/loss" in x][-1]
+    assert last["rollout/parks_total"] > 0 and last["rollout/parked_bytes_total"] > 0
+    assert 0 < last["rollout/kv_used_frac"] <= 1
+    stopped = tmp_path / "stopped"
+    assert not run_stage(stopped, guard=lambda job: StopAtStep(job, 3), recipe=tight)
+    assert run_stage(stopped, resume=True, recipe=tight)
+    same(stopped)

@@ -126,3 +126,20 @@ def test_the_activation_estimate_is_what_autograd_keeps_per_token(variant):
     measured = (saved(192) - saved(64)) / 128
     estimated = activation_bytes_per_token(cfg, autocast=False, backward=False)
     assert estimated == pytest.approx(measured, rel=0.15), (estimated, measured)
+
+
+def test_validate_says_how_many_samples_the_kv_pool_holds_and_warns_past_it():
+    """By arithmetic: the pool's tokens over max_seq_len and over engine.expected_tokens; a max_inflight above what it
+    holds at the expected length is named (samples past it are parked, rollout/engine.py `_grow`)."""
+    from rl.runtime.memory import check
+
+    recipe = load_recipe("configs/quickstart.yaml", ["engine.num_blocks=100", "engine.expected_tokens=64"])
+    e = recipe.engine
+    tokens = 100 * e.block_size
+    line = check(recipe)
+    assert f"KV pool {tokens:,} tokens: {tokens // e.max_seq_len:,} samples at max_seq_len {e.max_seq_len}, " \
+           f"{tokens // 64:,} at engine.expected_tokens 64" in line
+    inflight = max(s.dispatch.max_inflight for s in recipe.stages if s.type == "grpo")
+    assert ("warning: dispatch.max_inflight" in line) == (inflight > tokens // 64)
+    over = load_recipe("configs/quickstart.yaml", ["engine.num_blocks=100", f"engine.expected_tokens={tokens // 2}"])
+    assert f"warning: dispatch.max_inflight {inflight} is more than that" in check(over)
