@@ -39,6 +39,13 @@ class LongTailConfig(StrictConfig):
     """Seed of the length draws."""
     num_heldout: int = Field(16, gt=0)
     """Problems in the (meaningless) held-out set, so evaluation has something to run."""
+    mode: Literal["budget", "eos"] = "budget"
+    """How a sample is held to its drawn length. budget: the request's max_new_tokens is the length (EOS ignored), so
+    the engine knows every sample's length when it admits it. eos: max_new_tokens is the run's cap and the response
+    ends at the drawn length as if the policy had sampled EOS there (`GenerationRequest.eos_at`), which the engine
+    learns only when it happens, as with a real policy: the long-tail memory benchmark (bench/long_tail.py)."""
+    prompt_tokens: int | None = Field(None, gt=2)
+    """Pad every prompt to this many characters (tokens under the char tokenizer); None: short prompts ("17:")."""
 
     def build(self) -> "LongTailTask":
         return LongTailTask(self)
@@ -49,9 +56,17 @@ class LongTailTask(Task):
         self.cfg = cfg
         self.name = cfg.name
 
+    @property
+    def forced_length(self) -> str:
+        """`LongTailConfig.mode`: how the controller holds a sample to `response_budget` (rl/algo/async_grpo.py)."""
+        return self.cfg.mode
+
     def _problem(self, i: int, rng: random.Random) -> Problem:
         c = self.cfg
-        return Problem(f"{c.name}:{i}", c.name, f"{i % 1000}:", metadata={"length_seed": rng.randrange(1 << 30)})
+        text = f"{i % 1000}:"
+        if c.prompt_tokens is not None:  # digits of the problem's number repeated, then the colon
+            text = (str(i % 1000) * c.prompt_tokens)[:c.prompt_tokens - 1] + ":"
+        return Problem(f"{c.name}:{i}", c.name, text, metadata={"length_seed": rng.randrange(1 << 30)})
 
     def response_budget(self, problem: Problem, j: int) -> int:
         """Forced length of sample j of this problem's group (a log-normal draw)."""

@@ -471,7 +471,7 @@ class Engine:
             s.generate_s += dt
             self.stats.generated_tokens += 1
             again = nxt is not None and s.inflight > 0  # launched once more, in the step now running
-            if (t in self.eos_ids and not s.request.ignore_eos) or s.num_response >= self._max_new(s.request):
+            if self._ends(s) or s.num_response >= self._max_new(s.request):
                 finished.append(self._finish(s))
                 if again:
                     nxt.dropped.add(s)
@@ -932,7 +932,12 @@ class Engine:
 
     def _finish(self, s: _Seq) -> Generation:
         self._active.remove(s)
-        return self._release(s, "eos" if s.tokens[-1] in self.eos_ids and not s.request.ignore_eos else "length")
+        return self._release(s, "eos" if self._ends(s) else "length")
+
+    def _ends(self, s: _Seq) -> bool:
+        """The last token ends the response: an EOS id (unless ignored), or the request's forced end (`eos_at`)."""
+        r = s.request
+        return (s.tokens[-1] in self.eos_ids and not r.ignore_eos) or (r.eos_at is not None and s.num_response >= r.eos_at)
 
     def _release(self, s: _Seq, reason: str) -> Generation:
         self._free(s)

@@ -20,6 +20,11 @@ class GenerationRequest:
     top_p: float = 1.0
     ignore_eos: bool = False
     """Keep generating past EOS until max_new_tokens (forced-length benchmarks)."""
+    eos_at: int | None = None
+    """Forced-length benchmarks (rewards/longtail.py `mode: eos`): the response ends after this many tokens as if the
+    policy had sampled its end-of-sequence token there (finish reason 'eos'), with max_new_tokens the cap. Only the
+    completion check reads it: admission and KV allocation never do, so the engine knows a sample's length no more
+    than it knows a policy's. None: the policy's own EOS."""
     tool_calls: bool = False
     """Multi-turn: the engine pauses this sample when its response closes a tool call (`Engine.tool_stop`);
     the worker appends the tool's output (`Engine.append`) and generation continues from the cached KV."""

@@ -85,3 +85,16 @@ def test_tool_call_pauses_and_appends_under_pressure(dense_model):
     got, eng = run(TIGHT)
     _same(plain, got)
     assert eng.stats.parks > 0 and all(g.appended_spans for g in got.values())
+
+
+def test_a_forced_end_finishes_a_sample_as_its_eos_would_and_survives_a_park(dense_model):
+    """`GenerationRequest.eos_at` (the long-tail benchmark's forced lengths, rewards/longtail.py `mode: eos`): the
+    response ends there with finish reason 'eos', under the cap; parked and resumed (the request travels with the
+    state), it still ends there."""
+    reqs = [GenerationRequest(f"e{i}", PROMPT_A, 40, seed=i, temperature=1.0, eos_at=3 + 5 * i) for i in range(6)]
+    for num_blocks in (None, TIGHT):
+        eng = _engine(dense_model, False, eos=10**6, **({"num_blocks": num_blocks} if num_blocks else {}))
+        out = _drive(eng, reqs, interrupt_at=(4,))
+        assert {k: (len(g.response_tokens), g.finish_reason) for k, g in out.items()} == \
+               {f"e{i}": (3 + 5 * i, "eos") for i in range(6)}
+    assert eng.stats.parks > 0
