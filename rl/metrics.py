@@ -141,6 +141,8 @@ class RolloutClock:
     kv_used_sum: float = 0.0
     """Σ over rollout calls of the workers' mean share of their KV pool held (`kv_used_frac`)."""
     kv_used_calls: int = 0
+    reprefill_tokens: int = 0
+    """Generated tokens prefilled again because their KV was dropped (parked past `engine.park_host_gib`)."""
 
     def add_concurrency(self, x: float) -> None:
         self.concurrency.append(x)

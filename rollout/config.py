@@ -32,6 +32,9 @@ class EngineConfig(StrictConfig):
     torch.cuda.mem_get_info reports free; CPU: the host's available RAM), like vLLM's gpu_memory_utilization but
     of what is free after the weights: leave room for what training allocates later (gradients, AdamW moments,
     logits). Dense paged models; not with num_blocks. None: num_blocks, or its default."""
+    kv_gib: float | None = Field(None, gt=0)
+    """Size the KV pool to this many GiB in the cache's storage format (bf16, fp8 or fp4: an FP4 pool holds ~3.6x the
+    tokens of a bf16 one in the same GiB). Dense paged models; not with num_blocks or kv_memory_fraction."""
     max_seq_len: int = Field(256, gt=0)
     """Longest prompt + response the engine holds; also caps max_new_tokens per request."""
     max_prompt_tokens: int | None = Field(None, gt=0)
@@ -78,12 +81,18 @@ class EngineConfig(StrictConfig):
     activations stay bounded. A group sharing such a prompt (`share_prompt_kv`) holds its blocks from admission and
     starts decoding once its last chunk has run. Same tokens. None: whole prompts in one step. Paged models only
     (not CSA2)."""
-    park_kv: Literal["device", "host"] = "device"
-    """Where an interrupted sample's KV waits during a train step or an evaluation (seed §5.2.3): `device` copies
-    every held sequence's cached rows out of the pool in one gather into a tensor on the engine's device and
-    restores them with one scatter (extra device memory while they wait: the in-flight samples' KV, at most the
-    pool's used share); `host` moves that copy to host memory and back, for a trainer that needs the memory. The
-    same bytes either way; checkpoints write them to disk."""
+    park_kv: Literal["pool", "device", "host"] = "pool"
+    """Where in-flight samples' KV waits during a train step (seed §5.2.3). `pool` (default): where it is; the engine
+    stops at the token boundary and continues after the weight update with nothing copied (the trainer works beside the
+    pool: its micro-batches are sized to the memory left, rl/runtime/memory.py `token_cap`); a checkpoint copies the
+    states out to write them. `device`: every held sequence's cached rows copied out of the pool in one gather into a
+    tensor on the engine's device and restored with one scatter (a second copy of the in-flight KV while they wait);
+    `host`: that copy in host memory. Evaluations (`rl eval`, eval_every, the stage end) copy the states out whatever
+    this says (they need the pool's blocks). The same tokens either way."""
+    park_host_gib: float | None = Field(None, gt=0)
+    """Host memory that samples parked under KV memory pressure may hold (rollout/engine.py `_grow`); a park that
+    would pass it drops the sample's KV instead, and the sample is prefilled again (prompt and response so far) when
+    it resumes, counted in `reprefill_tokens`. None: no limit."""
     sample_in_graph: bool = True
     """A decode step whose rows all sample at top_p = 1 draws its tokens inside the decode graph (rollout/graphs.py)
     instead of with ~40 eagerly launched sampler kernels after the replay; same tokens. False: always after."""
@@ -105,8 +114,10 @@ class EngineConfig(StrictConfig):
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> "EngineConfig":
-        if self.num_blocks is not None and self.kv_memory_fraction is not None:
-            raise ValueError("give num_blocks (a count) or kv_memory_fraction (a share of free memory), not both")
+        given = [k for k in ("num_blocks", "kv_memory_fraction", "kv_gib") if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise ValueError("give one of num_blocks (a count), kv_memory_fraction (a share of free memory) or kv_gib "
+                             f"(an amount), not {' and '.join(given)}")
         return self
 
     @model_validator(mode="after")

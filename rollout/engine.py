@@ -53,6 +53,7 @@ extend at the next step) or `finish_paused`. Interrupt exports paused samples to
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -189,7 +190,7 @@ class EngineStats:
     resumed_tokens: int = 0
     """Tokens whose KV came back from a RolloutState instead of being recomputed."""
     reprefill_tokens: int = 0
-    """Generated tokens that had to be prefilled again (a state that lost its KV); 0 by design."""
+    """Generated tokens that had to be prefilled again: samples parked past `park_host_gib` (their KV dropped)."""
     prefill_seqs: int = 0
     """Sequences prefilled."""
     prefill_logit_rows: int = 0
@@ -227,7 +228,7 @@ def free_memory(device: torch.device) -> int:
 
 
 class KVPoolSizeError(ValueError):
-    """engine.kv_memory_fraction leaves less KV than one sequence needs (`rl train` prints it, exit 2)."""
+    """engine.kv_memory_fraction or kv_gib leaves less KV than one sequence needs (`rl train` prints it, exit 2)."""
 
 
 def blocks_in_free_memory(cfg: EngineConfig, device: torch.device, block_bytes: float) -> int:
@@ -252,10 +253,16 @@ class Engine:
         mcfg = model.config
         self.sparse = mcfg.is_sparse
         blocks = cfg.pool_blocks
-        if cfg.kv_memory_fraction is not None and not self.sparse:
+        if (cfg.kv_memory_fraction is not None or cfg.kv_gib is not None) and not self.sparse:
             per_block = cfg.block_size * mcfg.num_layers * kv_format(mcfg.kv_cache.dtype).bytes_per_token_per_layer(
                 mcfg.num_kv_heads, mcfg.head_dim, next(model.parameters()).dtype)
-            blocks = blocks_in_free_memory(cfg, self.device, per_block)
+            if cfg.kv_gib is not None:
+                blocks = int(cfg.kv_gib * 2**30 // per_block)
+                if blocks * cfg.block_size < cfg.max_seq_len:
+                    raise KVPoolSizeError(f"engine.kv_gib={cfg.kv_gib:g} holds {blocks * cfg.block_size} tokens of KV, "
+                                          f"fewer than one sequence of max_seq_len={cfg.max_seq_len}")
+            else:
+                blocks = blocks_in_free_memory(cfg, self.device, per_block)
         self.cache = PagedKVCache(  # CSA2: no paged layers, block bookkeeping only (admission budget)
             num_layers=0 if self.sparse else mcfg.num_layers, num_blocks=blocks, block_size=cfg.block_size,
             num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
@@ -545,16 +552,7 @@ class Engine:
         """Stop at the current token boundary: every held sequence's state (active, paused, appended to) is
         copied out of the pool (to host memory, or beside the pool with `park_kv: device`) and its blocks are
         freed; waiting requests are returned too (with no KV; samples parked under memory pressure with theirs)."""
-        rec, self._inflight = self._inflight, None
-        if rec is not None:  # the boundary is the last step read: the launched one is dropped (module docstring)
-            if rec.prefilled:  # its prefills' KV stays (all but each prompt's last position): so do their expert ids
-                if rec.done is not None:
-                    rec.done.synchronize()
-                self._prefill_routing(rec)
-            for s in rec.seqs:
-                if s not in rec.dropped:
-                    s.inflight, s.cached = s.inflight - 1, s.cached - 1
-                    self.stats.discarded_tokens += 1
+        self._drop_launched()
         states = self._export([*self._active, *self._ready, *self._paused.values()], set(self._paused),
                               to_host=self.cfg.park_kv == "host")
         states += self._waiting
@@ -562,14 +560,44 @@ class Engine:
         self._new_pauses = []
         return states
 
-    def _export(self, seqs: list[_Seq], paused: set[str], to_host: bool) -> list[RolloutState]:
+    def pause(self) -> int:
+        """Stop at the current token boundary and keep every held sequence where it is, its KV in the pool (`park_kv:
+        pool`): nothing is copied, the next `step` continues them (after a weight update, with the new version).
+        Returns how many sequences are held."""
+        self._drop_launched()
+        return len(self._active) + len(self._ready) + len(self._paused)
+
+    def snapshot(self) -> list[RolloutState]:
+        """What `interrupt` would return (the held sequences' states, their KV copied to host memory, then the waiting
+        ones), leaving everything in place: a checkpoint of a paused engine."""
+        self._drop_launched()
+        held = [*self._active, *self._ready, *self._paused.values()]
+        return self._export(held, set(self._paused), to_host=True, free=False) + list(self._waiting)
+
+    def _drop_launched(self) -> None:
+        """The boundary is the last step read: the launched one (overlapped steps) is dropped (module docstring)."""
+        rec, self._inflight = self._inflight, None
+        if rec is None:
+            return
+        if rec.prefilled:  # its prefills' KV stays (all but each prompt's last position): so do their expert ids
+            if rec.done is not None:
+                rec.done.synchronize()
+            self._prefill_routing(rec)
+        for s in rec.seqs:
+            if s not in rec.dropped:
+                s.inflight, s.cached = s.inflight - 1, s.cached - 1
+                self.stats.discarded_tokens += 1
+
+    def _export(self, seqs: list[_Seq], paused: set[str], to_host: bool, free: bool = True) -> list[RolloutState]:
         """Each sequence's state with its KV copied out of the pool (one gather for all; to host memory or beside the
-        pool) and its blocks freed. A sibling whose shared prompt KV is not computed yet goes back as a fresh request."""
+        pool) and (`free`) its blocks freed. A sibling whose shared prompt KV is not computed yet goes back as a fresh
+        request."""
         states, kept = [], []
         for s in seqs:
             if s.prompt is not None and not s.prompt.filled and s is not s.prompt.owner:  # a sibling whose shared KV
                 states.append(RolloutState(request=s.request, tokens=list(s.tokens)))  # is not computed yet: a fresh
-                self._free(s)  # request again (nothing generated)
+                if free:  # request again (nothing generated)
+                    self._free(s)
                 continue
             routing = _trace(s.routing, s.cached)
             extra = dict(paused=s.request.sample_id in paused, appended_spans=list(s.appended), tool_turns=list(s.tool_turns),
@@ -578,7 +606,8 @@ class Engine:
                 csa2 = {n: t.to("cpu", copy=True) for n, t in s.csa2.to_tensors().items()}
                 states.append(RolloutState(s.request, list(s.tokens), list(s.logprobs), list(s.versions), None, None,
                                            routing, s.generate_s, kv_format=self.cache.format.name, csa2=csa2, **extra))
-                self._free(s)
+                if free:
+                    self._free(s)
             else:
                 kept.append((len(states), s, routing, extra))
                 states.append(None)  # filled below, in this order
@@ -589,7 +618,8 @@ class Engine:
                 s.request, list(s.tokens), list(s.logprobs), list(s.versions), kv["k"], kv["v"], routing,
                 s.generate_s, kv_format=self.cache.format.name, k_scale=kv.get("k_scale"), v_scale=kv.get("v_scale"),
                 **extra)
-            self._free(s)
+            if free:
+                self._free(s)
         return states
 
     def resume(self, states: list[RolloutState]) -> None:
@@ -657,10 +687,18 @@ class Engine:
                     v.inflight, v.cached = v.inflight - 1, v.cached - 1
         victims.sort(key=lambda s: s.admitted)
         states = self._export(victims, set(), to_host=True)
-        for st in states:
+        budget = math.inf if self.cfg.park_host_gib is None else self.cfg.park_host_gib * 2**30
+        held = sum(st.nbytes for st in self._waiting if st.has_kv)
+        for i, st in enumerate(states):
             sid = st.request.sample_id
             self._parks[sid] = self._parks.get(sid, 0) + 1
             self.stats.max_parks = max(self.stats.max_parks, self._parks[sid])
+            if st.has_kv and held + st.nbytes > budget:  # past the host budget: keep the tokens, drop the KV
+                states[i] = RolloutState(st.request, st.tokens, st.logprobs, st.policy_versions, generate_s=st.generate_s,
+                                         appended_spans=st.appended_spans, tool_turns=st.tool_turns)
+                self.stats.reprefill_tokens += len(st.tokens) - len(st.request.prompt_tokens)
+                continue
+            held += st.nbytes
             self.stats.parked_bytes += st.nbytes
         self.stats.parks += len(states)
         self._waiting[0:0] = states

@@ -484,6 +484,7 @@ class AsyncGRPO:
             clock.prefill_calls += sum(r.prefill_calls for r in results)
             clock.parks += sum(r.parks for r in results)
             clock.parked_bytes += sum(r.parked_bytes for r in results)
+            clock.reprefill_tokens += sum(r.reprefill_tokens for r in results)
             clock.parked = sum(r.parked for r in results)
             clock.kv_used_sum += sum(r.kv_used_frac for r in results) / len(results)
             clock.kv_used_calls += 1
@@ -593,6 +594,7 @@ class AsyncGRPO:
             "rollout/parked": clock.parked,  # samples whose KV is out of the pool, waiting for blocks
             "rollout/parks_total": clock.parks,
             "rollout/parked_bytes_total": clock.parked_bytes,
+            "rollout/reprefill_tokens_total": clock.reprefill_tokens,
             "train/uniform_groups_skipped_total": clock.uniform_groups_skipped,
             "time/train_s": clock.train_s,
             "time/weight_update_s": clock.weight_update_s,  # of train_s: the engines take the new weights

@@ -75,6 +75,8 @@ def estimate(recipe: Recipe) -> dict[str, float]:
     else:
         per_token = m.num_layers * kv_format(m.kv_cache.dtype).bytes_per_token_per_layer(m.num_kv_heads, m.head_dim, engine_dtype)
         kv = e.pool_blocks * e.block_size * per_token
+        if e.kv_gib is not None:  # whole blocks of that many GiB (rollout/engine.py)
+            kv = (e.kv_gib * GIB // (e.block_size * per_token)) * e.block_size * per_token
     reference = any(isinstance(s, GRPOStage) and s.kl_ref_coef > 0 for s in recipe.stages)
     teachers = max((s.teachers.device_memory_mib * 2**20 for s in recipe.stages if isinstance(s, OPDStage)), default=0.0)
     engine_weights = params * engine_dtype.itemsize if recipe.run.dtype != "float32" or shards > 1 else 0.0
@@ -228,7 +230,8 @@ def kv_concurrency(recipe: Recipe, parts: dict[str, float]) -> str:
     m, e = recipe.model, recipe.engine
     if m.is_sparse or not parts["kv_pool"]:
         return ""
-    per_token = parts["kv_pool"] / (e.pool_blocks * e.block_size) if e.kv_memory_fraction is None else None
+    per_token = parts["kv_pool"] / (e.pool_blocks * e.block_size) if e.kv_memory_fraction is None and \
+        e.kv_gib is None else None
     if per_token is None:  # a share of free memory: the pool's tokens from its bytes
         import torch
 

@@ -68,6 +68,8 @@ class StepResult:
     """Bytes of KV those parks copied to host memory."""
     kv_used_frac: float = 0.0
     """Tokens held in the KV pool over its capacity, after this call."""
+    reprefill_tokens: int = 0
+    """Generated tokens prefilled again in this call's parks (past `engine.park_host_gib`)."""
 
 
 def build_policy(recipe: Recipe, read_weights: bool = True) -> Decoder:
@@ -184,6 +186,7 @@ class PolicyWorker:
         self.pool: TeacherPool | None = None  # OPD stages: the teachers (teachers/pool.py)
         self.reference: Decoder | None = None  # the run's initial policy, frozen (stages with kl_ref_coef > 0)
         self._held: list[RolloutState] = []  # in-flight states parked during TRAIN (KV: `engine.park_kv`)
+        self._in_place = False  # interrupted with `park_kv: pool`: the engine holds its samples where they are
         self._writer: _Writer | None = None  # a background checkpoint write (`save`)
 
     # -- data parallel -------------------------------------------------------------------------------
@@ -243,7 +246,8 @@ class PolicyWorker:
             self.add_requests(requests)
         self.rollout_model.eval()
         t0, prefills = time.perf_counter(), self.engine.stats.prefill_calls
-        parks, parked_bytes = self.engine.stats.parks, self.engine.stats.parked_bytes
+        parks, parked_bytes, reprefill = (self.engine.stats.parks, self.engine.stats.parked_bytes,
+                                          self.engine.stats.reprefill_tokens)
         finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
         for i in range(num_steps):
             if self.tools is not None:  # start calls of new pauses, append finished calls' outputs
@@ -266,7 +270,7 @@ class PolicyWorker:
                           self.engine.stats.generated_tokens - before, finish_step, self.engine.oldest_versions(),
                           time.perf_counter() - t0, self.engine.stats.prefill_calls - prefills, self.engine.num_parked,
                           self.engine.stats.parks - parks, self.engine.stats.parked_bytes - parked_bytes,
-                          self.engine.kv_used_frac)
+                          self.engine.kv_used_frac, self.engine.stats.reprefill_tokens - reprefill)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """Run requests to completion (evaluation); in-flight samples are parked meanwhile and
@@ -282,22 +286,30 @@ class PolicyWorker:
 
     # -- phase switches ------------------------------------------------------------------------------
     def interrupt(self) -> dict[str, float]:
-        """Stop at the token boundary; park every in-flight state (its KV where `engine.park_kv` says)."""
+        """Stop at the token boundary; every in-flight sample waits, its KV where `engine.park_kv` says (`pool`: in
+        place, nothing moved; else copied out and parked here)."""
         t0 = time.perf_counter()
+        if self.engine.cfg.park_kv == "pool":
+            self._in_place = True
+            return {"states": self.engine.pause(), "bytes": 0, "seconds": time.perf_counter() - t0}
         states = self.engine.interrupt()
         self._held.extend(states)
         return {"states": len(states), "bytes": sum(s.nbytes for s in states), "seconds": time.perf_counter() - t0}
 
     def resume(self) -> dict[str, float]:
-        """Hand the parked states back to the engine; their KV is restored at the next step."""
+        """Continue after `interrupt`: the parked states go back to the engine (their KV is restored at the next
+        step); samples kept in the pool just go on."""
         states, self._held = self._held, []
-        self.engine.resume(states)
-        return {"states": len(states), "bytes": sum(s.nbytes for s in states)}
+        in_place, self._in_place = self._in_place, False
+        if states:
+            self.engine.resume(states)
+        kept = self.engine.num_active + self.engine.num_paused if in_place else 0
+        return {"states": len(states) + kept, "bytes": sum(s.nbytes for s in states)}
 
     def drop_inflight(self) -> int:
         """Stop and drop every in-flight sample, parked or generating (end of a stage); returns how many."""
         n = len(self.engine.interrupt()) + len(self._held)
-        self._held = []
+        self._held, self._in_place = [], False
         if self.tools is not None:
             self.tools.close_all()
         return n
@@ -394,7 +406,7 @@ class PolicyWorker:
                        "scheduler": copy.deepcopy(self.trainer.sched.state_dict()) if self.trainer else None,
                        "torch_rng": torch.get_rng_state(),
                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        held = self._held
+        held = self._held + (self.engine.snapshot() if self._in_place else [])  # `park_kv: pool`: copies of them
         if self.tools is not None:  # each sample's sandbox files as its pending call found them (rl/runtime/tool_turns.py)
             kept = self.tools.workdirs([s.request.sample_id for s in held])
             held = [replace(s, workdir=kept[s.request.sample_id]) for s in held]

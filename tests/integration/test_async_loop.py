@@ -292,12 +292,14 @@ def test_the_controller_lets_go_of_groups_that_are_trained_or_filtered(tmp_path,
 
 def test_a_time_budget_ends_the_stage_inside_a_rollout_phase_that_never_fills_a_batch(tmp_path):
     """With dynamic sampling and a reward that never varies no batch ever fills; the stage still ends at its
-    max_minutes (at a rollout call's token boundary), says why, writes its stage-end checkpoint and gives every
-    prompt an outcome. (A guard preempts the job after 60 s, so the test fails instead of hanging.)"""
+    max_minutes (at a rollout call's token boundary), says why (after 10 steps' worth of uniform groups in a row: 10
+    at one prompt a step, which a cold process reaches well within the 2.4 s even on a loaded machine), writes its
+    stage-end checkpoint and gives every prompt an outcome. (A guard preempts the job after 60 s, so the test fails
+    instead of hanging.)"""
     dataset = sums_dataset(tmp_path, "graded")  # always 0.25
     recipe = Recipe.model_validate({**RECIPE, "datasets": [dataset], "checkpoint": {"every_steps": 0},
-                                    "stages": [{**RECIPE["stages"][0], "max_steps": 3, "max_minutes": 0.02,
-                                                "dynamic_sampling": True}]})
+                                    "stages": [{**RECIPE["stages"][0], "max_steps": 3, "max_minutes": 0.04,
+                                                "prompts_per_step": 1, "dynamic_sampling": True}]})
     said: list[str] = []
     run_dir = tmp_path / "flat"
     with open_job(recipe, run_dir, say=said.append) as job:
@@ -373,3 +375,20 @@ def test_a_pressured_kv_pool_parks_samples_and_a_stopped_job_resumes_to_the_same
     assert not run_stage(stopped, guard=lambda job: StopAtStep(job, 3), recipe=tight)
     assert run_stage(stopped, resume=True, recipe=tight)
     same(stopped)
+
+
+@pytest.mark.parametrize("park", ["device", "host"])
+def test_samples_kept_in_the_pool_during_train_steps_train_what_parked_copies_train(reference, tmp_path, park):
+    """`engine.park_kv: pool` (the default: the reference) keeps the in-flight samples' KV where it is across each
+    train step and weight update; copying it out and back (device, host) must train exactly the same samples."""
+    _, samples, losses = reference
+    recipe = Recipe.model_validate({**RECIPE, "engine": {**RECIPE["engine"], "park_kv": park}})
+    assert Recipe.model_validate(RECIPE).engine.park_kv == "pool"
+    run_dir = tmp_path / park
+    assert run_stage(run_dir, recipe=recipe)
+    assert trained(run_dir) == (samples, losses)
+    moved = [json.loads(x)["async/state_bytes_moved"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if "async/state_bytes_moved" in x]
+    ref_moved = [json.loads(x)["async/state_bytes_moved"] for x in (reference[0] / "metrics.jsonl").read_text().splitlines()
+                 if "async/state_bytes_moved" in x]
+    assert sum(moved) > 0 and sum(ref_moved) == 0  # in place: nothing copied at a train step

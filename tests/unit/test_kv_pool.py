@@ -80,5 +80,5 @@ def test_kv_memory_fraction_sizes_the_pool_from_free_memory(dense_model, monkeyp
     assert _engine(dense_model, kv_memory_fraction=0.25).generate([_request(0)])[0].response_tokens
     with pytest.raises(ValueError, match="kv_memory_fraction=0.05 .* fewer than one sequence of max_seq_len=32"):
         _engine(dense_model, kv_memory_fraction=0.05)  # 3 blocks of 4 tokens
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="not num_blocks and kv_memory_fraction"):
         EngineConfig(num_blocks=64, kv_memory_fraction=0.5)

@@ -15,9 +15,8 @@ from tests.unit.test_overlap_steps import _common_token, _drive, _engine, _reque
 TIGHT = 20  # blocks: one sample of max_seq_len (64 tokens, blocks of 4) and a little more; six would need 96
 
 
-@pytest.mark.parametrize("moe", [False, True])
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("interrupt_at", [(), (3, 11)])
+@pytest.mark.parametrize(("moe", "overlap", "interrupt_at"), [(False, False, ()), (False, True, (3, 11)),
+                                                              (True, False, (3, 11)), (True, True, ())])
 def test_a_pool_too_small_for_every_sample_parks_some_and_generates_what_a_roomy_one_does(
         dense_model, moe_model, moe, overlap, interrupt_at):
     """Groups sharing a prompt, sampled and greedy rows, EOS, more requests than the batch holds; overlapped steps
@@ -98,3 +97,19 @@ def test_a_forced_end_finishes_a_sample_as_its_eos_would_and_survives_a_park(den
         assert {k: (len(g.response_tokens), g.finish_reason) for k, g in out.items()} == \
                {f"e{i}": (3 + 5 * i, "eos") for i in range(6)}
     assert eng.stats.parks > 0
+
+
+@pytest.mark.parametrize("moe", [True])  # MoE: the re-prefill's expert ids checked too
+def test_past_the_host_budget_a_parked_sample_is_prefilled_again_with_the_same_tokens(dense_model, moe_model, moe):
+    """`engine.park_host_gib`: a park that would hold more host memory drops the sample's KV; it resumes by prefilling
+    its prompt and response so far (counted in reprefill_tokens) and continues with the tokens a roomy run samples."""
+    model = moe_model if moe else dense_model
+    eos = _common_token(model)
+    plain = _drive(_engine(model, False, eos), _requests())
+    eng = _engine(model, False, eos, num_blocks=TIGHT, park_host_gib=1e-9)  # a few bytes: every park drops its KV
+    got = _drive(eng, _requests())
+    _same(plain, got)
+    if moe:  # the prefill recomputes the expert ids of every fed position: under the same weights, the same ones
+        _same_routing(plain, got)
+    assert eng.stats.parks > 0 and eng.stats.parked_bytes == 0 and eng.stats.reprefill_tokens > 0
+    assert eng.cache.num_free_blocks == eng.cache.num_blocks and not eng.has_work()

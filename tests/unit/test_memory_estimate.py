@@ -23,6 +23,7 @@ CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"
     ("configs/quickstart.yaml", ["engine.num_blocks=200", "model.kv_cache.dtype=fp8", "stages.1.kl_ref_coef=0.1"]),
     ("configs/quickstart.yaml", ["run.dtype=bfloat16"]),
     ("configs/quickstart.yaml", ["stages.1.micro_batch_tokens=100000"]),
+    ("configs/quickstart.yaml", ["engine.kv_gib=0.01", "model.kv_cache.dtype=fp4"]),  # an amount in the format's bytes
 ])
 def test_the_estimate_counts_what_the_worker_allocates(config, sets):
     recipe = load_recipe(config, sets)

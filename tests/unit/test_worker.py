@@ -1,6 +1,7 @@
 """PolicyWorker phases in-process: interrupt -> weight update in place -> resume, with no prefill."""
 
 import numpy as np
+import pytest
 import torch
 
 from rl.config import Recipe
@@ -18,23 +19,36 @@ RECIPE = {
 }
 
 
-def _worker():
-    return PolicyWorker(Recipe.model_validate(RECIPE))
+def _worker(**engine):
+    return PolicyWorker(Recipe.model_validate({**RECIPE, "engine": {**RECIPE["engine"], **engine}} if engine else RECIPE))
 
 
 def _reqs():
     return [GenerationRequest(f"s{i}", (1, 20 + i, 30, 40 + i), 30, seed=i) for i in range(4)]
 
 
-def test_interrupt_update_resume_continues_exact_tokens_without_prefill():
-    w = _worker()
+@pytest.mark.parametrize("park", ["host", "pool"])
+def test_interrupt_update_resume_continues_exact_tokens_without_prefill(park):
+    """`engine.park_kv` host: the states leave the pool during TRAIN and come back slot for slot; pool (the default):
+    they stay where they are, nothing copied. Either way the next segment continues without a prefill."""
+    w = _worker(park_kv=park)
     w.add_requests(_reqs())
     for _ in range(5):
         w.rollout()
+    free = w.engine.cache.num_free_blocks
+    snapshot = {s.request.sample_id: s for s in w.engine.snapshot()}  # what a checkpoint would write now
     held = w.interrupt()
-    states = {s.request.sample_id: s for s in w._held}  # the parked states, white-box
-    assert held["states"] == len(states) > 0 and held["bytes"] == sum(s.nbytes for s in states.values())
-    assert w.engine.cache.num_free_blocks == w.engine.cache.num_blocks  # device KV released during TRAIN
+    if park == "pool":
+        states = snapshot
+        assert held["states"] == len(states) > 0 and held["bytes"] == 0 and not w._held
+        assert w.engine.cache.num_free_blocks == free  # in place
+        assert sorted(s.request.sample_id for s in w.engine.snapshot()) == sorted(states)  # what a checkpoint writes
+    else:
+        states = {s.request.sample_id: s for s in w._held}  # the parked states, white-box
+        assert held["states"] == len(states) > 0 and held["bytes"] == sum(s.nbytes for s in states.values())
+        assert w.engine.cache.num_free_blocks == w.engine.cache.num_blocks  # device KV released during TRAIN
+        for sid, st in states.items():  # the same bytes a snapshot copies
+            assert torch.equal(st.k, snapshot[sid].k) and st.tokens == snapshot[sid].tokens
     with torch.no_grad():  # the weight update, in place, on the module the engine shares
         for p in w.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
