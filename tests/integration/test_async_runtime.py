@@ -17,7 +17,9 @@ RECIPE = {
               "max_position_embeddings": 128,
               "ffn": {"type": "moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}},
     "datasets": [{"type": "arithmetic", "max_digits": 3, "num_heldout": 8}],
-    "engine": {"max_batch_size": 32, "block_size": 8, "max_seq_len": 64, "max_new_tokens": 40},
+    # park_kv host: on Ray workers, every train step moves the in-flight KV out of the pool and back (the default,
+    # pool, keeps it in place: tests/integration/test_async_loop.py checks both train the same samples)
+    "engine": {"max_batch_size": 32, "block_size": 8, "max_seq_len": 64, "max_new_tokens": 40, "park_kv": "host"},
     "runtime": {"ray": True, "num_workers": 2, "num_cpus": 2, "cpus_per_worker": 1},
     "stages": [{"type": "grpo", "max_steps": STEPS, "prompts_per_step": PROMPTS, "group_size": G, "micro_batch_size": 8,
                 "optim": {"lr": 1e-3}, "dispatch": {"policy": "sample", "max_inflight": 48}}],
