@@ -113,6 +113,13 @@ class EngineConfig(StrictConfig):
         return self
 
     @model_validator(mode="after")
+    def _expected_within_max(self) -> "EngineConfig":
+        if self.expected_tokens is not None and self.expected_tokens > self.max_seq_len:
+            raise ValueError(f"expected_tokens={self.expected_tokens} is more than max_seq_len={self.max_seq_len}, the "
+                             "most a sample can hold")
+        return self
+
+    @model_validator(mode="after")
     def _one_pool_size(self) -> "EngineConfig":
         given = [k for k in ("num_blocks", "kv_memory_fraction", "kv_gib") if getattr(self, k) is not None]
         if len(given) > 1:

@@ -241,6 +241,9 @@ def kv_concurrency(recipe: Recipe, parts: dict[str, float]) -> str:
             m.num_kv_heads, m.head_dim, getattr(torch, recipe.run.dtype))
     tokens = int(parts["kv_pool"] / per_token)
     at_max = tokens // e.max_seq_len
+    if e.kv_gib is not None and at_max == 0:  # the engine would refuse it at start (rollout/engine.py KVPoolSizeError)
+        raise ValueError(f"engine.kv_gib={e.kv_gib:g} holds {tokens} tokens of {m.kv_cache.dtype} KV at this model's "
+                         f"shape, fewer than one sequence of max_seq_len={e.max_seq_len}")
     line = f"; KV pool {tokens:,} tokens: {at_max:,} samples at max_seq_len {e.max_seq_len}"
     held = at_max
     if e.expected_tokens is not None:

@@ -144,3 +144,13 @@ def test_validate_says_how_many_samples_the_kv_pool_holds_and_warns_past_it():
     assert ("warning: dispatch.max_inflight" in line) == (inflight > tokens // 64)
     over = load_recipe("configs/quickstart.yaml", ["engine.num_blocks=100", f"engine.expected_tokens={tokens // 2}"])
     assert f"warning: dispatch.max_inflight {inflight} is more than that" in check(over)
+
+
+def test_validate_refuses_a_kv_budget_smaller_than_one_sequence():
+    from rl.recipe_io import RecipeError
+    from rl.runtime.memory import check
+
+    with pytest.raises(ValueError, match=r"engine.kv_gib=0.0001 holds 48 tokens of bf16 KV .* max_seq_len=160"):
+        check(load_recipe("configs/quickstart.yaml", ["engine.kv_gib=0.0001"]))
+    with pytest.raises(RecipeError, match="expected_tokens=1000 is more than max_seq_len=160"):
+        load_recipe("configs/quickstart.yaml", ["engine.expected_tokens=1000"])
