@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode step (issue #15): one graph per batch-size bucket, replayed every step.
+"""CUDA graphs of the decode step (issue #15): one graph per batch-size bucket and context bucket, replayed every step.
 
 An eager decode step of a small model is launch-bound: ~20 kernels per layer, each ~7 us to launch and
 each waiting on Python, so a 30-layer model spends tens of milliseconds per token on the host whatever the
@@ -11,7 +11,9 @@ to the static float32 logits [b, V]. This token's slot and the context lengths a
 the graph, and attention reads the paged cache through the decode kernel (model/kernels/decode_attention.py:
 the storage format, bf16/fp8/fp4, read in place, no gathered copy); without it (`paged_decode_kernel:
 false`, or a head_dim the kernel does not take) the graph gathers a fixed context of max_blocks ·
-block_size slots, masked beyond each row's position, for SDPA. Either way the shapes never change. Rows
+block_size slots, masked beyond each row's position, for SDPA. Either way the shapes never change. Each batch
+bucket is captured at several block-table widths (`context_buckets`: 512 tokens, doubling, up to max_seq_len) and a
+step replays the narrowest that holds its longest context, so a 16K cap costs a step of short contexts nothing. Rows
 past the batch are invalid: their K/V go to the cache's scratch slot (`PagedKVCache.write` sends slot −1
 there), they have no context, and their logits are ignored. A
 step is one host-to-device copy of the input buffer and one replay; the graph also samples each row's next token
@@ -75,9 +77,16 @@ class DecodeGraphs:
     def __init__(self, model, cache: PagedKVCache, max_batch_size: int, max_blocks: int, paged_kernel: bool = True):
         self.model, self.cache, self.max_blocks = model, cache, max_blocks
         self.buckets = batch_buckets(max_batch_size)
+        self.context_buckets = context_buckets(max_blocks, cache.block_size)
+        """Block-table widths graphs are captured at (`context_buckets`): a step is replayed from the graph of the
+        narrowest width that holds its longest context, so its attention is planned (split-K grid, tile sizes, the
+        gathered context without the paged kernel) for the contexts it has, not for max_seq_len (issue #42: at a 16K
+        cap an FP4 step of ~330-token contexts took twice as long as at a 2K cap)."""
         self.device = cache.k.device
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[torch.Tensor]]] = {}
-        """bucket -> (graph, device input buffer, device (logits, sampled), two pinned host input buffers used in turn)."""
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, tuple[torch.Tensor, torch.Tensor], list[torch.Tensor]]] = {}
+        """(batch bucket, context blocks) -> (graph, device input buffer, device (logits, sampled), two pinned host
+        input buffers used in turn)."""
+        self._last: dict[int, tuple[int, int]] = {}  # batch bucket -> the key it last replayed
         self._pool = None
         self.disabled_reason: str | None = None
         d = model.config.head_dim
@@ -91,24 +100,33 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
+    def context_bucket(self, context: int) -> int:
+        """The narrowest captured block-table width that holds `context` tokens."""
+        need = -(-context // self.cache.block_size)
+        return next((c for c in self.context_buckets if c >= need), self.max_blocks)
+
     def captured(self, batch: int) -> "torch.cuda.CUDAGraph | None":
-        """The graph replayed for `batch` rows, once captured (bench/decode_profile.py times its replay)."""
-        entry = self._graphs.get(self.bucket(batch))
+        """The graph last replayed for `batch` rows, once captured (bench/decode_profile.py times its replay)."""
+        entry = self._graphs.get(self._last.get(self.bucket(batch)))
         return None if entry is None else entry[0]
 
     def forward_eagerly(self, batch: int):
-        """The captured computation of `batch`'s bucket run once more, eagerly, on the graph's own input buffer (the
-        last step's inputs: it writes the K/V that step wrote again, with the same values): the kernels the graph
-        holds, one launch each, for a profiler (bench/decode_profile.py). The bucket must have been captured."""
-        return self._forward(self._graphs[self.bucket(batch)][1])
+        """The computation of the graph last replayed for `batch`'s bucket run once more, eagerly, on the graph's own
+        input buffer (the last step's inputs: it writes the K/V that step wrote again, with the same values): the
+        kernels the graph holds, one launch each, for a profiler (bench/decode_profile.py). It must have been captured."""
+        key = self._last[self.bucket(batch)]
+        return self._forward(self._graphs[key][1], key[1])
 
-    def _forward(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The captured computation: input buffer [b, _COLS + max_blocks] -> (next-token logits [b, V] in the
-        head's dtype, the rows' tokens and logprobs sampled from them [2, b] float64, as
-        `rollout/sampling.sample_tokens` draws them for top_p = 1 (on CUDA three kernels: model/kernels/sampling.py); MoE: the
-        expert ids each row's token chose [b, num_layers, top_k], else None)."""
-        bs, S = self.cache.block_size, self.max_blocks * self.cache.block_size
-        ids, pos, valid, tables = buf[:, 0:1], buf[:, 1:2], buf[:, 2:3], buf[:, _COLS:]
+    def _forward(self, buf: torch.Tensor, context_blocks: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The captured computation: input buffer [b, _COLS + max_blocks], of whose block tables the first
+        `context_blocks` (default all) are read -> (next-token logits [b, V] in the head's dtype, the rows' tokens and
+        logprobs sampled from them [2, b] float64, as `rollout/sampling.sample_tokens` draws them for top_p = 1 (on
+        CUDA three kernels: model/kernels/sampling.py); MoE: the expert ids each row's token chose
+        [b, num_layers, top_k], else None)."""
+        nb = self.max_blocks if context_blocks is None else context_blocks
+        bs, S = self.cache.block_size, nb * self.cache.block_size
+        ids, pos, valid, tables = buf[:, 0:1], buf[:, 1:2], buf[:, 2:3], buf[:, _COLS:_COLS + nb]
         slot = tables.gather(1, pos // bs) * bs + pos % bs
         slot = torch.where(valid > 0, slot, torch.full_like(pos, -1))  # padding -> the scratch slot
         if self.paged_kernel:  # attention reads the paged cache itself; padding rows have no context
@@ -125,11 +143,11 @@ class DecodeGraphs:
         tokens, logprobs = sample_tokens(logits, temperature, torch.ones_like(temperature), buf[:, 3], buf[:, 4], nucleus=False)
         return logits, torch.stack([tokens.double(), logprobs.double()]), None if routing is None else routing[:, 0]
 
-    def _capture(self, b: int):
+    def _capture(self, b: int, context_blocks: int):
         buf = torch.zeros(b, _COLS + self.max_blocks, dtype=torch.long, device=self.device)  # all padding
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        return capture(self._forward, buf, self._pool)
+        return capture(lambda x: self._forward(x, context_blocks), buf, self._pool)
 
     def run(self, ids: torch.Tensor, positions: list[int], tables: list[list[int]],
             sampling: tuple[list[int], list[int], list[float]] | None = None
@@ -143,15 +161,17 @@ class DecodeGraphs:
             return None
         B = len(positions)
         b = self.bucket(B)
+        key = (b, self.context_bucket(max(positions) + 1))
         self.model.refresh_rollout_weights()  # in place, outside the graph: the graph reads the buffers
-        if b not in self._graphs:
+        if key not in self._graphs:
             try:
-                self._graphs[b] = self._capture(b)
+                self._graphs[key] = self._capture(*key)
             except Exception as e:  # noqa: BLE001 - any capture failure means: decode eagerly from now on
                 self.disabled_reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
                 self._graphs.clear()
                 return None
-        graph, buf, out, hosts = self._graphs[b]
+        self._last[b] = key
+        graph, buf, out, hosts = self._graphs[key]
         # pinned, used every other step: with overlapped steps the last copy may still be queued, the one
         # before it ran ahead of a step whose tokens the engine has read
         host = hosts[self.replays % 2]
@@ -169,6 +189,19 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return out[0][:B], out[1][:, :B], None if out[2] is None else out[2][:B]
+
+
+CONTEXT_BUCKET_TOKENS = 512
+"""The narrowest decode graph's context (`context_buckets`), in tokens; each next one twice as wide."""
+
+
+def context_buckets(max_blocks: int, block_size: int) -> list[int]:
+    """Block-table widths of the decode graphs: CONTEXT_BUCKET_TOKENS' blocks, doubling, then max_blocks itself."""
+    out, n = [], max(1, CONTEXT_BUCKET_TOKENS // block_size)
+    while n < max_blocks:
+        out.append(n)
+        n *= 2
+    return out + [max_blocks]
 
 
 def token_buckets(max_tokens: int, smallest: int = 16) -> list[int]:

@@ -25,6 +25,31 @@ def test_batch_buckets_cover_every_batch_size():
         assert all(any(b >= n for b in batch_buckets(m)) for n in range(1, m + 1))
 
 
+def test_context_buckets_cover_every_context_and_a_narrow_graph_computes_what_the_full_width_one_does(dense_model):
+    """Decode graphs per context bucket (rollout/graphs.py): the widths start at 512 tokens and double up to
+    max_seq_len's blocks; the computation a graph captures, run eagerly on CPU over the gathered context (the path
+    without the paged kernel), gives the same logits at the narrow width that holds the rows' contexts as at the
+    full width (masked padding only)."""
+    from rollout.graphs import _COLS, DecodeGraphs, context_buckets
+
+    assert context_buckets(1024, 16) == [32, 64, 128, 256, 512, 1024] and context_buckets(20, 16) == [20]
+    assert context_buckets(100, 4) == [100]  # 512 tokens at blocks of 4: 128 blocks, more than the table
+    eng = Engine(dense_model, EngineConfig(max_batch_size=4, block_size=4, max_seq_len=2048), eos_id=EOS)
+    eng.generate(_requests(4, max_new=6))  # writes some KV into the pool
+    graphs = DecodeGraphs(dense_model, eng.cache, 4, eng.cache.blocks_for(2048), paged_kernel=False)
+    assert graphs.context_buckets == [128, 256, 512] and graphs.context_bucket(20) == 128
+    assert graphs.context_bucket(513) == 128 + 128 and graphs.context_bucket(2048) == 512
+    buf = torch.zeros(4, _COLS + graphs.max_blocks, dtype=torch.long)
+    buf[:3, 0] = torch.tensor([11, 12, 13])
+    buf[:3, 1] = torch.tensor([5, 9, 2])  # positions: contexts of 6, 10 and 3 tokens
+    buf[:3, 2] = 1
+    buf[:3, _COLS:_COLS + 3] = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    with torch.no_grad():
+        full = graphs._forward(buf.clone())[0][:3]
+        narrow = graphs._forward(buf.clone(), graphs.context_bucket(10))[0][:3]
+    torch.testing.assert_close(narrow.float(), full.float(), rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_computes_logits_at_the_last_position_only(dense_model):
     eng = Engine(dense_model, EngineConfig(max_batch_size=4, block_size=4, max_seq_len=64), eos_id=EOS)
     assert eng.graphs is None  # CPU: eager
