@@ -61,13 +61,16 @@ VARIANTS = {  # name -> (cuda_graphs, paged decode kernel, fused RMSNorm/RoPE, t
 
 
 def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device: str, *,
-                       variant: str = "graphs", overlap: bool | None = None, sample_in_graph: bool = True) -> tuple[float, Engine]:
+                       variant: str = "graphs", overlap: bool | None = None, sample_in_graph: bool = True,
+                       cap: int | None = None) -> tuple[float, Engine]:
+    """ms per decode step of `batch` samples of `prompt` + `new` tokens. `cap`: the engine's max_seq_len when larger
+    than they need (a run's response cap: the same contexts, a longer possible one)."""
     from model import fused as rollout_path
     from model.kernels import norm_rope
 
     graphs, paged, fused_norm, fused_layers = VARIANTS[variant]
     norm_rope.ENABLED, rollout_path.ENABLED = fused_norm, fused_layers
-    cfg = EngineConfig(max_batch_size=batch, block_size=16, max_seq_len=prompt + new + 16, max_new_tokens=new,
+    cfg = EngineConfig(max_batch_size=batch, block_size=16, max_seq_len=max(prompt + new + 16, cap or 0), max_new_tokens=new,
                        cuda_graphs=graphs, paged_decode_kernel=paged, overlap_steps=overlap, sample_in_graph=sample_in_graph)
     eng = Engine(model, cfg, eos_id=0, device=device)
     vocab = model.config.vocab_size
@@ -262,6 +265,8 @@ def main() -> None:
                     help="CUDA: only bf16 against FP4 KV with each of these FP4 attention kernels (e.g. triton,gluon), "
                          "in turn per point (--batches at 128+256 tokens, then 2K and 16K contexts), --rounds times")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--caps", help="only: decode ms/step of the same ~330-token contexts at each engine max_seq_len given "
+                    "(comma-separated, e.g. 2048,8192,16384), bf16 and fp4 KV, at the first of --batches (CUDA)")
     ap.add_argument("--mismatch-only", action="store_true", help="only the engine-vs-trainer logprob mismatch")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
@@ -274,6 +279,11 @@ def main() -> None:
         return
     if args.mismatch_only:
         mismatches(args.shapes.split(",")[0] if device == "cuda" else "tiny", device, result)
+        print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
+        return
+    if args.caps:
+        cap_sweep(args.shapes.split(",")[-1] if device == "cuda" else "tiny", device, result,
+                  [int(c) for c in args.caps.split(",")], int(args.batches.split(",")[0]) if device == "cuda" else 8)
         print("RESULT " + " ".join(f"{k}={v:.4g}" for k, v in result.items()), flush=True)
         return
     if args.long_only:
@@ -379,6 +389,24 @@ def fp4_kernels_side_by_side(shape: str, device: str, result: dict, kernels: lis
                 result[f"{a}_over_bf16_{tag}"] = ms[a] / ms["bf16"]
         print(f"{shape} {tag}: " + "; ".join(f"{a} {ms[a]:.3f} ms/step {[round(x, 3) for x in times[a]]}" for a in arms),
               flush=True)
+
+
+def cap_sweep(shape: str, device: str, result: dict, caps: list[int], batch: int) -> None:
+    """Issue 42: the decode step of the same contexts (256-token prompts, 74 new tokens: ~330 at the end) at each
+    response cap (engine.max_seq_len). The engine allocates blocks on demand and replays the decode graph of the
+    narrowest context bucket, so the cap should cost nothing; RESULT <kv>_step_ms_<cap> and
+    <kv>_step_ms_<last>_over_<first>."""
+    prompt, new = (256, 74) if device == "cuda" else (16, 8)
+    for kv in ("bf16", "fp4") if device == "cuda" else ("bf16",):
+        model = build(shape, device, kv, max_pos=max(caps) + 64)
+        for cap in caps:
+            ms = engine_ms_per_step(model, batch, prompt, new, device, cap=cap)[0]
+            result[f"{kv}_step_ms_{cap}"] = ms
+            print(f"{shape} {kv} batch {batch}, contexts {prompt}..{prompt + new}, cap {cap}: {ms:.2f} ms/step", flush=True)
+        result[f"{kv}_step_ms_{caps[-1]}_over_{caps[0]}"] = result[f"{kv}_step_ms_{caps[-1]}"] / result[f"{kv}_step_ms_{caps[0]}"]
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def long_contexts(shape: str | None, device: str, result: dict) -> None:
