@@ -142,7 +142,8 @@ def test_validate_says_how_many_samples_the_kv_pool_holds_and_warns_past_it():
            f"{tokens // 64:,} at engine.expected_tokens 64" in line
     inflight = max(s.dispatch.max_inflight for s in recipe.stages if s.type == "grpo")
     assert ("warning: dispatch.max_inflight" in line) == (inflight > tokens // 64)
-    over = load_recipe("configs/quickstart.yaml", ["engine.num_blocks=100", f"engine.expected_tokens={tokens // 2}"])
+    over = load_recipe("configs/quickstart.yaml", ["engine.num_blocks=100", f"engine.expected_tokens={e.max_seq_len}"])
+    assert tokens // e.max_seq_len < inflight  # (so that this one warns)
     assert f"warning: dispatch.max_inflight {inflight} is more than that" in check(over)
 
 
