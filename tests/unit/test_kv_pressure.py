@@ -113,3 +113,21 @@ def test_past_the_host_budget_a_parked_sample_is_prefilled_again_with_the_same_t
         _same_routing(plain, got)
     assert eng.stats.parks > 0 and eng.stats.parked_bytes == 0 and eng.stats.reprefill_tokens > 0
     assert eng.cache.num_free_blocks == eng.cache.num_blocks and not eng.has_work()
+
+
+@pytest.mark.parametrize("kv", ["fp8", "fp4"])
+def test_quantised_kv_formats_park_their_stored_bytes(kv):
+    """FP8/FP4 caches (seed §2.4.4): a parked sample's KV leaves the pool in its storage format, scales included, and
+    comes back bit for bit, so the pressured run generates the roomy run's tokens."""
+    import torch
+
+    from model.decoder import Decoder
+    from tests.conftest import debug_config
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False, kv_cache={"dtype": kv})).float().eval()
+    plain = _drive(_engine(model, False), _requests())
+    eng = _engine(model, True, num_blocks=TIGHT)
+    got = _drive(eng, _requests(), interrupt_at=(5,))
+    _same(plain, got)
+    assert eng.stats.parks > 0 and eng.cache.num_free_blocks == eng.cache.num_blocks
