@@ -262,6 +262,16 @@ class AsyncGRPO:
                          f"equal rewards ({', '.join(f'{r:g}' for r in rewards[:4])}): the data may be too hard or too "
                          f"easy for the policy")
 
+    VERDICT_BACKLOG = 2
+    """Train steps' worth of complete groups whose verdicts may be out while the engines keep generating
+    (`verdicts_backlogged`): past it the controller waits for them, as a bounded queue does."""
+
+    def verdicts_backlogged(self) -> bool:
+        """More complete groups wait for their verdicts than VERDICT_BACKLOG train steps take."""
+        ready = self.disp.ready_group_sizes()
+        unverified = len(ready) - verified_groups(ready, self.finished)
+        return unverified >= self.VERDICT_BACKLOG * self.stage.prompts_per_step
+
     def batch_may_form(self, generating: bool = True) -> bool:
         """Enough complete groups for a train batch. While the engines generate, only the groups whose rewards are
         all in count: waiting for the verdicts of a group just finished (the reward workers are a call behind) would
@@ -409,7 +419,9 @@ class AsyncGRPO:
                 results = self.rollout_call()
                 self.absorb(results)
                 batch = None
-                generating = any(r.active or r.waiting for r in results)
+                # go on generating while verdicts are out, unless the complete groups waiting for theirs pass the bound
+                # (reward workers that fall behind, or hang: the wait below is bounded by runtime.worker_timeout_s)
+                generating = any(r.active or r.waiting for r in results) and not self.verdicts_backlogged()
                 if self.batch_may_form(generating):
                     inflight_versions = [v for r in results for v in r.oldest_versions]
                     if generating:

@@ -262,3 +262,22 @@ def test_dynamic_sampling_says_so_when_ten_steps_of_groups_in_a_row_had_no_rewar
         assert (len(said), loop.disp.stats.filtered_groups) == ((0, 4 * (round_ + 1)) if round_ < 2 else (1, 12))
     assert said == ["dynamic_sampling: 12 groups in a row since train step 7 had equal rewards (0): the data may be "
                     "too hard or too easy for the policy"]
+
+
+def test_verdicts_that_fall_behind_bound_the_groups_waiting_for_them():
+    """A bounded queue: past VERDICT_BACKLOG train steps' worth of complete groups without their verdicts, the
+    controller waits for them (so reward workers that hang are caught by the wait's timeout instead of the engines
+    generating forever)."""
+    from types import SimpleNamespace as S
+
+    from rl.algo.async_grpo import AsyncGRPO
+
+    def controller(ready: dict, done: dict, per_step: int = 2):
+        c = S(stage=S(prompts_per_step=per_step), finished=done, disp=S(ready_group_sizes=lambda: dict(ready)),
+              VERDICT_BACKLOG=AsyncGRPO.VERDICT_BACKLOG)
+        return AsyncGRPO.verdicts_backlogged(c)
+
+    ready = {f"g{i}": 2 for i in range(4)}
+    assert not controller(ready, {"g0": ["s", "s"]})  # 3 unverified < 2 steps x 2 groups
+    assert controller(ready, {})  # 4 unverified
+    assert not controller(ready, {f"g{i}": ["s", "s"] for i in range(4)})
