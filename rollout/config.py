@@ -88,7 +88,7 @@ class EngineConfig(StrictConfig):
     states out to write them. `device`: every held sequence's cached rows copied out of the pool in one gather into a
     tensor on the engine's device and restored with one scatter (a second copy of the in-flight KV while they wait);
     `host`: that copy in host memory. Evaluations (`rl eval`, eval_every, the stage end) copy the states out whatever
-    this says (they need the pool's blocks). The same tokens either way."""
+    this says (they need the pool's blocks; with `pool`, to host memory). The same tokens either way."""
     park_host_gib: float | None = Field(None, gt=0)
     """Host memory that samples parked under KV memory pressure may hold (rollout/engine.py `_grow`); a park that
     would pass it drops the sample's KV instead, and the sample is prefilled again (prompt and response so far) when

@@ -550,11 +550,13 @@ class Engine:
     @torch.no_grad()
     def interrupt(self) -> list[RolloutState]:
         """Stop at the current token boundary: every held sequence's state (active, paused, appended to) is
-        copied out of the pool (to host memory, or beside the pool with `park_kv: device`) and its blocks are
+        copied out of the pool (beside it with `park_kv: device`, else to host memory) and its blocks are
         freed; waiting requests are returned too (with no KV; samples parked under memory pressure with theirs)."""
         self._drop_launched()
+        # `park_kv: pool` copies out only for evaluations (the train steps `pause`): to host memory, since beside a
+        # pool sized to the device's memory a second copy of its KV may not fit
         states = self._export([*self._active, *self._ready, *self._paused.values()], set(self._paused),
-                              to_host=self.cfg.park_kv == "host")
+                              to_host=self.cfg.park_kv != "device")
         states += self._waiting
         self._active, self._waiting, self._ready, self._paused = [], [], [], {}
         self._new_pauses = []

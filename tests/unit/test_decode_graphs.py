@@ -91,7 +91,8 @@ def test_graph_decode_survives_interrupt_resume_and_weight_updates():
 
     torch.manual_seed(0)
     model = Decoder(debug_config(moe=False)).cuda().eval()
-    eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64), eos_id=EOS, device="cuda")
+    eng = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, park_kv="device"), eos_id=EOS,
+                 device="cuda")
     ref = Engine(model, EngineConfig(max_batch_size=8, block_size=4, max_seq_len=64, cuda_graphs=False, park_kv="host"),
                  eos_id=EOS, device="cuda")
     for e in (eng, ref):
@@ -101,7 +102,7 @@ def test_graph_decode_survives_interrupt_resume_and_weight_updates():
     with torch.no_grad():  # an in-place weight update, as the trainer's optimizer makes
         for p in model.parameters():
             p.mul_(1.01)
-    parked = {id(e): e.interrupt() for e in (eng, ref)}  # park_kv: device (the default) and host, same bytes
+    parked = {id(e): e.interrupt() for e in (eng, ref)}  # park_kv: device and host, same bytes
     assert {s.k.device.type for s in parked[id(eng)]} == {"cuda"} and {s.k.device.type for s in parked[id(ref)]} == {"cpu"}
     on_host = {s.request.sample_id: s for s in states_on_host(parked[id(eng)])}  # as a checkpoint writes them
     for s in parked[id(ref)]:
