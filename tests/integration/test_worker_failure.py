@@ -84,7 +84,10 @@ def failed_and_resumed(tmp_path_factory):
         # wall-clock seconds from the last record the failing run logged to its end (read before the resumes log more)
         after_last_record = {f: trained[f][2] - max(json.loads(line)["time"] for line in
                                                     (runs[f] / "metrics.jsonl").read_text().splitlines()) for f in runs}
-        resumed = dict(zip(runs, pool.map(lambda f: _cli(["resume", str(runs[f])], ["runtime.num_workers=1", *DEVICE])[0],
+        # the resumes (side by side, each starting its Ray on 2 cores) with a worker timeout that load cannot reach:
+        # what they check is the continuation, not the timeouts (a 5 s bound failed a resume's begin_stage on CI)
+        resumed = dict(zip(runs, pool.map(lambda f: _cli(["resume", str(runs[f])], ["runtime.num_workers=1",
+                                                                                  "runtime.worker_timeout_s=120", *DEVICE])[0],
                                           runs)))
     return {f: (runs[f], *trained[f][:2], after_last_record[f], resumed[f]) for f in runs}, left
 
