@@ -61,7 +61,6 @@ def estimate(recipe: Recipe) -> dict[str, float]:
     """Bytes per worker by part, and their sum under "total"."""
     import torch
 
-    from model.kv_cache import kv_format
     from model.sparse_attention import bytes_per_token as csa2_bytes_per_token
 
     params = parameter_count(recipe.model)
@@ -73,7 +72,7 @@ def estimate(recipe: Recipe) -> dict[str, float]:
     if m.is_sparse:
         kv = e.max_batch_size * e.max_seq_len * csa2_bytes_per_token(m, engine_dtype.itemsize)
     else:
-        per_token = m.num_layers * kv_format(m.kv_cache.dtype).bytes_per_token_per_layer(m.num_kv_heads, m.head_dim, engine_dtype)
+        per_token = kv_bytes_per_token(recipe)
         kv = e.pool_blocks * e.block_size * per_token
         if e.kv_gib is not None:  # whole blocks of that many GiB (rollout/engine.py)
             kv = (e.kv_gib * GIB // (e.block_size * per_token)) * e.block_size * per_token
@@ -223,6 +222,18 @@ def token_cap(free_bytes: float, parameters: int, per_token: float, optimizer_al
     return max(1, int(left / (TOKEN_CAP_MARGIN * per_token)))
 
 
+def kv_bytes_per_token(recipe: Recipe) -> float:
+    """Bytes one token's KV takes in the engine's pool, every layer (the cache's storage format; the unquantised
+    one in the engine's dtype). Dense paged models."""
+    import torch
+
+    from model.kv_cache import kv_format
+
+    m = recipe.model
+    return m.num_layers * kv_format(m.kv_cache.dtype).bytes_per_token_per_layer(m.num_kv_heads, m.head_dim,
+                                                                              getattr(torch, recipe.run.dtype))
+
+
 def kv_concurrency(recipe: Recipe, parts: dict[str, float]) -> str:
     """How many samples the KV pool holds at max_seq_len and at `engine.expected_tokens`, by arithmetic alone, and a
     warning when a stage's `dispatch.max_inflight` is more than it holds at the expected length (at max_seq_len
@@ -230,16 +241,7 @@ def kv_concurrency(recipe: Recipe, parts: dict[str, float]) -> str:
     m, e = recipe.model, recipe.engine
     if m.is_sparse or not parts["kv_pool"]:
         return ""
-    per_token = parts["kv_pool"] / (e.pool_blocks * e.block_size) if e.kv_memory_fraction is None and \
-        e.kv_gib is None else None
-    if per_token is None:  # a share of free memory: the pool's tokens from its bytes
-        import torch
-
-        from model.kv_cache import kv_format
-
-        per_token = m.num_layers * kv_format(m.kv_cache.dtype).bytes_per_token_per_layer(
-            m.num_kv_heads, m.head_dim, getattr(torch, recipe.run.dtype))
-    tokens = int(parts["kv_pool"] / per_token)
+    tokens = int(parts["kv_pool"] / kv_bytes_per_token(recipe))
     at_max = tokens // e.max_seq_len
     if e.kv_gib is not None and at_max == 0:  # the engine would refuse it at start (rollout/engine.py KVPoolSizeError)
         raise ValueError(f"engine.kv_gib={e.kv_gib:g} holds {tokens} tokens of {m.kv_cache.dtype} KV at this model's "

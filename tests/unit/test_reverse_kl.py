@@ -10,9 +10,9 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.reverse_kl import default_chunk_sizes, reverse_kl_loss, reverse_kl_reference
+from tests.largest_output import LargestOutput
 from tests.numerics import assert_close_to_reference
 
 pytest.importorskip("triton")
@@ -172,30 +172,17 @@ def test_fp32_logits_for_bf16_inputs():
     assert _rel(bf[1], ref[1]) > 10 * _rel(out[1], ref[1])
 
 
-class _LargestOutput(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())  # bytes
-        return out
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_tokens_by_vocab_tensor(impl):
     """With 64 tokens in chunks of 8, nothing larger than a chunk's logits (or a weight) is created.
     Counted in bytes: the Triton interpreter moves buffers as byte views."""
     T, Hs, V, chunk = 64, 16, 300, 8
     x = _inputs(T=T, Hs=Hs, Ht=24, V=V)
-    with _LargestOutput() as mode:
+    with LargestOutput() as mode:
         loss, _ = reverse_kl_loss(*x, impl=impl, chunk_size=chunk, teacher_chunk_size=chunk // 2, block_v=128)
         loss.backward()
     assert mode.largest <= 4 * max(chunk * V, V * 24) < 4 * T * V
-    with _LargestOutput() as mode:
+    with LargestOutput() as mode:
         reverse_kl_loss(*x, impl="reference")[0].backward()
     assert mode.largest >= 4 * T * V  # the probe does see materialised logits
 

@@ -17,9 +17,9 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.token_logprobs import default_chunk_size, token_logprobs, token_logprobs_reference
+from tests.largest_output import LargestOutput
 from tests.numerics import assert_close_to_reference, float64_reference
 
 pytest.importorskip("triton")
@@ -190,21 +190,6 @@ def test_no_tokens(impl):
     assert torch.equal(gw, torch.zeros_like(gw))
 
 
-class _LargestOutput(TorchDispatchMode):
-    """The largest tensor any op creates, in bytes (the Triton interpreter moves buffers as byte views)."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel() * t.element_size())
-        return out
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 def test_no_tokens_by_vocab_tensor(impl):
     """64 tokens in chunks of 8: autograd saves nothing of chunk × V elements or more but the head, and no op,
@@ -217,13 +202,13 @@ def test_no_tokens_by_vocab_tensor(impl):
         saved.append(t)
         return t
 
-    with _LargestOutput() as mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with LargestOutput() as mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lp, ent = token_logprobs(h, w, y, entropy=True, impl=impl, chunk_size=chunk, block_v=128)
     assert saved and all(t is w or t.numel() < chunk * v for t in saved), [tuple(t.shape) for t in saved]
-    with _LargestOutput() as back:
+    with LargestOutput() as back:
         ((a * lp).sum() + (b * ent).sum()).backward()
     assert max(mode.largest, back.largest) <= 4 * max(chunk * v, v * d) < 4 * n * v
-    with _LargestOutput() as mode:  # the probe does see materialised logits
+    with LargestOutput() as mode:  # the probe does see materialised logits
         _run("reference", h, w, y, a, b)
     assert mode.largest >= 4 * n * v
 
