@@ -70,8 +70,10 @@ def engine_ms_per_step(model: Decoder, batch: int, prompt: int, new: int, device
 
     graphs, paged, fused_norm, fused_layers = VARIANTS[variant]
     norm_rope.ENABLED, rollout_path.ENABLED = fused_norm, fused_layers
+    # blocks on demand: a pool for the contexts the run has, not batch x cap (which would not fit at a 16K cap)
+    blocks = None if cap is None else batch * (-(-(prompt + new + 16) // 16) + 1) + 64
     cfg = EngineConfig(max_batch_size=batch, block_size=16, max_seq_len=max(prompt + new + 16, cap or 0), max_new_tokens=new,
-                       cuda_graphs=graphs, paged_decode_kernel=paged, overlap_steps=overlap, sample_in_graph=sample_in_graph)
+                       num_blocks=blocks, cuda_graphs=graphs, paged_decode_kernel=paged, overlap_steps=overlap, sample_in_graph=sample_in_graph)
     eng = Engine(model, cfg, eos_id=0, device=device)
     vocab = model.config.vocab_size
 

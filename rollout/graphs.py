@@ -175,14 +175,14 @@ class DecodeGraphs:
         # pinned, used every other step: with overlapped steps the last copy may still be queued, the one
         # before it ran ahead of a step whose tokens the engine has read
         host = hosts[self.replays % 2]
-        h = host.numpy()
+        h = host.numpy()[:, :_COLS + key[1]]  # the graph reads the first key[1] blocks of each table
         h[:] = 0
         h[:B, 1], h[:B, 2] = positions, 1
         if sampling is not None:
             h[:B, 3], h[:B, 4] = sampling[0], sampling[1]
             h[:B, 5] = np.asarray(sampling[2], dtype=np.float32).view(np.int32)
         for i, t in enumerate(tables):
-            n = min(len(t), self.max_blocks)
+            n = min(len(t), key[1])
             h[i, _COLS:_COLS + n] = t[:n]
         buf.copy_(host, non_blocking=True)
         buf[:B, 0].copy_(ids)

@@ -193,13 +193,14 @@ class AsyncGRPO:
                 self.effort_of[sid] = b
                 toks = rendered[b].ids
                 forced = job.tasks[t.dataset].response_budget(problem, j)
-                # a forced length as the budget (EOS ignored) or, `forced_length == "eos"`, as an end the engine
-                # meets only when it comes (rewards/longtail.py)
+                # a forced length as the budget or, `forced_length == "eos"`, as an end the engine meets only when
+                # it comes (rewards/longtail.py); either way the policy's own EOS is ignored: a random policy samples
+                # one every ~vocabulary tokens, which would cut the drawn lengths short
                 at_eos = forced is not None and getattr(job.tasks[t.dataset], "forced_length", "budget") == "eos"
                 per_worker[w].append(GenerationRequest(
                     sid, toks, forced if forced is not None and not at_eos else job.recipe.max_response_tokens,
                     seed=job.renderer.sample_seed(sid), temperature=sampling.temperature, top_p=sampling.top_p,
-                    ignore_eos=forced is not None and not at_eos, eos_at=forced if at_eos else None,
+                    ignore_eos=forced is not None, eos_at=forced if at_eos else None,
                     tool_calls=job.recipe.tools is not None))
         t_store = time.perf_counter()
         job.store.add_prompts(prompts)  # one transaction a release (before any of their samples can be written)

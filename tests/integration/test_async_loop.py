@@ -392,3 +392,28 @@ def test_samples_kept_in_the_pool_during_train_steps_train_what_parked_copies_tr
     ref_moved = [json.loads(x)["async/state_bytes_moved"] for x in (reference[0] / "metrics.jsonl").read_text().splitlines()
                  if "async/state_bytes_moved" in x]
     assert sum(moved) > 0 and sum(ref_moved) == 0  # in place: nothing copied at a train step
+
+
+def test_long_tail_samples_end_at_their_drawn_lengths_whether_the_engine_is_told_or_meets_them(tmp_path):
+    """rewards/longtail.py's two ways of holding a sample to its drawn length (issue #42): `budget` hands the length
+    to the engine as max_new_tokens; `eos` gives every request the run's cap and ends the sample when it reaches the
+    length, as a policy's own EOS would. Both must train samples of exactly the drawn lengths: the random policy's
+    own EOS (about one token in a hundred here) must not cut an `eos` sample short, or a long-tail benchmark trains
+    short samples (it did: a mean of 73 tokens against 1,661 drawn, on the H200)."""
+    lengths = {}
+    for mode in ("budget", "eos"):
+        recipe = Recipe.model_validate({
+            **RECIPE,
+            "model": {**RECIPE["model"], "max_position_embeddings": 80},
+            "datasets": [{"type": "longtail", "name": "tail", "median_tokens": 24, "sigma": 0.6, "max_tokens": 40,
+                          "mode": mode}],
+            "engine": {**RECIPE["engine"], "max_seq_len": 64, "max_new_tokens": 40},
+            "stages": [{**RECIPE["stages"][0], "max_steps": 3}],
+        })
+        run_dir = tmp_path / mode
+        assert run_stage(run_dir, recipe=recipe)
+        with sqlite3.connect(run_dir / "trajectories.db") as c:
+            lengths[mode] = {sid: len(toks) // 4 for sid, toks in c.execute(
+                "select sample_id, response_tokens from samples where train_step is not null")}
+    assert lengths["eos"] == lengths["budget"] and len(lengths["eos"]) == 3 * PROMPTS * G
+    assert len(set(lengths["eos"].values())) > 3  # drawn lengths, not one cap
