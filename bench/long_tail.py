@@ -26,6 +26,7 @@ Last line: RESULT inflight_mean=<x> inflight_held=<f> kv_used_frac=<f> parked_to
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sqlite3
 import statistics
@@ -82,7 +83,9 @@ def run_arm(a, policy: str, kv: str, out: Path) -> dict:
     per_token = kv_bytes_per_token(SHAPES[a.shape], kv, a.dtype)
     num_blocks = int(a.kv_gib * 2**30 // (16 * per_token))
     pool_tokens = num_blocks * 16
-    inflight = a.max_inflight or max(a.group, pool_tokens // (a.prompt + 2 * a.median) // a.group * a.group)
+    # as many as the pool holds at the prompt plus the median: in flight a sample holds ~1.3x the median on average
+    # (H200, bf16: 0.54 of the pool used at prompt + 2x median), so the pool runs full and the engine parks the surplus
+    inflight = a.max_inflight or max(a.prompts * a.group, pool_tokens // (a.prompt + a.median) // a.group * a.group)
     recipe = recipe_for(a, policy, kv, num_blocks, inflight)
     run_dir = out / f"{policy}-{kv}"
     with open_job(recipe, run_dir, checkpoints=False, say=lambda m: None) as job:
@@ -91,8 +94,18 @@ def run_arm(a, policy: str, kv: str, out: Path) -> dict:
         wall = time.perf_counter() - t0
     with sqlite3.connect(run_dir / "trajectories.db") as c:
         trained = [n for (n,) in c.execute("select length(response_tokens) from samples where train_step is not null")]
+        by_step: dict[int, int] = {}
+        for step, n in c.execute("select train_step, length(response_tokens) / 4 from samples where train_step is not null"):
+            by_step[step] = by_step.get(step, 0) + n  # int32 token ids in the store's blob
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"rl/loss"' in x]
     conc = clock.concurrency
     tokens_trained = sum(trained) / 4  # int32 token ids in the store's blob
+    # steady: the steps after the first (the first pays the ramp-up of the in-flight samples and the engine's graph
+    # captures, which a long job pays once), per second of their rollout phases and train steps
+    later = steps[1:]
+    steady_s = (later[-1]["time/rollout_s"] + later[-1]["time/train_s"] - steps[0]["time/rollout_s"]
+                - steps[0]["time/train_s"]) if later else 0.0
+    steady = sum(n for st, n in by_step.items() if st > min(by_step)) / steady_s if steady_s > 0 else float("nan")
     return {
         "arm": f"{policy}/{kv}", "pool_tokens": pool_tokens, "max_inflight": inflight,
         "inflight_mean": clock.concurrency_mean,
@@ -103,6 +116,7 @@ def run_arm(a, policy: str, kv: str, out: Path) -> dict:
         # per second of the stage's rollout phases and train steps (not its start or its closing evaluation)
         "trained_samples_per_s": len(trained) / (clock.rollout_s + clock.train_s),
         "trained_tokens_per_s": tokens_trained / (clock.rollout_s + clock.train_s),
+        "steady_trained_tokens_per_s": steady,
         "trained_len_mean": tokens_trained / max(len(trained), 1), "rollout_s": clock.rollout_s, "train_s": clock.train_s,
         "wall_s": wall,
     }
@@ -164,6 +178,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lag", type=int, default=4, help="dispatch.max_version_lag")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                    help="first an untimed one-step job of short samples, which pays the process's one-time costs "
+                         "(the trainer's torch.compile, Triton kernels) outside the arms (default: on CUDA)")
     a = ap.parse_args()
     import torch
 
@@ -178,6 +195,12 @@ def main() -> None:
     print(f"{a.shape} on {a.device} ({a.dtype}), prompts {a.prompt} tokens, responses log-normal median {a.median} "
           f"(p99/p50 10), cap {a.cap} (drawn mean {drawn:.0f}); KV budget {a.kv_gib:.3g} GiB; "
           f"{a.prompts}x{a.group} samples a step, {a.steps} steps", flush=True)
+    if a.warmup if a.warmup is not None else a.device == "cuda":
+        w = argparse.Namespace(**{**vars(a), "median": 32, "cap": min(a.cap, 256), "prompts": 1, "steps": 1,
+                                  "max_inflight": a.group})
+        t0 = time.perf_counter()
+        run_arm(w, "sample", a.kv.split(",")[0], out / "warmup")
+        print(f"warm-up (untimed): {time.perf_counter() - t0:.1f} s", flush=True)
     rows = []
     for kv in a.kv.split(","):
         for policy in a.policies.split(","):
@@ -187,6 +210,7 @@ def main() -> None:
                   f"{r['inflight_mean']:.1f} a step (held {r['inflight_held']:.2f}), KV used {r['kv_used_frac']:.2f}, "
                   f"parks {r['parks']} ({r['parked_gib']:.2f} GiB), rollout {r['rollout_tokens_per_s']:,.0f} tok/s, "
                   f"trained {r['trained_samples_per_s']:.2f} samples/s {r['trained_tokens_per_s']:,.0f} tok/s "
+                  f"(after step 1: {r['steady_trained_tokens_per_s']:,.0f} tok/s) "
                   f"(mean length {r['trained_len_mean']:.0f}; rollout {r['rollout_s']:.1f} s, train {r['train_s']:.1f} s, "
                   f"wall {r['wall_s']:.1f} s)", flush=True)
     first = rows[0]
@@ -198,6 +222,8 @@ def main() -> None:
     kv0 = a.kv.split(",")[0]
     if f"sample/{kv0}" in by and f"sync/{kv0}" in by:
         result += f" sample_over_sync={by[f'sample/{kv0}']['trained_tokens_per_s'] / by[f'sync/{kv0}']['trained_tokens_per_s']:.2f}"
+        result += (" steady_sample_over_sync="
+                   f"{by[f'sample/{kv0}']['steady_trained_tokens_per_s'] / by[f'sync/{kv0}']['steady_trained_tokens_per_s']:.2f}")
     if "sample/fp4" in by:
         result += f" inflight_mean_fp4={by['sample/fp4']['inflight_mean']:.1f}"
     result += f" rollout_tokens_per_s={first['rollout_tokens_per_s']:.0f}"
