@@ -9,7 +9,7 @@ import yaml
 
 from rl.recipe_io import load_recipe, recipe_to_yaml
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("**/*.yaml"))
 
 
 def test_configs_exist():
