@@ -157,8 +157,10 @@ class Task(Protocol):
         ...
 
     def demonstration(self, problem: Problem, rng: random.Random, *, direct_answer_rate: float | None = None,
-                      reasoning_frac: float | None = None) -> str:
-        """SFT target for `problem`. `direct_answer_rate` / `reasoning_frac`: the effort cold start's
+                      reasoning_frac: float | None = None) -> "str | tuple[Turn, ...]":
+        """SFT target for `problem`: the response text, or (tool use) the turns after the prompt, assistant and
+        tool in order, which the SFT stage tokenises as a rollout holds them (tool outputs as the worker appends
+        them, not trained; rl/algo/sft.py). `direct_answer_rate` / `reasoning_frac`: the effort cold start's
         shorter demonstrations (seed §5.1.4; see rl/config.py SFTStage). Tasks without demonstrations
         cannot be used in an SFT stage."""
         raise NotImplementedError(f"task {self.name!r} has no demonstrations: it cannot be used in an SFT stage")

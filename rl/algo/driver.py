@@ -39,7 +39,8 @@ def run_sft(job: Job, stage: SFTStage, stage_idx: int) -> StageResult:
     policy = job.policy
     policy.begin_stage(stage)
     demos = DemonstrationStream(job.stage_tasks(stage), job.renderer, stage, seed_offset=1000 + stage_idx,
-                                rng_seed=f"sft:{job.recipe.run.seed}:{stage_idx}")
+                                rng_seed=f"sft:{job.recipe.run.seed}:{stage_idx}",
+                                tool_output_tokens=job.recipe.tools.max_tool_output_tokens if job.recipe.tools else None)
     start = 0
     restored = job.checkpointer.restore_stage(job)
     if restored is not None:

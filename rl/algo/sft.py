@@ -6,6 +6,12 @@ seed §5.1.4), the target is the task's demonstration plus EOS, shortened at eff
 effort cold start (`cold_start`). A batch is a `TrainBatch` normalised by its own response tokens; the
 driver deals it to the workers by length (rl/train/parallel.py `deal_by_length`) and the trainer's SFT objective does the rest.
 The stream's position (problems drawn, the demonstration RNG) is checkpointed and restored exactly.
+
+A multi-turn demonstration (tool use: the task returns `rewards.task.Turn`s) is tokenised as a rollout would hold it:
+each assistant turn's text on its own (loss 1), each tool output as the worker appends it after a call
+(rollout/tool_calls.py `tool_result_tokens`: the end of the assistant's turn, the tool message in the chat template's
+wrapping, the next assistant header, cut at the recipe's `tools.max_tool_output_tokens`; loss 0), then EOS. So the
+warm start teaches the calls and the answers, not the outputs, in the very tokens the engine will append.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
-from rewards.task import Task
+from model.tokenizer import Tokenizer
+from rewards.task import Task, Turn
 from rl.config import SFTStage
 from rl.algo.rendering import Renderer
 from rl.algo.streams import Cursor
 from rl.train.trainer import TrainBatch
+from rollout.tool_calls import tool_result_tokens
 
 
 def cold_start(stage: SFTStage, effort: int | None) -> dict:
@@ -29,9 +37,32 @@ def cold_start(stage: SFTStage, effort: int | None) -> dict:
     return {"direct_answer_rate": 1 - effort / 100}
 
 
+def demonstration_tokens(tokenizer: Tokenizer, demo: str | tuple[Turn, ...], tool_output_tokens: int | None
+                         ) -> tuple[list[int], list[int] | None]:
+    """A demonstration's response ids and its loss mask (None: every token trained): text as is plus EOS, or turns
+    with each tool output tokenised as the worker appends it (loss 0; module docstring)."""
+    if isinstance(demo, str):
+        return tokenizer.encode(demo, eos=True), None
+    ids: list[int] = []
+    mask: list[int] = []
+    for turn in demo:
+        if turn.role == "tool":
+            if tool_output_tokens is None:
+                raise ValueError("a demonstration with tool turns needs the recipe's `tools` (tools.max_tool_output_tokens)")
+            part, trained = list(tool_result_tokens(tokenizer, turn.text, max_tokens=tool_output_tokens).tokens), 0
+        else:
+            part, trained = tokenizer.encode(turn.text), 1
+        ids += part
+        mask += [trained] * len(part)
+    return ids + [tokenizer.eos_id], mask + [1]
+
+
 class DemonstrationStream:
-    def __init__(self, tasks: Mapping[str, Task], renderer: Renderer, stage: SFTStage, *, seed_offset: int, rng_seed: str):
+    def __init__(self, tasks: Mapping[str, Task], renderer: Renderer, stage: SFTStage, *, seed_offset: int, rng_seed: str,
+                 tool_output_tokens: int | None = None):
         self.tasks, self.renderer, self.stage = tasks, renderer, stage
+        self.tool_output_tokens = tool_output_tokens
+        """The recipe's `tools.max_tool_output_tokens` (multi-turn demonstrations); None: a recipe without tools."""
         self.cursors = [Cursor(t, seed_offset=seed_offset) for t in tasks.values()]
         self.rng = random.Random(rng_seed)
         self.drawn = 0
@@ -47,9 +78,14 @@ class DemonstrationStream:
         efforts = [rng.choice(self.levels) if self.levels and rng.random() < stage.effort_prefix_frac else None
                    for _ in problems]
         prompts = [self.renderer.prompt_tokens(p, b) for p, b in zip(problems, efforts)]
-        responses = [self.renderer.tokenizer.encode(self.tasks[p.dataset].demonstration(p, rng, **cold_start(stage, b)),
-                                                    eos=True) for p, b in zip(problems, efforts)]
-        return TrainBatch(prompts, responses, float(sum(len(r) for r in responses)))
+        rows = [demonstration_tokens(self.renderer.tokenizer,
+                                     self.tasks[p.dataset].demonstration(p, rng, **cold_start(stage, b)),
+                                     self.tool_output_tokens) for p, b in zip(problems, efforts)]
+        responses = [ids for ids, _ in rows]
+        if all(mask is None for _, mask in rows):
+            return TrainBatch(prompts, responses, float(sum(len(r) for r in responses)))
+        masks = [mask if mask is not None else [1] * len(ids) for ids, mask in rows]
+        return TrainBatch(prompts, responses, float(sum(map(sum, masks))), loss_masks_B=masks)
 
     # -- checkpoint ---------------------------------------------------------------------------------
     def state_dict(self) -> dict:
