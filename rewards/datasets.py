@@ -108,6 +108,10 @@ class _FileDatasetConfig(StrictConfig):
     RL prompts for the next (`stages[i].datasets`)."""
     max_rows: int | None = Field(None, gt=0)
     """Use only the first this many rows of the file (after `skip_rows`; before the split)."""
+    where: dict[str, str | int | list[str | int]] = Field(default_factory=dict)
+    """Keep only rows whose fields have these values (a list: any of them), in the train file and the held-out file,
+    e.g. `where: {kind: apples_add}`: one file as many sub-datasets, each with its own mixture weight, cap or OPD
+    teacher. `skip_rows` and `max_rows` count the file's rows, before this filter."""
 
     @field_validator("verifier", mode="before")
     @classmethod
@@ -124,9 +128,17 @@ class _FileDatasetConfig(StrictConfig):
             raise ValueError(f"heldout.split applies to hf_disk datasets only, not to {self.type}")
         for i, (path, split) in enumerate(self.sources()):
             preview = min(PREVIEW_ROWS, self.max_rows or PREVIEW_ROWS)
-            for n, row in train_rows(self, path, split, preview) if i == 0 else iter_rows(self.type, path, limit=preview, split=split):
+            rows = list(train_rows(self, path, split, preview) if i == 0 else iter_rows(self.type, path, limit=preview, split=split))
+            for n, row in rows:
                 row_problem(self, path, n, row)
+            absent = [k for k in self.where if not any(k in row for _, row in rows)]
+            if absent:
+                raise ValueError(f"where: {path} has no field {absent[0]!r} in its first {len(rows)} rows")
         return self
+
+    def keeps(self, row: Mapping) -> bool:
+        """The row passes `where`."""
+        return all(k in row and (row[k] in v if isinstance(v, list) else row[k] == v) for k, v in self.where.items())
 
     def sources(self) -> list[tuple[Path, str | None]]:
         """(path, split) of the train file, then of the held-out file when there is one."""
@@ -281,6 +293,8 @@ class FileDataset(Task):
             isinstance(cfg.verifier, RegexVerifierConfig) and cfg.verifier.compare == "math")
         rows = train_rows(cfg, path, split, cfg.max_rows) if prefix == "" else iter_rows(cfg.type, path, split=split)
         for n, row in rows:
+            if not cfg.keeps(row):
+                continue
             p = row_problem(cfg, path, n, row, f"{cfg.name}:{prefix}{n}")
             if math_answers and not parse_reference(p.answer, cfg.verifier.timeout_s):
                 raise DatasetError(path, f"{_short_repr(p.answer)} is not parseable by math-verify (verifier: math)",
@@ -297,6 +311,8 @@ class FileDataset(Task):
         cfg = self.cfg
         (path, split), *heldout_source = cfg.sources()
         rows = self._read(path, split, "")
+        if not rows and cfg.where:
+            raise DatasetError(path, f"no rows match where: {cfg.where}")
         if heldout_source:
             hpath, hsplit = heldout_source[0]
             held_rows = self._read(hpath, hsplit, "heldout:")

@@ -69,7 +69,8 @@ def _problems(task: Task, preview: bool) -> Iterator[Problem]:
         cfg = task.cfg
         (path, split), *_ = cfg.sources()
         for n, row in train_rows(cfg, path, split, min(PREVIEW_ROWS, cfg.max_rows or PREVIEW_ROWS)):
-            yield row_problem(cfg, path, n, row)
+            if cfg.keeps(row):
+                yield row_problem(cfg, path, n, row)
         return
     if preview and not isinstance(task, ProceduralTask):
         return  # a custom task's draws are user code: the job checks them

@@ -276,3 +276,21 @@ def test_skip_rows_and_max_rows_split_one_file_between_two_datasets(tmp_path):
     assert [p.answer for p in rest.heldout()] == ["1"]  # the held-out file is read whole
     with pytest.raises(ValidationError, match=re.escape("d.jsonl: no rows after the first 50 (skip_rows)")):
         _task(tmp_path, heldout=held, skip_rows=50)
+
+
+def test_where_makes_sub_datasets_of_one_file_train_and_held_out(tmp_path):
+    rows = [dict(r, kind="small" if int(r["a"]) < 5 else "large") for r in ROWS]
+    held = _write(tmp_path / "h.jsonl", rows[::7])
+    small = _task(tmp_path, rows, where={"kind": "small"}, heldout={"path": str(held)})
+    large = _task(tmp_path, rows, where={"kind": ["large"]}, heldout={"path": str(held)})
+    both = _task(tmp_path, rows, where={"kind": ["small", "large"]}, heldout={"path": str(held)})
+    train = {name: {p.prompt for p in itertools.islice(t.train_stream(), 400)} for name, t in
+             (("small", small), ("large", large), ("both", both))}
+    assert train["small"] and train["large"] and not train["small"] & train["large"]
+    assert train["small"] | train["large"] == train["both"]
+    assert all(int(p.answer) < 5 for p in small.heldout()) and all(int(p.answer) >= 5 for p in large.heldout())
+    assert len(small.heldout()) + len(large.heldout()) == len(held.read_text().splitlines())
+    with pytest.raises(DatasetError, match="no rows match where"):
+        _task(tmp_path, rows, where={"kind": "medium"}).scan()
+    with pytest.raises(ValidationError, match="has no field 'size'"):
+        _task(tmp_path, rows, where={"size": 3})
