@@ -1,7 +1,7 @@
 """Short arithmetic word problems as JSONL: the verifiable chat task of the GRPO recipe from an instruct model
 (issue #14, item 5) and of its SFT control arm.
 
-    python tools/gen_word_problems.py          # writes configs/data/word_problems_{train,test,rl}.jsonl
+    python tools/gen_word_problems.py          # writes configs/data/word_problems_{train,test,rl,eval}.jsonl
     python tools/gen_word_problems.py --out DIR --train 5000 --test 512 --rl 5000 --seed 0
 
 Each line is {"question", "answer", "solution", "kind"}: `answer` is the number as text; `solution` a short
@@ -11,7 +11,8 @@ apples, money and distances, or as a plain "What is a + b?"; a share are two-ste
 Every question and solution is printable ASCII (the char tokenizer reads them too). The output depends only
 on the arguments; no test question occurs in the train file, and the `rl` file (RL prompts of an SFT-then-GRPO
 pipeline, configs/smollm2_sft_grpo_fresh.yaml) shares no question with either: it is drawn after them from the same
-random stream, so adding it leaves the train and test files as they were.
+random stream, so adding it leaves the train and test files as they were. The `eval` file (1,000 held-out problems a
+domain is scored on in issue 43's pipeline) is drawn after all three, disjoint from them, and leaves them as they were.
 """
 
 from __future__ import annotations
@@ -153,16 +154,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--train", type=int, default=5000, help="train rows")
     p.add_argument("--test", type=int, default=512, help="held-out rows")
     p.add_argument("--rl", type=int, default=5000, help="rows of the RL prompt file, disjoint from train and test")
+    p.add_argument("--eval", type=int, default=1000, help="rows of a second held-out file (word_problems_eval.jsonl), "
+                   "disjoint from the others: the 1,000 problems a domain is scored on in the pipeline (issue 43)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     rng = random.Random(a.seed)
     test = generate(a.test, rng)
     train = generate(a.train, rng, exclude={r["question"] for r in test})
     rl = generate(a.rl, rng, exclude={r["question"] for r in test + train})
+    evaluation = generate(a.eval, rng, exclude={r["question"] for r in test + train + rl})
     write_jsonl(a.out / "word_problems_test.jsonl", test)
     write_jsonl(a.out / "word_problems_train.jsonl", train)
     write_jsonl(a.out / "word_problems_rl.jsonl", rl)
-    print(f"wrote {len(train)} train, {len(test)} test and {len(rl)} RL rows to {a.out}")
+    write_jsonl(a.out / "word_problems_eval.jsonl", evaluation)
+    print(f"wrote {len(train)} train, {len(test)} test, {len(rl)} RL and {len(evaluation)} eval rows to {a.out}")
 
 
 if __name__ == "__main__":

@@ -31,17 +31,19 @@ def _chain(text: str) -> list[int]:
 
 def test_the_shipped_files_are_the_generators_output(tmp_path):
     _generator().main(["--out", str(tmp_path)])
-    for name in ("word_problems_train.jsonl", "word_problems_test.jsonl", "word_problems_rl.jsonl"):
+    for name in ("word_problems_train.jsonl", "word_problems_test.jsonl", "word_problems_rl.jsonl", "word_problems_eval.jsonl"):
         assert (tmp_path / name).read_bytes() == (DATA / name).read_bytes(), f"regenerate {name}: python tools/gen_word_problems.py"
 
 
 def test_answers_solutions_and_splits():
     train, test, rl = _rows("word_problems_train.jsonl"), _rows("word_problems_test.jsonl"), _rows("word_problems_rl.jsonl")
-    assert (len(train), len(test), len(rl)) == (5000, 512, 5000)
-    q = [{r["question"] for r in rows} for rows in (train, test, rl)]
+    evaluation = _rows("word_problems_eval.jsonl")
+    assert (len(train), len(test), len(rl), len(evaluation)) == (5000, 512, 5000, 1000)
+    q = [{r["question"] for r in rows} for rows in (train, test, rl, evaluation)]
     assert not q[0] & q[1] and not q[2] & (q[0] | q[1]) and len(q[2]) == len(rl)
+    assert not q[3] & (q[0] | q[1] | q[2]) and len(q[3]) == len(evaluation)
     assert len({r["kind"] for r in train}) == len({r["kind"] for r in rl}) == len(_generator().KINDS)
-    for r in train + test + rl:
+    for r in train + test + rl + evaluation:
         assert r["question"].isascii() and r["solution"].isascii()
         chains = [_chain(c) for c in re.findall(r"\d[\d +*/-]* = [\d =+*/-]*\d", r["solution"])]
         assert chains and all(len(set(c)) == 1 for c in chains), r  # every side of every "a = b = c" is equal
