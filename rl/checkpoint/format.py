@@ -261,9 +261,17 @@ def _unreadable(path: Path) -> str | None:
     return None
 
 
+WEIGHT_FILES = ("config.json", "model.safetensors")
+"""What a pruned checkpoint leaves under `keep_weights`: a model directory that `model.init` and a teacher read."""
+
+
 class CheckpointManager:
-    def __init__(self, root: str | Path, keep_last: int = 3, warn: Callable[[str], None] = print):
+    def __init__(self, root: str | Path, keep_last: int = 3, warn: Callable[[str], None] = print,
+                 keep_weights: Path | None = None):
         self.root, self.keep_last, self.warn = Path(root), keep_last, warn
+        self.keep_weights = keep_weights
+        """Where a pruned checkpoint's weights go (`checkpoint.keep_weights`: RUN_DIR/weights/<its name>/), moved,
+        not copied; None: deleted with the rest."""
 
     # -- writing -------------------------------------------------------------------------------------
     def begin(self, global_step: int) -> Path:
@@ -298,7 +306,23 @@ class CheckpointManager:
             if self.stage_end(old) is None:
                 trash = self.root / f".tmp-prune-{old.name}-{os.getpid()}"
                 os.replace(old, trash)
+                if self.keep_weights is not None:
+                    self._keep_weights(trash, old.name)
                 shutil.rmtree(trash, ignore_errors=True)
+
+    def _keep_weights(self, pruned: Path, name: str) -> None:
+        """Move a pruned checkpoint's weight files into keep_weights/<name>/ (renamed into place whole: a kill
+        leaves a `.tmp-*` there, never a half directory under the name)."""
+        self.keep_weights.mkdir(parents=True, exist_ok=True)
+        dest = self.keep_weights / name
+        if dest.exists():
+            return
+        tmp = self.keep_weights / f".tmp-{name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for f in WEIGHT_FILES:
+            os.replace(pruned / f, tmp / f)
+        os.replace(tmp, dest)
 
     # -- reading -------------------------------------------------------------------------------------
     def complete(self) -> list[Path]:

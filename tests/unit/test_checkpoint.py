@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from rewards.arithmetic import ArithmeticTask
 from rewards.config import ArithmeticConfig
@@ -42,6 +42,26 @@ def test_commit_renames_into_place_and_keeps_the_last_k(tmp_path):
     assert again != paths[2] and mgr.latest() == again
     third = _write(mgr, 12)  # the oldest of the step-12 ones was pruned: the next name must still be new
     assert mgr.complete() == [again, third]
+
+
+def test_pruned_checkpoints_leave_their_weights_when_asked(tmp_path):
+    """`checkpoint.keep_weights`: a pruned checkpoint's config.json and model.safetensors move (whole, byte for byte)
+    to weights/<its name>/, a model directory teachers read; the checkpoints themselves are pruned as before and
+    stage-end ones are kept where they are."""
+    weights = tmp_path / "weights"
+    mgr = CheckpointManager(tmp_path / "checkpoints", keep_last=1, warn=lambda m: None, keep_weights=weights)
+    marker = {"stage": 0, "type": "sft", "eval": {}}
+    paths = [_write(mgr, 4, b"four"), _write(mgr, 8, b"eight", stage_end=marker), _write(mgr, 12, b"twelve"),
+             _write(mgr, 16, b"sixteen")]
+    assert mgr.complete() == [paths[1], paths[3]]
+    assert sorted(p.name for p in weights.iterdir()) == [paths[0].name, paths[2].name]
+    for path, payload in ((paths[0], b"four"), (paths[2], b"twelve")):
+        kept = weights / path.name
+        assert sorted(p.name for p in kept.iterdir()) == ["config.json", "model.safetensors"]
+        assert bytes(load_file(str(kept / "model.safetensors"))["w"].numpy()) == payload
+    plain = CheckpointManager(tmp_path / "other", keep_last=1, warn=lambda m: None)
+    _write(plain, 4), _write(plain, 8)
+    assert not (tmp_path / "other" / "weights").exists() and len(plain.complete()) == 1
 
 
 @pytest.mark.parametrize("damage", ["flip_byte", "truncate", "drop_manifest", "drop_file"])
