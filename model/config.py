@@ -143,7 +143,9 @@ class ModelConfig(StrictConfig):
     architecture field is then derived from the checkpoint (`model.formats.checkpoint_fields`); a field the
     recipe gives as well must equal the derived value, else validation fails with one line naming the field
     and both values. Free to differ: `kv_cache` (storage format, QAT), `init_std` (unused), and
-    `max_position_embeddings`, which may be lowered (never raised). `sparse_attention` must match the
+    `max_position_embeddings` and `num_layers`, which may be lowered (never raised): a lower `num_layers` keeps the
+    checkpoint's first layers and drops the rest (layer dropping: a smaller model of another shape initialised from
+    a pretrained one, e.g. an OPD teacher of another architecture, issue #43). `sparse_attention` must match the
     checkpoint (None for Hugging Face and GGUF checkpoints: their attention is dense)."""
 
     vocab_size: int = Field(99, gt=0)
@@ -293,10 +295,10 @@ def merge_checkpoint_fields(cls: type[ModelConfig], data: dict, derived: dict) -
     for name in given:
         if name in ("kv_cache", "init_std"):  # free: how K/V are stored; the init of weights that get loaded
             continue
-        if name == "max_position_embeddings":
-            if got.max_position_embeddings > want.max_position_embeddings:
-                raise ValueError(f"max_position_embeddings={got.max_position_embeddings} exceeds the "
-                                 f"{want.max_position_embeddings} of init {init!r} (it may be lowered, not raised)")
+        if name in ("max_position_embeddings", "num_layers"):  # may be lowered: num_layers keeps the first N layers
+            if getattr(got, name) > getattr(want, name):
+                raise ValueError(f"{name}={getattr(got, name)} exceeds the {getattr(want, name)} of init {init!r} "
+                                 "(it may be lowered, not raised)")
             continue
         pairs = [(name, getattr(want, name), getattr(got, name))]
         if name == "ffn" and want.ffn.type == got.ffn.type:

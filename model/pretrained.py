@@ -19,6 +19,7 @@ architecture or tensor, a shape that disagrees with the config.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -122,6 +123,17 @@ def shard_rows(name: str, t) -> range | None:
     return kept
 
 
+LAYER_OF = re.compile(r"(?:^|\.)(?:layers|blk)\.(\d+)\.")
+"""The decoder layer a tensor of a checkpoint belongs to: Hugging Face's `model.layers.{i}.`, GGUF's `blk.{i}.`,
+asyncrl's `layers.{i}.`."""
+
+
+def _dropped(name: str, cfg: ModelConfig) -> bool:
+    """A checkpoint tensor of a layer past the config's `num_layers` (layer dropping: not read)."""
+    layer = LAYER_OF.search(name)
+    return layer is not None and int(layer.group(1)) >= cfg.num_layers
+
+
 def load_pretrained_into(model, path: str | Path) -> int:
     """Copy checkpoint `path` (HF directory, GGUF file or asyncrl checkpoint) into `model`'s parameters
     in place, tensor by tensor, on their device and in their dtype. Every parameter must be written.
@@ -141,7 +153,8 @@ def load_pretrained_into(model, path: str | Path) -> int:
     if kind == "asyncrl":
         from model.checkpoint import load_config
 
-        if not same_weights(load_config(path), cfg):
+        saved = load_config(path)
+        if cfg.num_layers > saved.num_layers or not same_weights(saved.model_copy(update={"num_layers": cfg.num_layers}), cfg):
             raise CheckpointFormatError(f"{path / 'config.json'}: saved with a different model config")
     conv, sources = _open_source(path, kind, cfg)
     targets = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # a tied lm_head: once, as embed_tokens
@@ -164,6 +177,8 @@ def load_pretrained_into(model, path: str | Path) -> int:
                 written[name] = b.numel()
         for file, names, read in sources:
             for name in names:
+                if _dropped(name, cfg):
+                    continue  # layer dropping (model.num_layers below the checkpoint's): the first num_layers only
                 try:
                     pieces = conv.to_ours_rows(name, lambda rows, name=name: counted(read(name, rows)), kept.get)
                 except UnknownTensor:
@@ -184,7 +199,7 @@ def load_pretrained_into(model, path: str | Path) -> int:
                                                     "not floating point: not model weights")
                     dst.copy_(check_finite(piece.tensor, name, file))
                     written[piece.name] += piece.tensor.numel()
-    missing = [n for n, _, _ in conv.source_names() if n not in seen]
+    missing = [n for n, _, _ in conv.source_names() if n not in seen and not _dropped(n, cfg)]
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointFormatError(f"{path}: no tensor {missing[0]}{more}")

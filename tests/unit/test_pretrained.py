@@ -364,5 +364,27 @@ def test_init_from_an_asyncrl_checkpoint(tmp_path, moe_model):
     assert cfg.model_copy(update=free) == moe_model.config
     loaded = build_decoder(cfg.model_copy(update={"kv_cache": moe_model.config.kv_cache})).eval()
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), moe_model.state_dict().values()))
-    with pytest.raises(ValueError, match="has num_layers=2 but the recipe says num_layers=3"):
+    with pytest.raises(ValueError, match="num_layers=3 exceeds the 2 of init"):
         ModelConfig.model_validate({"init": str(path), "num_layers": 3})
+    first = build_decoder(ModelConfig.model_validate({"init": str(path), "num_layers": 1,
+                                                      "kv_cache": moe_model.config.kv_cache}))
+    full = moe_model.state_dict()
+    assert all(torch.equal(t, full[k]) for k, t in first.state_dict().items()) and "model.layers.1.mlp.gate.weight" in full
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
+def test_a_lower_num_layers_keeps_the_first_layers_of_the_checkpoint(kind, saved):
+    """Layer dropping (issue #43's teacher of another architecture): `num_layers` below the checkpoint's builds the
+    model of its first layers, the same model transformers computes with the later layers removed."""
+    import copy
+
+    path, hf = saved[kind]
+    full = read_pretrained_config(path).num_layers
+    ours = build_decoder(ModelConfig.model_validate({"init": str(path), "num_layers": full - 1})).eval()
+    assert ours.config.num_layers == full - 1
+    cut = copy.deepcopy(hf)
+    cut.model.layers = cut.model.layers[: full - 1]
+    cut.config.num_hidden_layers = full - 1
+    max_gap, mean_kl = _gap(ours, cut.eval())
+    assert max_gap < ATOL and mean_kl < KL_TOL
+    assert _gap(ours, hf)[0] > 100 * ATOL  # not the whole model
