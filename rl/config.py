@@ -505,11 +505,11 @@ class CheckpointConfig(StrictConfig):
     """Write one every N train steps (counted over all stages); 0: only at stage ends and on SIGTERM."""
     keep_last: int = Field(3, gt=0)
     """Keep the newest K checkpoints, and every stage-end one; the others are deleted after a new one is complete."""
-    keep_weights: bool = False
-    """Keep the model weights of every pruned checkpoint in RUN_DIR/weights/<checkpoint name>/ (config.json and
-    model.safetensors, moved: no copy; the optimizer state and in-flight samples go): a model directory that
-    `model.init`, `rl eval --checkpoint` and an OPD teacher read. For teachers from earlier steps of a run (seed
-    §5.2.4) at the disk cost of the weights alone."""
+    keep_weights: int = Field(0, ge=0)
+    """Keep the model weights of the newest N pruned checkpoints in RUN_DIR/weights/<checkpoint name>/ (config.json
+    and model.safetensors, moved: no copy; the optimizer state and in-flight samples go; older ones are deleted): a
+    model directory that `model.init`, `rl eval --checkpoint` and an OPD teacher read. For teachers from earlier
+    steps of a run (seed §5.2.4) at the disk cost of the weights alone. 0: none kept."""
     background: bool = True
     """Periodic checkpoints copy the state into host memory at the token boundary and write their files on a thread of
     each worker while training goes on; the checkpoint is committed (manifest, rename) at the first train step after

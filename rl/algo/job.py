@@ -212,7 +212,7 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
     started = False
     try:
         manager = CheckpointManager(run_dir / "checkpoints", keep_last=recipe.checkpoint.keep_last, warn=say,
-                                    keep_weights=run_dir / "weights" if recipe.checkpoint.keep_weights else None) \
+                                    keep_weights=run_dir / "weights", weights_kept=recipe.checkpoint.keep_weights) \
             if checkpoints else None
         resume_from = find_resume_point(recipe, store, manager, say, run_dir=run_dir,  # new_identity: rl/algo/resume.py
                                         new_identity=new_identity) if resume and manager else None

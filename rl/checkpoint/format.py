@@ -267,11 +267,13 @@ WEIGHT_FILES = ("config.json", "model.safetensors")
 
 class CheckpointManager:
     def __init__(self, root: str | Path, keep_last: int = 3, warn: Callable[[str], None] = print,
-                 keep_weights: Path | None = None):
+                 keep_weights: Path | None = None, weights_kept: int = 0):
         self.root, self.keep_last, self.warn = Path(root), keep_last, warn
-        self.keep_weights = keep_weights
-        """Where a pruned checkpoint's weights go (`checkpoint.keep_weights`: RUN_DIR/weights/<its name>/), moved,
-        not copied; None: deleted with the rest."""
+        self.keep_weights = keep_weights if weights_kept > 0 else None
+        """Where a pruned checkpoint's weights go (RUN_DIR/weights/<its name>/), moved, not copied; None: deleted
+        with the rest."""
+        self.weights_kept = weights_kept
+        """How many of them stay (`checkpoint.keep_weights`, the newest)."""
 
     # -- writing -------------------------------------------------------------------------------------
     def begin(self, global_step: int) -> Path:
@@ -323,6 +325,11 @@ class CheckpointManager:
         for f in WEIGHT_FILES:
             os.replace(pruned / f, tmp / f)
         os.replace(tmp, dest)
+        kept = sorted(p for p in self.keep_weights.glob("step-*") if p.is_dir() and not p.is_symlink())
+        for old in kept[: -self.weights_kept]:
+            trash = self.keep_weights / f".tmp-prune-{old.name}-{os.getpid()}"
+            os.replace(old, trash)
+            shutil.rmtree(trash, ignore_errors=True)
 
     # -- reading -------------------------------------------------------------------------------------
     def complete(self) -> list[Path]:

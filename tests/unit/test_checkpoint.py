@@ -45,17 +45,18 @@ def test_commit_renames_into_place_and_keeps_the_last_k(tmp_path):
 
 
 def test_pruned_checkpoints_leave_their_weights_when_asked(tmp_path):
-    """`checkpoint.keep_weights`: a pruned checkpoint's config.json and model.safetensors move (whole, byte for byte)
-    to weights/<its name>/, a model directory teachers read; the checkpoints themselves are pruned as before and
-    stage-end ones are kept where they are."""
+    """`checkpoint.keep_weights: N`: a pruned checkpoint's config.json and model.safetensors move (whole, byte for
+    byte) to weights/<its name>/, a model directory teachers read, the newest N of them stay; the checkpoints
+    themselves are pruned as before and stage-end ones are kept where they are."""
     weights = tmp_path / "weights"
-    mgr = CheckpointManager(tmp_path / "checkpoints", keep_last=1, warn=lambda m: None, keep_weights=weights)
+    mgr = CheckpointManager(tmp_path / "checkpoints", keep_last=1, warn=lambda m: None, keep_weights=weights,
+                            weights_kept=2)
     marker = {"stage": 0, "type": "sft", "eval": {}}
-    paths = [_write(mgr, 4, b"four"), _write(mgr, 8, b"eight", stage_end=marker), _write(mgr, 12, b"twelve"),
-             _write(mgr, 16, b"sixteen")]
-    assert mgr.complete() == [paths[1], paths[3]]
-    assert sorted(p.name for p in weights.iterdir()) == [paths[0].name, paths[2].name]
-    for path, payload in ((paths[0], b"four"), (paths[2], b"twelve")):
+    paths = [_write(mgr, 2, b"two"), _write(mgr, 4, b"four"), _write(mgr, 8, b"eight", stage_end=marker),
+             _write(mgr, 12, b"twelve"), _write(mgr, 16, b"sixteen")]
+    assert mgr.complete() == [paths[2], paths[4]]
+    assert sorted(p.name for p in weights.iterdir()) == [paths[1].name, paths[3].name]  # the newest 2 of 3 pruned
+    for path, payload in ((paths[1], b"four"), (paths[3], b"twelve")):
         kept = weights / path.name
         assert sorted(p.name for p in kept.iterdir()) == ["config.json", "model.safetensors"]
         assert bytes(load_file(str(kept / "model.safetensors"))["w"].numpy()) == payload
