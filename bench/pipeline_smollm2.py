@@ -1,0 +1,386 @@
+"""The seed's post-training pipeline on SmolLM2-135M-Instruct (issue #43, seed §5.2.4): domain specialists, then one
+student distilled on-policy from 40+ teachers, against a multi-task GRPO baseline of the same data.
+
+    python bench/pipeline_smollm2.py --phase specialists --out /tmp/pipe   # call 1: the specialists, at once
+    python bench/pipeline_smollm2.py --phase final --out /tmp/pipe         # call 2: OPD (from the instruct model and
+                                                                           # from `rl merge` of the specialists) and
+                                                                           # the multi-task baseline, at once
+    python bench/pipeline_smollm2.py --phase report --out /tmp/pipe        # call 3: every model on every domain
+    python bench/pipeline_smollm2.py --quick                               # CPU: a miniature of all three phases
+
+Specialists (configs/pipeline/): `wp` word problems (math-verify), `compute` questions answered through Python calls
+that the job's sandbox runs, `extract` structured output (JSON against a schema), `effort` the word problems with
+reasoning effort (seed §5.1.4), and `extract_l20`: the extract recipe on a SmolLM2 cut to its first 20 of 30 layers
+(`model.num_layers`), a teacher of another architecture. Each keeps the weights of its earlier checkpoints
+(`checkpoint.keep_weights`): the teachers of the final stage are the specialists and those snapshots.
+
+The final stage's data is the domains split into sub-datasets (`final_datasets`): the word problems by kind and by
+half of the training file (20), the computation questions by kind (9), the extraction texts by kind, with and
+without a distractor (20): 49 sub-datasets, each scored by its own teacher (`assign_teachers`: a domain's final
+checkpoint first, then its snapshots newest first; one extraction sub-dataset by the 20-layer model), at most 8
+teachers on the device at once (`teachers.device_memory_mib`). The effort specialist is reported on its own (its
+levels are a recipe-wide setting; the final stage trains without effort prefixes). The baseline is one GRPO run on
+the same sub-datasets from the instruct model, with the specialists' SFT data first and as many trained samples as
+the specialists' GRPO stages and the OPD stage together.
+
+The report scores every model on each domain's held-out problems (greedy, `rl eval` of the specialist's run with
+`--checkpoint`: the domain's own prompts and tools), with a 95% Wilson interval, the answered and truncated shares
+and the mean response length, and the effort specialist's accuracy and length per level. Last line:
+RESULT specialist_gain_min=<points> opd_gap_closed_min=<f> opd_over_baseline=<points> effort_len_ratio=<r> ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
+WP_TRAIN, WP_EVAL = "configs/data/word_problems_train.jsonl", "configs/data/word_problems_eval.jsonl"
+WP_KINDS = ("plain_add", "plain_sub", "apples_add", "apples_sub", "money_add", "money_sub", "distance_add",
+            "distance_sub", "boxes_mul", "share_two_step")
+DOMAINS = ("wp", "compute", "extract")
+"""The domains of the final stage and of the baseline (effort: reported on its own)."""
+SPECIALISTS = {"wp": "configs/pipeline/word_problems.yaml", "compute": "configs/pipeline/compute.yaml",
+               "extract": "configs/pipeline/extract.yaml", "effort": "configs/pipeline/word_problems_effort.yaml",
+               "extract_l20": "configs/pipeline/extract.yaml"}
+EFFORT_LEVELS = (10, 40, 70, 100)
+TEACHER_MIB = 8 * 300
+"""The device's teacher budget: 8 SmolLM2-135M teachers in bf16 (~270 MB each) at once."""
+
+
+def load(path: str | Path) -> dict:
+    return yaml.safe_load((ROOT / path).read_text())
+
+
+def write(recipe: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def miniature(recipe: dict) -> dict:
+    """--quick: the recipe on a tiny random char-level model on CPU, a few steps a stage, no Ray."""
+    r = json.loads(json.dumps(recipe))
+    r["run"] = {"name": recipe["run"]["name"], "seed": 0, "device": "cpu", "num_threads": 1}
+    r["model"] = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+                  "max_position_embeddings": 640, "ffn": {"type": "dense", "intermediate_size": 64}}
+    r["tokenizer"] = "char"
+    r["engine"] = {"max_batch_size": 8, "block_size": 16, "max_seq_len": 600, "max_new_tokens": 24}
+    r["runtime"] = {"ray": False}
+    r["eval"] = {"max_problems": 2, "before_training": True}
+    r["logging"] = {"wandb": False, "progress_bar": False}
+    r["checkpoint"] = {**r.get("checkpoint", {}), "every_steps": 1, "keep_last": 1}
+    for s in r["stages"]:
+        s.update(max_steps=2, max_minutes=1)
+        if s["type"] == "sft":
+            s["batch_size"] = 4
+        else:
+            s.update(prompts_per_step=1, group_size=2, micro_batch_size=8, dynamic_sampling=False)
+            s["dispatch"] = {"policy": "sample", "max_inflight": 8, "max_version_lag": 2}
+            if s["type"] == "opd":
+                s["teachers"] = {**s["teachers"], "device_memory_mib": 1}  # one tiny teacher at a time: switching
+    if "effort" in r:  # two levels, one sample each: a group of 2
+        r["effort"] = {**r["effort"], "levels": [10, 100], "samples_per_level": 1}
+    for d in r["datasets"]:
+        if d.get("type") == "custom":
+            d["args"] = {**d.get("args", {}), "num_heldout": 4}
+    return r
+
+
+def specialist_recipe(name: str, quick: bool, keep_weights: int, every_steps: int) -> dict:
+    r = load(SPECIALISTS[name])
+    if name == "extract_l20":
+        r["run"]["name"] = "pipeline-extract-l20"
+        r["model"]["num_layers"] = 20  # the first 20 of SmolLM2's 30 layers: another architecture
+    r["checkpoint"] = {**r.get("checkpoint", {}), "every_steps": every_steps, "keep_last": 2, "keep_weights": keep_weights}
+    if quick:
+        r = miniature(r)
+        r["checkpoint"]["keep_weights"] = keep_weights
+        if name == "extract_l20":
+            r["model"]["num_layers"] = 1  # the miniature's other architecture: one layer where the others have two
+    return r
+
+
+# -- the final stage's data and teachers --------------------------------------------------------------------------
+def final_datasets(quick: bool) -> tuple[list[dict], dict[str, str]]:
+    """(dataset configs, dataset -> domain): the domains split into sub-datasets (module docstring)."""
+    wp = load(SPECIALISTS["wp"])["datasets"][0]
+    out, domain = [], {}
+    for kind in WP_KINDS if not quick else ():
+        for half in (0, 1):
+            rows = {"max_rows": 2500} if half == 0 else {"skip_rows": 2500}
+            out.append({**wp, "name": f"wp_{kind}_{half}", "where": {"kind": kind}, **rows})
+            domain[out[-1]["name"]] = "wp"
+    from rewards.compute import KINDS as COMPUTE_KINDS
+    from rewards.extract import KINDS as EXTRACT_KINDS
+
+    n_compute, n_extract = (2, 2) if quick else (len(COMPUTE_KINDS), len(EXTRACT_KINDS))
+    held = 4 if quick else 112
+    for kind in list(COMPUTE_KINDS)[:n_compute]:
+        out.append({"type": "custom", "name": f"compute_{kind}", "task": "rewards.compute:ComputeTask",
+                    "args": {"kinds": [kind], "use_tool": True, "num_heldout": held}})
+        domain[out[-1]["name"]] = "compute"
+    for kind in list(EXTRACT_KINDS)[:n_extract]:
+        for distractor in (False, True):
+            out.append({"type": "custom", "name": f"extract_{kind}{'_d' if distractor else ''}",
+                        "task": "rewards.extract:ExtractTask",
+                        "args": {"kinds": [kind], "distractor": distractor, "num_heldout": 4 if quick else 50}})
+            domain[out[-1]["name"]] = "extract"
+    return out, domain
+
+
+def snapshots(run_dir: Path) -> list[Path]:
+    """A specialist's models, best first: its newest checkpoint, then its kept weights newest first."""
+    from rl.checkpoint.format import CheckpointManager
+
+    newest = CheckpointManager(run_dir / "checkpoints", warn=lambda m: None).latest()
+    kept = sorted((run_dir / "weights").glob("step-*"), reverse=True) if (run_dir / "weights").is_dir() else []
+    return ([newest] if newest else []) + kept
+
+
+def assign_teachers(out: Path, datasets: list[str], domain: dict[str, str]) -> list[dict]:
+    """One teacher per sub-dataset: a domain's models in turn (snapshots), the first extraction sub-dataset the
+    20-layer model's; more sub-datasets than models reuse the newest (named apart, so each sub-dataset has one)."""
+    teachers, used = [], {}
+    other = snapshots(out / "extract_l20")
+    for name in datasets:
+        d = domain[name]
+        if d == "extract" and other and "extract_l20" not in used:
+            used["extract_l20"] = 1
+            teachers.append({"name": "extract_l20", "checkpoint": str(other[0]), "datasets": [name]})
+            continue
+        models = snapshots(out / d)
+        if not models:
+            raise SystemExit(f"no model of specialist {d!r} under {out / d}: run --phase specialists first")
+        i = used.get(d, 0)
+        used[d] = i + 1
+        teachers.append({"name": f"{d}_{i:02d}", "checkpoint": str(models[min(i, len(models) - 1)]), "datasets": [name]})
+    return teachers
+
+
+def final_recipes(out: Path, quick: bool, minutes: float) -> dict[str, Path]:
+    """The OPD recipe (from the instruct model and from the merged specialists) and the baseline's, written under
+    out/recipes."""
+    datasets, domain = final_datasets(quick)
+    names = [d["name"] for d in datasets]
+    base = load(SPECIALISTS["compute"])  # the SmolLM2 run settings, tools and sandbox (the compute sub-datasets call)
+    base["datasets"] = datasets
+    base["eval"] = {**base["eval"], "max_problems": None}
+    base["checkpoint"] = {"every_steps": 100, "keep_last": 2}
+    opd = json.loads(json.dumps(base))
+    opd["run"]["name"] = "pipeline-opd"
+    opd["stages"] = [{"type": "opd", "max_steps": 5000, "max_minutes": minutes, "prompts_per_step": 32, "group_size": 4,
+                      "micro_batch_size": 128, "optim": {"lr": 1.0e-5, "grad_clip": 1.0}, "kl_weight": 1.0,
+                      "rl_weight": 0.0, "steps_per_call": 4,
+                      "dispatch": {"policy": "sample", "max_inflight": 256, "max_version_lag": 2},
+                      "teachers": {"device_memory_mib": TEACHER_MIB, "dtype": "bfloat16",
+                                   "teachers": assign_teachers(out, names, domain)}}]
+    merged = json.loads(json.dumps(opd))
+    merged["run"]["name"] = "pipeline-opd-merged"
+    merged["model"]["init"] = str(out / "merged")
+    from model.registry import resolve_model_source
+
+    merged["tokenizer"] = {"type": "hf", "path": str(resolve_model_source(base["model"]["init"]))}  # a merge has none
+    baseline = json.loads(json.dumps(base))
+    baseline["run"]["name"] = "pipeline-baseline"
+    # the specialists' GRPO samples and the OPD stage's, which runs beside it: as many again, about (the report
+    # prints both counts)
+    samples = 2 * trained_samples(out)
+    grpo = load(SPECIALISTS["compute"])["stages"][1]
+    baseline["stages"] = [{**load(SPECIALISTS["compute"])["stages"][0], "max_minutes": 3 * 1.5},
+                          {**grpo, "max_minutes": 3 * minutes,
+                           "max_steps": max(1, samples // (grpo["prompts_per_step"] * grpo["group_size"]))}]
+    recipes = {"opd": opd, "opd_merged": merged, "baseline": baseline}
+    if quick:
+        recipes = {k: miniature(v) for k, v in recipes.items()}
+        recipes["opd_merged"]["model"] = {"init": str(out / "merged"), "max_position_embeddings": 640}
+        for v in recipes.values():
+            v["checkpoint"]["every_steps"] = 0
+    return {k: write(v, out / "recipes" / f"{k}.yaml") for k, v in recipes.items()}
+
+
+def trained_samples(out: Path, runs=DOMAINS) -> int:
+    """Samples trained by these runs (their stores)."""
+    import sqlite3
+
+    n = 0
+    for name in runs:
+        db = out / name / "trajectories.db"
+        if db.is_file():
+            with sqlite3.connect(db) as c:
+                n += c.execute("select count(*) from samples where train_step is not null").fetchone()[0]
+    return n
+
+
+# -- running -------------------------------------------------------------------------------------------------------
+def launch(name: str, recipe: Path, out: Path, sets: list[str] = ()) -> subprocess.Popen:
+    cmd = [*CLI, "train", str(recipe), "--run-dir", str(out / name), *[a for s in sets for a in ("--set", s)]]
+    print(f"[{name}] rl {' '.join(cmd[3:])}", flush=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
+
+def wait(procs: dict[str, subprocess.Popen], out: Path) -> None:
+    """Every run to its end; the first failure stops the others and exits with its log's tail."""
+    while procs:
+        for name, p in list(procs.items()):
+            if p.poll() is None:
+                continue
+            del procs[name]
+            if p.returncode != 0:
+                for q in procs.values():
+                    q.terminate()
+                sys.exit(f"{name} failed (exit {p.returncode}):\n{(out / f'{name}.log').read_text()[-3000:]}")
+        time.sleep(1)
+
+
+def phase_specialists(out: Path, quick: bool) -> None:
+    procs = {}
+    for name in SPECIALISTS:
+        recipe = specialist_recipe(name, quick, keep_weights=3 if quick else 20, every_steps=1 if quick else 40)
+        if recipe:
+            procs[name] = launch(name, write(recipe, out / "recipes" / f"{name}.yaml"), out)
+    wait(procs, out)
+
+
+def phase_final(out: Path, quick: bool, minutes: float) -> None:
+    merge = [*CLI, "merge", *[str(out / d) for d in DOMAINS if (out / d).is_dir()], "--out", str(out / "merged")]
+    if not (out / "merged").exists():
+        print(f"[merge] rl {' '.join(merge[3:])}", flush=True)
+        subprocess.run(merge, cwd=ROOT, check=True)
+    recipes = final_recipes(out, quick, minutes)
+    wait({name: launch(name, path, out) for name, path in recipes.items()}, out)
+
+
+def wilson(k: int, n: int) -> tuple[float, float]:
+    """95% Wilson interval of k successes in n."""
+    if n == 0:
+        return float("nan"), float("nan")
+    z, p = 1.96, k / n
+    c = (p + z * z / (2 * n)) / (1 + z * z / n)
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return c - h, c + h
+
+
+def score(out: Path, domain: str, model: Path, quick: bool, efforts: str | None = None) -> dict:
+    """`rl eval` of the domain specialist's run with `--checkpoint model`: per effort level (None: no prefix),
+    accuracy with its interval, answered and truncated shares, mean response length."""
+    responses = out / "scores" / f"{domain}-{model.parent.parent.name}-{model.name}{'-effort' if efforts else ''}.jsonl"
+    cmd = [*CLI, "eval", str(out / domain), "--checkpoint", str(model), "--responses", str(responses)]
+    cmd += ["--effort", efforts] if efforts else []
+    cmd += ["--set", "run.device=cpu"] if quick else []
+    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    rows = [json.loads(x) for x in responses.read_text().splitlines()]
+    by: dict = {}
+    for r in rows:
+        by.setdefault(r["effort"], []).append(r)
+    result = {}
+    for level, rs in by.items():
+        k, n = sum(r["correct"] for r in rs), len(rs)
+        answered = [r["answered"] for r in rs if r["answered"] is not None]
+        result[level] = {"acc": k / n, "ci": wilson(k, n), "n": n, "answered": sum(answered) / max(len(answered), 1),
+                         "truncated": sum(r["finish_reason"] == "length" for r in rs) / n,
+                         "len": sum(r["response_tokens"] for r in rs) / n}
+    return result
+
+
+def instruct_score(out: Path, domain: str) -> dict | None:
+    """The instruct model on the domain: its specialist's evaluation before training (eval.before_training)."""
+    lines = [json.loads(x) for x in (out / domain / "metrics.jsonl").read_text().splitlines()]
+    first = next((r for r in lines if any(k.startswith("eval/") and k.endswith("/accuracy") and k != "eval/accuracy"
+                                          for k in r)), None)
+    if first is None:
+        return None
+    accs = {k.split("/")[1]: v for k, v in first.items() if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2}
+    ns = {k.split("/")[1]: v for k, v in first.items() if k.endswith("/num_problems")}
+    n = int(sum(ns.values()))
+    k = round(sum(accs[d] * ns[d] for d in accs))
+    return {"acc": k / max(n, 1), "ci": wilson(k, n), "n": n, "answered": float("nan"), "truncated": float("nan"),
+            "len": float("nan")}
+
+
+def final_model(run_dir: Path) -> Path:
+    return snapshots(run_dir)[0]
+
+
+def phase_report(out: Path, quick: bool) -> str:
+    domains = [d for d in (*DOMAINS, "effort") if (out / d).is_dir()]
+    models = {"specialist": None, "opd": out / "opd", "opd_merged": out / "opd_merged", "baseline": out / "baseline"}
+    table: dict[str, dict[str, dict | None]] = {}
+    for d in domains:
+        table[d] = {"instruct": instruct_score(out, d)}
+        if d == "effort":  # its specialist only, at every level (below)
+            continue
+        for label, run in models.items():
+            run = out / d if run is None else run
+            if run.is_dir():
+                table[d][label] = score(out, d, final_model(run), quick)[None]
+    effort = {}
+    if (out / "effort").is_dir():
+        levels = ",".join(map(str, EFFORT_LEVELS))
+        effort = score(out, "effort", final_model(out / "effort"), quick, levels)
+        table["effort"]["specialist"] = effort[max(effort)]
+    cols = ["instruct", "specialist", "opd", "opd_merged", "baseline"]
+    print("held-out accuracy, greedy [95% interval] problems:")
+    print(f"{'domain':<9}" + "".join(f"{c:>25}" for c in cols))
+    for d, row in table.items():
+        cells = [("-" if (s := row.get(c)) is None else f"{s['acc']:.3f} [{s['ci'][0]:.2f},{s['ci'][1]:.2f}] {s['n']}").rjust(25)
+                 for c in cols]
+        print(f"{d:<9}" + "".join(cells))
+    print("answered / truncated / mean response tokens:")
+    for d, row in table.items():
+        print(f"  {d:<9}" + "; ".join(f"{c} {s['answered']:.2f}/{s['truncated']:.2f}/{s['len']:.0f}"
+                                      for c, s in row.items() if s is not None and not math.isnan(s["len"])))
+    print(f"trained samples: specialists' GRPO {trained_samples(out)}, OPD {trained_samples(out, ['opd'])}, "
+          f"baseline {trained_samples(out, ['baseline'])}")
+    for level, s in sorted(effort.items()):
+        print(f"  effort {level:>3}: accuracy {s['acc']:.3f} [{s['ci'][0]:.2f},{s['ci'][1]:.2f}], mean length {s['len']:.1f} tokens")
+    gains = {d: row["specialist"]["acc"] - row["instruct"]["acc"] for d, row in table.items()
+             if row.get("specialist") and row.get("instruct")}
+    closed = {d: (row["opd"]["acc"] - row["instruct"]["acc"]) / gains[d] for d, row in table.items()
+              if row.get("opd") and d in gains and gains[d] > 0}
+    over = [row["opd"]["acc"] - row["baseline"]["acc"] for row in table.values() if row.get("opd") and row.get("baseline")]
+    lens = [effort[b]["len"] for b in sorted(effort)]
+    return (f"RESULT specialist_gain_min={100 * min(gains.values(), default=float('nan')):.1f} "
+            f"opd_gap_closed_min={min(closed.values(), default=float('nan')):.3f} "
+            f"opd_over_baseline={100 * (sum(over) / len(over) if over else float('nan')):.1f} "
+            f"effort_len_ratio={(lens[-1] / lens[0]) if lens and lens[0] > 0 else float('nan'):.2f} "
+            f"effort_len_increasing={int(all(a < b for a, b in zip(lens, lens[1:])))} domains={len(table)}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--phase", choices=["specialists", "final", "report", "all"], default="all")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline")
+    ap.add_argument("--minutes", type=float, default=4.0, help="the OPD stage's minutes (the baseline's GRPO: 3x)")
+    ap.add_argument("--quick", action="store_true", help="CPU: a miniature of every phase on a tiny random model")
+    a = ap.parse_args()
+    if a.quick and a.out == ROOT / "runs" / "pipeline":
+        import tempfile
+
+        a.out = Path(tempfile.mkdtemp(prefix="pipeline_quick_"))
+    a.out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    if a.phase in ("specialists", "all"):
+        phase_specialists(a.out, a.quick)
+        print(f"specialists: {time.time() - t0:.0f} s", flush=True)
+    if a.phase in ("final", "all"):
+        phase_final(a.out, a.quick, a.minutes)
+        print(f"final stage and baseline: {time.time() - t0:.0f} s", flush=True)
+    if a.phase in ("report", "all"):
+        print(phase_report(a.out, a.quick))
+
+
+if __name__ == "__main__":
+    main()
