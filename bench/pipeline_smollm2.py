@@ -98,12 +98,19 @@ def miniature(recipe: dict) -> dict:
     return r
 
 
-def specialist_recipe(name: str, quick: bool, keep_weights: int, every_steps: int) -> dict:
+SNAPSHOTS = {"wp": 19, "compute": 8, "extract": 18, "effort": 0, "extract_l20": 0}
+"""Earlier checkpoints' weights each specialist keeps: with its final model, one teacher per sub-dataset of its domain
+(20, 9, 20 less the 20-layer model's one); ~0.54 GB each, so the pipeline's disk stays under ~45 GB."""
+
+
+def specialist_recipe(name: str, quick: bool, every_steps: int) -> dict:
     r = load(SPECIALISTS[name])
     if name == "extract_l20":
         r["run"]["name"] = "pipeline-extract-l20"
         r["model"]["num_layers"] = 20  # the first 20 of SmolLM2's 30 layers: another architecture
-    r["checkpoint"] = {**r.get("checkpoint", {}), "every_steps": every_steps, "keep_last": 2, "keep_weights": keep_weights}
+    keep_weights = min(SNAPSHOTS[name], 3) if quick else SNAPSHOTS[name]
+    r["checkpoint"] = {**r.get("checkpoint", {}), "every_steps": every_steps, "keep_last": 1, "keep_weights": keep_weights}
+    r["runtime"] = {**r["runtime"], "num_cpus": 3, "num_reward_workers": 2}  # five runs share the machine's cores
     if quick:
         r = miniature(r)
         r["checkpoint"]["keep_weights"] = keep_weights
@@ -207,6 +214,7 @@ def final_recipes(out: Path, quick: bool, minutes: float) -> dict[str, Path]:
         recipes["opd_merged"]["model"] = {"init": str(out / "merged"), "max_position_embeddings": 640}
         for v in recipes.values():
             v["checkpoint"]["every_steps"] = 0
+        recipes["opd"]["stages"][0]["max_steps"] = 100  # room for the live reconfiguration (a few seconds)
     return {k: write(v, out / "recipes" / f"{k}.yaml") for k, v in recipes.items()}
 
 
@@ -248,10 +256,29 @@ def wait(procs: dict[str, subprocess.Popen], out: Path) -> None:
 def phase_specialists(out: Path, quick: bool) -> None:
     procs = {}
     for name in SPECIALISTS:
-        recipe = specialist_recipe(name, quick, keep_weights=3 if quick else 20, every_steps=1 if quick else 40)
+        recipe = specialist_recipe(name, quick, every_steps=1 if quick else 40)
         if recipe:
             procs[name] = launch(name, write(recipe, out / "recipes" / f"{name}.yaml"), out)
     wait(procs, out)
+
+
+def reconfigure_live(out: Path, run: str, proc: subprocess.Popen, quick: bool) -> None:
+    """Once the OPD run has trained a step: raise the computation sub-datasets' weight in the mixture and swap the
+    first extraction sub-dataset's teacher for the extract specialist's final model, added live (`rl reconfigure`;
+    the change lands in the store's config_versions and on the curves)."""
+    metrics = out / run / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.is_file() and '"opd/kl_loss"' in metrics.read_text()):
+        time.sleep(0.5)
+    if proc.poll() is not None:
+        return
+    datasets, domain = final_datasets(quick)
+    first_extract = next(d["name"] for d in datasets if domain[d["name"]] == "extract")
+    patch = {"mixture": {d["name"]: 2.0 for d in datasets if domain[d["name"]] == "compute"},
+             "add_teachers": [{"name": "extract_swap", "checkpoint": str(snapshots(out / "extract")[0]), "datasets": []}],
+             "teachers": {first_extract: "extract_swap"}}
+    path = write(patch, out / "recipes" / f"{run}-patch.yaml")
+    done = subprocess.run([*CLI, "reconfigure", str(out / run), str(path)], cwd=ROOT, capture_output=True, text=True)
+    print(f"[{run}] reconfigured live: exit {done.returncode} {done.stdout.strip()} {done.stderr.strip()}", flush=True)
 
 
 def phase_final(out: Path, quick: bool, minutes: float) -> None:
@@ -260,7 +287,13 @@ def phase_final(out: Path, quick: bool, minutes: float) -> None:
         print(f"[merge] rl {' '.join(merge[3:])}", flush=True)
         subprocess.run(merge, cwd=ROOT, check=True)
     recipes = final_recipes(out, quick, minutes)
-    wait({name: launch(name, path, out) for name, path in recipes.items()}, out)
+    procs = {name: launch(name, path, out) for name, path in recipes.items()}
+    import threading
+
+    live = threading.Thread(target=reconfigure_live, args=(out, "opd", procs["opd"], quick))
+    live.start()
+    wait(procs, out)
+    live.join()
 
 
 def wilson(k: int, n: int) -> tuple[float, float]:

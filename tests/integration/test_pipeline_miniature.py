@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,10 @@ def test_the_pipeline_miniature_runs_every_phase_and_reports_every_domain(tmp_pa
     assert layers == {1, 2}  # a teacher of another architecture among them
     loads = [json.loads(x).get("teachers/loads", 0) for x in (out / "opd" / "metrics.jsonl").read_text().splitlines()]
     assert max(loads) >= 1
+    with sqlite3.connect(out / "opd" / "trajectories.db") as c:  # the live reconfiguration: a second config version
+        versions = [json.loads(v) for (v,) in c.execute("select patch_json from config_versions where status = 'applied' order by seq")]
+    assert any(v.get("teachers", {}).get("extract_person") == "extract_swap" for v in versions), versions
+    assert "reconfigured live: exit 0" in done.stdout
     for run in ("opd", "opd_merged", "baseline"):
         assert list((out / run / "checkpoints").glob("step-*")), run
     merged = yaml.safe_load((out / "recipes" / "opd_merged.yaml").read_text())

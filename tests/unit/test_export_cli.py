@@ -71,7 +71,7 @@ def test_validate_refuses_bad_init_in_one_line(tmp_path, qwen3_dir, capsys):
         code, _, err = _run(["validate", recipe], capsys)
         assert code == 2 and needle in err and err.count("\n") == 1, err
     code, _, err = _run(["validate", _recipe(tmp_path, qwen3_dir), "--set", "model.num_layers=3"], capsys)
-    assert code == 2 and "has num_layers=2 but the recipe says num_layers=3" in err
+    assert code == 2 and "num_layers=3 exceeds the 2 of init" in err
 
 
 def _run_dir(tmp_path: Path, recipe_path: Path, model, steps=(3, 5)) -> Path:
