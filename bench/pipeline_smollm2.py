@@ -63,7 +63,17 @@ def load(path: str | Path) -> dict:
     return yaml.safe_load((ROOT / path).read_text())
 
 
+MACHINE: dict = {}
+"""What this machine needs of every recipe (`main`): Ray or not, the sandbox backend."""
+
+
 def write(recipe: dict, path: Path) -> Path:
+    if MACHINE.get("no_ray"):
+        recipe = {**recipe, "runtime": {**recipe.get("runtime", {}), "ray": False}}
+        recipe["runtime"].pop("num_cpus", None)
+        recipe["runtime"].pop("num_workers", None)
+    if "sandbox" in recipe and MACHINE.get("sandbox_backend"):
+        recipe["sandbox"] = {**recipe["sandbox"], "backend": MACHINE["sandbox_backend"]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     return path
@@ -214,7 +224,7 @@ def final_recipes(out: Path, quick: bool, minutes: float) -> dict[str, Path]:
         recipes["opd_merged"]["model"] = {"init": str(out / "merged"), "max_position_embeddings": 640}
         for v in recipes.values():
             v["checkpoint"]["every_steps"] = 0
-        recipes["opd"]["stages"][0]["max_steps"] = 100  # room for the live reconfiguration (a few seconds)
+        recipes["opd"]["stages"][0]["max_steps"] = 60  # room for the live reconfiguration (a few seconds)
     return {k: write(v, out / "recipes" / f"{k}.yaml") for k, v in recipes.items()}
 
 
@@ -350,19 +360,19 @@ def final_model(run_dir: Path) -> Path:
 def phase_report(out: Path, quick: bool) -> str:
     domains = [d for d in (*DOMAINS, "effort") if (out / d).is_dir()]
     models = {"specialist": None, "opd": out / "opd", "opd_merged": out / "opd_merged", "baseline": out / "baseline"}
-    table: dict[str, dict[str, dict | None]] = {}
-    for d in domains:
-        table[d] = {"instruct": instruct_score(out, d)}
-        if d == "effort":  # its specialist only, at every level (below)
-            continue
-        for label, run in models.items():
-            run = out / d if run is None else run
-            if run.is_dir():
-                table[d][label] = score(out, d, final_model(run), quick)[None]
-    effort = {}
-    if (out / "effort").is_dir():
-        levels = ",".join(map(str, EFFORT_LEVELS))
-        effort = score(out, "effort", final_model(out / "effort"), quick, levels)
+    from concurrent.futures import ThreadPoolExecutor
+
+    table: dict[str, dict[str, dict | None]] = {d: {"instruct": instruct_score(out, d)} for d in domains}
+    jobs = {(d, label): (out / d if run is None else run) for d in domains if d != "effort"  # effort: below
+            for label, run in models.items() if (out / d if run is None else run).is_dir()}
+    with ThreadPoolExecutor(max_workers=4) as pool:  # `rl eval` subprocesses, a few at a time
+        scores = {key: pool.submit(score, out, key[0], final_model(run), quick) for key, run in jobs.items()}
+        effort_job = pool.submit(score, out, "effort", final_model(out / "effort"), quick,
+                                 ",".join(map(str, EFFORT_LEVELS))) if (out / "effort").is_dir() else None
+        for (d, label), f in scores.items():
+            table[d][label] = f.result()[None]
+        effort = effort_job.result() if effort_job is not None else {}
+    if effort:
         table["effort"]["specialist"] = effort[max(effort)]
     cols = ["instruct", "specialist", "opd", "opd_merged", "baseline"]
     print("held-out accuracy, greedy [95% interval] problems:")
@@ -398,7 +408,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline")
     ap.add_argument("--minutes", type=float, default=4.0, help="the OPD stage's minutes (the baseline's GRPO: 3x)")
     ap.add_argument("--quick", action="store_true", help="CPU: a miniature of every phase on a tiny random model")
+    ap.add_argument("--no-ray", action="store_true", help="every run in-process (runtime.ray: false): a machine without Ray")
+    ap.add_argument("--sandbox-backend", choices=["bwrap", "process"], default=None,
+                    help="the sandboxes' isolation (default: bwrap where it is installed, else process, said so)")
     a = ap.parse_args()
+    import shutil
+
+    MACHINE["no_ray"] = a.no_ray
+    MACHINE["sandbox_backend"] = a.sandbox_backend or ("bwrap" if shutil.which("bwrap") else "process")
+    if MACHINE["sandbox_backend"] == "process" and a.sandbox_backend is None:
+        print("bwrap is not installed here: the sandboxes run as plain processes (sandbox.backend: process)", flush=True)
     if a.quick and a.out == ROOT / "runs" / "pipeline":
         import tempfile
 

@@ -155,8 +155,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if tools is not None and recipe.sandbox_server == "auto":  # this evaluation's own server (rl/runtime/sandbox_nodes.py)
         from rl.runtime.sandbox_nodes import NodeSandboxes, SandboxStartError, run_key
 
-        servers = NodeSandboxes(run_key(run_dir) + "#eval", recipe.sandbox.backend, recipe.sandbox.max_sandboxes,
-                                remote=False, say=lambda _: None)
+        # one server (and state directory) per evaluation process: evaluations of one run side by side (the
+        # pipeline bench scores several models against one run's recipe at once) must not share one
+        servers = NodeSandboxes(f"{run_key(run_dir)}#eval-{os.getpid()}", recipe.sandbox.backend,
+                                recipe.sandbox.max_sandboxes, remote=False, say=lambda _: None)
         try:
             tools.use_server(servers.start([""], driver_node="")[""])
         except SandboxStartError as e:
