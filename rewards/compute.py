@@ -20,11 +20,11 @@ from __future__ import annotations
 import random
 import re
 import string
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from rewards.procedural import in_heldout_split, stable_int
-from rewards.task import Message, Problem, Task, Trajectory, Turn, Verdict, VerifyContext
+from rewards.procedural import DrawnTask, stable_int
+from rewards.task import Message, Problem, Trajectory, Turn, Verdict, VerifyContext
 
 SYSTEM = "Answer the question. End your reply with: The answer is X."
 ANSWER = re.compile(r"the answer is\s*:?\s*(.+?)\s*$", re.I | re.M)
@@ -107,8 +107,6 @@ KINDS: dict[str, Kind] = {
 }
 """The domain's kinds (sub-datasets)."""
 
-MAX_DRAWS_PER_PROBLEM = 40
-
 
 def read_answer(response: str) -> str | None:
     """X of the reply's last "The answer is X" line, without surrounding quotes, asterisks or a final period; None
@@ -130,8 +128,10 @@ def same_answer(got: str, expected: str, numeric: bool) -> bool:
         return False
 
 
-class ComputeTask(Task):
+class ComputeTask(DrawnTask):
     """Questions of the given kinds (each problem's kind drawn uniformly); `use_tool`: demonstrations call Python."""
+
+    family = "compute"
 
     def __init__(self, name: str, *, kinds: list[str] | None = None, use_tool: bool = True, num_heldout: int = 1000,
                  seed: int = 0):
@@ -151,32 +151,8 @@ class ComputeTask(Task):
                        (Message("system", SYSTEM), Message("user", question)), answer=answer,
                        metadata={"kind": kind, "question": question, "code": code})
 
-    def train_stream(self, seed_offset: int = 0) -> Iterator[Problem]:
-        rng = random.Random(stable_int(f"compute:train:{self.seed}:{seed_offset}"))
-        while True:
-            p = self._draw(rng)
-            if not in_heldout_split(f"compute:{p.metadata['question']}"):
-                yield p
-
-    def heldout(self) -> list[Problem]:
-        """num_heldout distinct held-out problems, fixed given the seed, in draw order."""
-        if self._heldout is None:
-            rng = random.Random(stable_int(f"compute:heldout:{self.seed}"))
-            out: dict[str, Problem] = {}
-            for _ in range(MAX_DRAWS_PER_PROBLEM * self.num_heldout):
-                p = self._draw(rng)
-                if in_heldout_split(f"compute:{p.metadata['question']}"):
-                    out.setdefault(p.problem_id, p)
-                    if len(out) == self.num_heldout:
-                        break
-            else:
-                raise ValueError(f"compute {self.name!r}: only {len(out)} distinct held-out questions of num_heldout="
-                                 f"{self.num_heldout}")
-            self._heldout = list(out.values())
-        return list(self._heldout)
-
-    def scan(self) -> None:
-        self.heldout()
+    def _split_key(self, problem: Problem) -> str:
+        return problem.metadata["question"]
 
     def verify(self, trajectory: Trajectory, ctx: VerifyContext) -> Verdict:
         p = trajectory.problem

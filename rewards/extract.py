@@ -26,11 +26,11 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from rewards.procedural import in_heldout_split, stable_int
-from rewards.task import Message, Problem, Task, Trajectory, Verdict, VerifyContext
+from rewards.procedural import DrawnTask, stable_int
+from rewards.task import Message, Problem, Trajectory, Verdict, VerifyContext
 
 FIRST = ("Ana", "Ben", "Carla", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas", "Kira", "Liam", "Maya",
          "Nils", "Olga", "Pablo", "Quinn", "Rosa", "Sami", "Tara", "Umar", "Vera", "Wen", "Yusuf", "Zoe")
@@ -213,8 +213,6 @@ KINDS: dict[str, Kind] = {
 }
 """The domain's kinds (sub-datasets), each with its schema."""
 
-MAX_DRAWS_PER_PROBLEM = 40
-
 
 def instructions(kind: str) -> str:
     """The system message: the keys, their types, and the reply's form."""
@@ -263,8 +261,10 @@ def judge(obj: dict | None, kind: str, reference: dict) -> Verdict:
                                   f"{reference[k]!r}", answered=True)
 
 
-class ExtractTask(Task):
+class ExtractTask(DrawnTask):
     """Texts of the given kinds (each problem's kind drawn uniformly), with a distractor sentence when `distractor`."""
+
+    family = "extract"
 
     def __init__(self, name: str, *, kinds: list[str] | None = None, distractor: bool = False, num_heldout: int = 1000,
                  seed: int = 0):
@@ -288,32 +288,8 @@ class ExtractTask(Task):
         return Problem(f"{self.name}:{kind}:{stable_int(text) % 10**12:012d}", self.name, prompt,
                        answer=json.dumps(values), metadata={"kind": kind, "values": values, "core": core})
 
-    def train_stream(self, seed_offset: int = 0) -> Iterator[Problem]:
-        rng = random.Random(stable_int(f"extract:train:{self.seed}:{seed_offset}"))
-        while True:
-            p = self._draw(rng)
-            if not in_heldout_split(f"extract:{p.metadata['core']}"):
-                yield p
-
-    def heldout(self) -> list[Problem]:
-        """num_heldout distinct held-out problems, fixed given the seed, in draw order."""
-        if self._heldout is None:
-            rng = random.Random(stable_int(f"extract:heldout:{self.seed}"))
-            out: dict[str, Problem] = {}
-            for _ in range(MAX_DRAWS_PER_PROBLEM * self.num_heldout):
-                p = self._draw(rng)
-                if in_heldout_split(f"extract:{p.metadata['core']}"):
-                    out.setdefault(p.problem_id, p)
-                    if len(out) == self.num_heldout:
-                        break
-            else:
-                raise ValueError(f"extract {self.name!r}: only {len(out)} distinct held-out texts of num_heldout="
-                                 f"{self.num_heldout}")
-            self._heldout = list(out.values())
-        return list(self._heldout)
-
-    def scan(self) -> None:
-        self.heldout()
+    def _split_key(self, problem: Problem) -> str:
+        return problem.metadata["core"]
 
     def verify(self, trajectory: Trajectory, ctx: VerifyContext) -> Verdict:
         m = trajectory.problem.metadata

@@ -162,3 +162,54 @@ class ProceduralTask(Task):
     def verify(self, trajectory: Trajectory, ctx: VerifyContext | None = None) -> Verdict:
         """Reward 1 iff the response's last non-blank line is exactly the answer; never raises."""
         return last_line_verdict(trajectory.response, trajectory.problem.answer)
+
+
+class DrawnTask(Task):
+    """A task whose problems are drawn at random and split by a fixed hash (rewards/compute.py, rewards/extract.py):
+    `_draw(rng)` makes a problem, `_split_key(problem)` names what the held-out split reads (the same key in every
+    dataset of the family, so none trains on another's held-out problems). Subclasses set `family`, `name`, `seed`
+    and `num_heldout`."""
+
+    family: ClassVar[str]
+    name: str
+    seed: int
+    num_heldout: int
+    _heldout: list[Problem] | None = None
+
+    def _draw(self, rng: random.Random) -> Problem:
+        raise NotImplementedError
+
+    def _split_key(self, problem: Problem) -> str:
+        raise NotImplementedError
+
+    def _held(self, problem: Problem) -> bool:
+        return in_heldout_split(f"{self.family}:{self._split_key(problem)}")
+
+    def train_stream(self, seed_offset: int = 0) -> Iterator[Problem]:
+        """Infinite train problems, reproducible per (seed, seed_offset), never a held-out one."""
+        rng = random.Random(stable_int(f"{self.family}:train:{self.seed}:{seed_offset}"))
+        while True:
+            p = self._draw(rng)
+            if not self._held(p):
+                yield p
+
+    def heldout(self) -> list[Problem]:
+        """num_heldout distinct held-out problems, fixed given the seed, in draw order."""
+        if self._heldout is None:
+            rng = random.Random(stable_int(f"{self.family}:heldout:{self.seed}"))
+            out: dict[str, Problem] = {}
+            for _ in range(_MAX_DRAWS_PER_HELDOUT * self.num_heldout):
+                p = self._draw(rng)
+                if self._held(p):
+                    out.setdefault(p.problem_id, p)
+                    if len(out) == self.num_heldout:
+                        break
+            else:
+                raise ValueError(f"{self.family} {self.name!r}: only {len(out)} distinct held-out problems of "
+                                 f"num_heldout={self.num_heldout}")
+            self._heldout = list(out.values())
+        return list(self._heldout)
+
+    def scan(self) -> None:
+        """The held-out set can be drawn (a space too small is one line before the job starts)."""
+        self.heldout()
