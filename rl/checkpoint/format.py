@@ -315,6 +315,10 @@ class CheckpointManager:
     def _keep_weights(self, pruned: Path, name: str) -> None:
         """Move a pruned checkpoint's weight files into keep_weights/<name>/ (renamed into place whole: a kill
         leaves a `.tmp-*` there, never a half directory under the name)."""
+        if self.keep_weights.is_symlink() or (self.keep_weights.exists() and not self.keep_weights.is_dir()):
+            # never written through a link or over what this manager did not make (issue 40): the weights go
+            self.warn(f"{self.keep_weights} is not a directory this run made: the weights of {name} are not kept")
+            return
         self.keep_weights.mkdir(parents=True, exist_ok=True)
         dest = self.keep_weights / name
         if dest.exists():

@@ -60,6 +60,14 @@ def test_pruned_checkpoints_leave_their_weights_when_asked(tmp_path):
         kept = weights / path.name
         assert sorted(p.name for p in kept.iterdir()) == ["config.json", "model.safetensors"]
         assert bytes(load_file(str(kept / "model.safetensors"))["w"].numpy()) == payload
+    target, warnings = tmp_path / "elsewhere", []  # a planted link at weights/: nothing is written through it
+    target.mkdir()
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "weights").symlink_to(target)
+    linked = CheckpointManager(tmp_path / "linked" / "checkpoints", keep_last=1, warn=warnings.append,
+                               keep_weights=tmp_path / "linked" / "weights", weights_kept=2)
+    _write(linked, 4), _write(linked, 8)
+    assert not list(target.iterdir()) and len(linked.complete()) == 1 and "are not kept" in warnings[0]
     plain = CheckpointManager(tmp_path / "other", keep_last=1, warn=lambda m: None)
     _write(plain, 4), _write(plain, 8)
     assert not (tmp_path / "other" / "weights").exists() and len(plain.complete()) == 1
