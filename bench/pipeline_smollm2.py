@@ -193,6 +193,7 @@ def final_recipes(out: Path, quick: bool, minutes: float) -> dict[str, Path]:
     names = [d["name"] for d in datasets]
     base = load(SPECIALISTS["compute"])  # the SmolLM2 run settings, tools and sandbox (the compute sub-datasets call)
     base["datasets"] = datasets
+    base["tools"] = {**base["tools"], "datasets": [n for n in names if domain[n] == "compute"]}  # the others: as trained
     base["eval"] = {**base["eval"], "max_problems": None}
     base["checkpoint"] = {"every_steps": 100, "keep_last": 2}
     opd = json.loads(json.dumps(base))

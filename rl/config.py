@@ -447,6 +447,9 @@ class ToolsConfig(StrictConfig):
     """Response tokens per sample at most, tool output included; None: engine.max_new_tokens."""
     timeout_s: float = Field(10.0, gt=0)
     """Wall-clock seconds of one call; at most sandbox.limits.timeout_s, which the server enforces."""
+    datasets: list[str] | None = Field(None, min_length=1)
+    """The datasets whose prompts declare the tools and whose samples may call them (a multi-domain run where one
+    domain uses tools: the others' prompts stay as their own runs saw them); None: every dataset."""
     on_failure: Literal["zero_reward", "leave_loss"] = "zero_reward"
     """Repercussion (seed §5.1.3; rl/algo/repercussion.py): a call whose sandbox failed (timeout, memory, cpu, processes,
     output_truncated, crashed, refused after admission retries, sandbox_error) ends its sample, failed, with the
@@ -657,13 +660,17 @@ class Recipe(StrictConfig):
                 raise ValueError(f"run.init_checkpoint {str(ckpt)!r} was saved with a different model (differs in: {', '.join(diff)})")
         return self
 
+    def tool_datasets(self) -> frozenset[str] | None:
+        """The datasets that use the tools (`tools.datasets`; None: every one, or no tools)."""
+        return frozenset(self.tools.datasets) if self.tools is not None and self.tools.datasets is not None else None
+
     @model_validator(mode="after")
     def validate_dataset_names(self) -> "Recipe":
         names = [d.name for d in self.datasets]
         if len(set(names)) != len(names):
             raise ValueError(f"dataset names must be unique, got {names}")
         for where, chosen in [(f"stages.{i}.datasets", s.datasets) for i, s in enumerate(self.stages)] + [
-                ("eval.datasets", self.eval.datasets)]:
+                ("eval.datasets", self.eval.datasets), ("tools.datasets", self.tools.datasets if self.tools else None)]:
             unknown = sorted(set(chosen or ()) - set(names))
             if unknown:
                 raise ValueError(f"{where} names unknown datasets {unknown}; datasets are {names}")

@@ -201,7 +201,7 @@ class AsyncGRPO:
                     sid, toks, forced if forced is not None and not at_eos else job.recipe.max_response_tokens,
                     seed=job.renderer.sample_seed(sid), temperature=sampling.temperature, top_p=sampling.top_p,
                     ignore_eos=forced is not None, eos_at=forced if at_eos else None,
-                    tool_calls=job.recipe.tools is not None))
+                    tool_calls=job.renderer.uses_tools(t.dataset)))
         t_store = time.perf_counter()
         job.store.add_prompts(prompts)  # one transaction a release (before any of their samples can be written)
         self.clock.store_s += time.perf_counter() - t_store

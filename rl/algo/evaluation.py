@@ -53,7 +53,7 @@ def evaluate(generate: Generate, renderer: Renderer, tasks: Mapping[str, Task], 
             continue
         problems = [p for p, _ in kept]
         reqs = [GenerationRequest(f"eval-{p.problem_id}", t, max_new_tokens, seed=renderer.sample_seed(p.problem_id),
-                                  temperature=temperature, tool_calls=renderer.tools is not None) for p, t in kept]
+                                  temperature=temperature, tool_calls=renderer.uses_tools(p.dataset)) for p, t in kept]
         gens = generate(reqs)
         trajectories = [renderer.trajectory(p, g) for p, g in zip(problems, gens)]
         verdicts = [task.verify(t, verify_ctx) for t in trajectories]

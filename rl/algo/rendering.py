@@ -78,16 +78,23 @@ class Renderer:
     tools: tuple | None = None
     """Multi-turn tool calls (issue #16): (format, ToolSpecs[, instructions]) declared in every prompt's system
     prompt (rollout/tool_calls.render_tools_into_prompt); None: no tools."""
+    tool_datasets: frozenset[str] | None = None
+    """The datasets that use the tools (`tools.datasets`); None: every one."""
     _cache: _RenderCache = field(default_factory=_RenderCache, init=False, repr=False, compare=False)
+
+    def uses_tools(self, dataset: str) -> bool:
+        """The dataset's prompts declare the tools and its samples may call them."""
+        return self.tools is not None and (self.tool_datasets is None or dataset in self.tool_datasets)
 
     def prompt_text(self, problem: Problem, effort: int | None = None) -> str:
         """The prompt exactly as tokenised: the effort prefix (seed §5.1.4), then the problem (with the tool
-        declarations when the recipe has tools); chat messages rendered by the tokenizer's chat template."""
+        declarations when its dataset uses tools); chat messages rendered by the tokenizer's chat template."""
         prompt = with_effort(problem.prompt, effort)
+        tools = self.uses_tools(problem.dataset)
         if isinstance(prompt, str):
-            return prompt if self.tools is None else render_tools_into_prompt(prompt, *self._tool_args())
+            return render_tools_into_prompt(prompt, *self._tool_args()) if tools else prompt
         messages = [{"role": m.role, "content": m.content} for m in prompt]
-        if self.tools is not None:
+        if tools:
             messages = render_tools_into_prompt(messages, *self._tool_args())
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
@@ -99,7 +106,7 @@ class Renderer:
         """The prompt's text (`prompt_text`) and its ids from that one rendering; with `add_bos` the ids start with
         one BOS (a chat template that writes BOS gets no second)."""
         prompt = problem.prompt  # a custom task's messages may come as a list: hashed as the tuple they render as
-        key = (prompt if isinstance(prompt, str) else tuple(prompt), effort)
+        key = (prompt if isinstance(prompt, str) else tuple(prompt), effort, self.uses_tools(problem.dataset))
         if (hit := self._cache.get(key)) is not None:
             return hit
         tok = self.tokenizer

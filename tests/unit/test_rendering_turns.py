@@ -40,3 +40,39 @@ def test_the_recipe_can_word_the_tool_declaration_itself():
     problem = Problem("p", "d", "What is 6*7?", "42")
     r = Renderer(tok, {}, tools=("code", (PYTHON_TOOL,), "Use python."))
     assert r.prompt_text(problem) == "Use python.\n\nWhat is 6*7?"
+
+
+def test_tools_can_be_limited_to_some_datasets_in_prompts_and_requests():
+    """`tools.datasets`: a multi-domain run where one domain calls tools (issue #43's OPD student): the other
+    datasets' prompts render as their own runs rendered them and their samples never stop at a call."""
+    import pytest
+
+    from rewards.compute import ComputeTask
+    from rewards.extract import ExtractTask
+    from rl.algo.evaluation import evaluate
+    from rl.config import Recipe
+
+    recipe = Recipe.model_validate({
+        "datasets": [{"type": "custom", "name": "calc", "task": "rewards.compute:ComputeTask", "args": {"num_heldout": 2}},
+                     {"type": "custom", "name": "json", "task": "rewards.extract:ExtractTask", "args": {"num_heldout": 2}}],
+        "tools": {"format": "code", "instructions": "Use python.", "datasets": ["calc"]},
+        "stages": [{"type": "sft", "max_steps": 1}]})
+    tasks = {"calc": ComputeTask("calc", num_heldout=2), "json": ExtractTask("json", num_heldout=2)}
+    tok = CharTokenizer()
+    r = Renderer(tok, tasks, tools=recipe.tools.declared(), tool_datasets=recipe.tool_datasets())
+    calc, json_ = tasks["calc"].heldout()[0], tasks["json"].heldout()[0]
+    assert "Use python." in r.prompt_text(calc) and "Use python." not in r.prompt_text(json_)
+    assert r.prompt_text(json_) == Renderer(tok, tasks).prompt_text(json_)
+    same = json_.__class__(json_.problem_id, "calc", json_.prompt, json_.answer, json_.metadata)  # one prompt, two datasets
+    assert r.render(json_).ids != r.render(same).ids  # the render cache keys on the dataset's tool use too
+    seen = []
+
+    def generate(reqs):
+        seen.extend(reqs)
+        return [Generation(q.sample_id, q.prompt_tokens, (tok.eos_id,), (0.0,), (0,), "eos", None) for q in reqs]
+
+    evaluate(generate, r, tasks, max_new_tokens=8)
+    assert {q.sample_id.split(":")[0].removeprefix("eval-"): q.tool_calls for q in seen} == {"calc": True, "json": False}
+    with pytest.raises(ValueError, match=r"tools.datasets names unknown datasets \['csv'\]"):
+        Recipe.model_validate({**recipe.model_dump(mode="json", exclude_unset=True),
+                               "tools": {"format": "code", "datasets": ["csv"]}})
