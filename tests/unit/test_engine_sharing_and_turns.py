@@ -173,6 +173,7 @@ def test_interrupt_while_paused_or_appended_resumes_exactly(dense_model):
     paused = [p.sample_id for p in eng.pop_paused()]
     states = [RolloutState.from_bytes(s.to_bytes()) for s in eng.interrupt()]
     assert {s.request.sample_id for s in states if s.paused} == set(paused)
+    assert eng.num_paused == 0 and not eng.has_work()  # handed out: the interrupted engine holds none of them
     eng.resume(states)
     out = eng.step()
     assert eng.num_paused == len(paused)  # resumed paused: they wait for their tool output again

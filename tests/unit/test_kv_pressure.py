@@ -53,6 +53,14 @@ def test_admission_counts_the_blocks_a_sample_uses_not_its_worst_case(dense_mode
     assert eng.stats.parks > 0  # 6 x 13 blocks at the end do not fit in 40
 
 
+def test_a_sample_whose_blocks_exactly_fill_the_pool_is_admitted(dense_model):
+    """The pool's last free block is usable: a sample that needs exactly the free blocks (prompt and response in one
+    block of 4 slots) is admitted and generated, not refused as a pool too small."""
+    eng = _engine(dense_model, False, num_blocks=1, max_seq_len=4, max_new_tokens=1)
+    (g,) = eng.generate([GenerationRequest("r", (1, 5, 9), 1, seed=0, ignore_eos=True)])
+    assert len(g.response_tokens) == 1 and eng.cache.num_free_blocks == 1
+
+
 def test_the_oldest_sample_is_never_parked_and_parked_ones_resume_before_new_prompts(dense_model):
     """Youngest first: the first admitted sample runs to the end without a park; a parked sample waits at the head of
     the queue, so new prompts are not admitted past it."""
