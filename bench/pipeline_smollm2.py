@@ -194,7 +194,9 @@ def final_recipes(out: Path, quick: bool, minutes: float) -> dict[str, Path]:
     base = load(SPECIALISTS["compute"])  # the SmolLM2 run settings, tools and sandbox (the compute sub-datasets call)
     base["datasets"] = datasets
     base["tools"] = {**base["tools"], "datasets": [n for n in names if domain[n] == "compute"]}  # the others: as trained
-    base["eval"] = {**base["eval"], "max_problems": None}
+    # the two halves of a word-problem kind share their held-out problems: the run evaluates them once
+    base["eval"] = {**base["eval"], "max_problems": None,
+                    "datasets": [n for n in names if not (domain[n] == "wp" and n.endswith("_1"))]}
     base["checkpoint"] = {"every_steps": 100, "keep_last": 2}
     opd = json.loads(json.dumps(base))
     opd["run"]["name"] = "pipeline-opd"

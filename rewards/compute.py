@@ -67,7 +67,7 @@ def _power_mod(rng):
 
 
 def _digit_sum(rng):
-    a, k = rng.randint(2, 19), rng.randint(20, 60)
+    a, k = rng.randint(2, 99), rng.randint(20, 80)
     return (f"What is the sum of the digits of {a} to the power {k}?", f"print(sum(int(c) for c in str({a} ** {k})))",
             str(sum(int(c) for c in str(a**k))))
 
