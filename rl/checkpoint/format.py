@@ -320,11 +320,12 @@ class CheckpointManager:
             self.warn(f"{self.keep_weights} is not a directory this run made: the weights of {name} are not kept")
             return
         self.keep_weights.mkdir(parents=True, exist_ok=True)
+        for stale in self.keep_weights.glob(".tmp-*"):  # a move or a prune a kill interrupted (one job a run directory)
+            shutil.rmtree(stale, ignore_errors=True)
         dest = self.keep_weights / name
         if dest.exists():
             return
         tmp = self.keep_weights / f".tmp-{name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         for f in WEIGHT_FILES:
             os.replace(pruned / f, tmp / f)
