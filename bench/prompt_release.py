@@ -49,7 +49,7 @@ def main() -> None:
     problems = [next(cursor) for _ in range(groups)]
 
     def renderer() -> Renderer:
-        return Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit)
+        return Renderer.for_recipe(recipe, tasks)
 
     def release(r: Renderer, twice: bool) -> None:
         stream = iter(problems)

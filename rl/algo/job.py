@@ -191,8 +191,7 @@ def open_job(recipe: Recipe, run_dir: Path, *, say: Callable[[str], None] = prin
         note = task.scan() if callable(getattr(task, "scan", None)) else None
         if note:
             say(note)
-    renderer = Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
-                        tools=recipe.tools.declared() if recipe.tools else None, tool_datasets=recipe.tool_datasets())
+    renderer = Renderer.for_recipe(recipe, tasks)
     check_prompt_lengths(renderer, tasks, recipe.engine.overlong_prompts, recipe.effort.levels if recipe.effort else (), say)
     make_run_dir(run_dir)
     lock = RunLock(run_dir, break_lock=break_lock).acquire()

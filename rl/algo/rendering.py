@@ -82,6 +82,13 @@ class Renderer:
     """The datasets that use the tools (`tools.datasets`); None: every one."""
     _cache: _RenderCache = field(default_factory=_RenderCache, init=False, repr=False, compare=False)
 
+    @classmethod
+    def for_recipe(cls, recipe, tasks: Mapping[str, Task], tokenizer: Tokenizer | None = None) -> "Renderer":
+        """The renderer a recipe's job uses (its tokenizer unless given, effort, seed, prompt limit and tools)."""
+        return cls(tokenizer if tokenizer is not None else recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed,
+                   recipe.engine.prompt_limit, tools=recipe.tools.declared() if recipe.tools else None,
+                   tool_datasets=recipe.tool_datasets())
+
     def uses_tools(self, dataset: str) -> bool:
         """The dataset's prompts declare the tools and its samples may call them."""
         return self.tools is not None and (self.tool_datasets is None or dataset in self.tool_datasets)

@@ -63,8 +63,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         for task in tasks.values():
             if isinstance(task, ProceduralTask):  # its held-out set, drawn in milliseconds (files: the job scans them)
                 task.scan()
-        renderer = Renderer(recipe.tokenizer.build(), tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
-                            tools=recipe.tools.declared() if recipe.tools else None, tool_datasets=recipe.tool_datasets())
+        renderer = Renderer.for_recipe(recipe, tasks)
         check_prompt_lengths(renderer, tasks, recipe.engine.overlong_prompts, recipe.effort.levels if recipe.effort else (),
                              preview=True)
         memory = check(recipe)

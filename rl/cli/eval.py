@@ -143,8 +143,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _fail(str(e))
     from rl.runtime.tool_turns import ToolTurns
 
-    renderer = Renderer(tok, tasks, recipe.effort, recipe.run.seed, recipe.engine.prompt_limit,
-                        tools=recipe.tools.declared() if recipe.tools else None, tool_datasets=recipe.tool_datasets())
+    renderer = Renderer.for_recipe(recipe, tasks, tok)
     device = recipe.run.device if recipe.run.device != "cuda" or torch.cuda.is_available() else "cpu"
     try:
         model = _load_model(ckpt, recipe.model.vocab_size, device)
