@@ -45,7 +45,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"]
+from smollm2_learning import CLI, _wait as wait  # noqa: E402 - every run to its end, the first failure stops the rest
 WP_TRAIN, WP_EVAL = "configs/data/word_problems_train.jsonl", "configs/data/word_problems_eval.jsonl"
 WP_KINDS = ("plain_add", "plain_sub", "apples_add", "apples_sub", "money_add", "money_sub", "distance_add",
             "distance_sub", "boxes_mul", "share_two_step")
@@ -245,25 +245,11 @@ def trained_samples(out: Path, runs=DOMAINS) -> int:
 
 
 # -- running -------------------------------------------------------------------------------------------------------
-def launch(name: str, recipe: Path, out: Path, sets: list[str] = ()) -> subprocess.Popen:
-    cmd = [*CLI, "train", str(recipe), "--run-dir", str(out / name), *[a for s in sets for a in ("--set", s)]]
+def launch(name: str, recipe: Path, out: Path) -> subprocess.Popen:
+    cmd = [*CLI, "train", str(recipe), "--run-dir", str(out / name)]
     print(f"[{name}] rl {' '.join(cmd[3:])}", flush=True)
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
                             stdout=open(out / f"{name}.log", "w"), stderr=subprocess.STDOUT)
-
-
-def wait(procs: dict[str, subprocess.Popen], out: Path) -> None:
-    """Every run to its end; the first failure stops the others and exits with its log's tail."""
-    while procs:
-        for name, p in list(procs.items()):
-            if p.poll() is None:
-                continue
-            del procs[name]
-            if p.returncode != 0:
-                for q in procs.values():
-                    q.terminate()
-                sys.exit(f"{name} failed (exit {p.returncode}):\n{(out / f'{name}.log').read_text()[-3000:]}")
-        time.sleep(1)
 
 
 def phase_specialists(out: Path, quick: bool) -> None:

@@ -85,7 +85,7 @@ def _wait(procs: dict[str, subprocess.Popen], out: Path) -> None:
                     q.terminate()
                 tail = (out / f"{arm}.log").read_text()[-3000:]
                 sys.exit(f"{arm} run failed (exit {p.returncode}):\n{tail}")
-        time.sleep(2)
+        time.sleep(1)
 
 
 TRAIN_FILE, TEST_FILE = ROOT / "configs/data/word_problems_train.jsonl", ROOT / "configs/data/word_problems_test.jsonl"
