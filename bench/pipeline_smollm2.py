@@ -7,6 +7,8 @@ student distilled on-policy from 40+ teachers, against a multi-task GRPO baselin
                                                                            # the multi-task baseline, at once
     python bench/pipeline_smollm2.py --phase report --out /tmp/pipe        # call 3: every model on every domain
     python bench/pipeline_smollm2.py --quick                               # CPU: a miniature of all three phases
+    python bench/pipeline_smollm2.py --smoke --no-ray                      # CPU: the same few steps on the real
+                                                                           # SmolLM2: a rehearsal before a GPU run
 
 Specialists (configs/pipeline/): `wp` word problems (math-verify), `compute` questions answered through Python calls
 that the job's sandbox runs, `extract` structured output (JSON against a schema), `effort` the word problems with
@@ -35,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -53,7 +56,10 @@ DOMAINS = ("wp", "compute", "extract")
 """The domains of the final stage and of the baseline (effort: reported on its own)."""
 SPECIALISTS = {"wp": "configs/pipeline/word_problems.yaml", "compute": "configs/pipeline/compute.yaml",
                "extract": "configs/pipeline/extract.yaml", "effort": "configs/pipeline/word_problems_effort.yaml",
-               "extract_l20": "configs/pipeline/extract.yaml"}
+               "extract_l20": "configs/pipeline/extract.yaml", "compute_notool": "configs/pipeline/compute.yaml"}
+"""The specialists' recipes; `extract_l20` the extract recipe on a SmolLM2 cut to 20 layers (a teacher of another
+architecture), `compute_notool` the compute recipe without tools (the control of the tool-use specialist: the same
+questions and minutes, answered from the model's head)."""
 EFFORT_LEVELS = (10, 40, 70, 100)
 TEACHER_MIB = 8 * 300
 """The device's teacher budget: 8 SmolLM2-135M teachers in bf16 (~270 MB each) at once."""
@@ -80,13 +86,18 @@ def write(recipe: dict, path: Path) -> Path:
 
 
 def miniature(recipe: dict) -> dict:
-    """--quick: the recipe on a tiny random char-level model on CPU, a few steps a stage, no Ray."""
+    """--quick: the recipe on a tiny random char-level model on CPU, a few steps a stage, no Ray. --smoke: the same
+    few steps on the recipe's own model (SmolLM2 in float32 on CPU): a rehearsal of every phase before a GPU run."""
     r = json.loads(json.dumps(recipe))
     r["run"] = {"name": recipe["run"]["name"], "seed": 0, "device": "cpu", "num_threads": 1}
-    r["model"] = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
-                  "max_position_embeddings": 640, "ffn": {"type": "dense", "intermediate_size": 64}}
-    r["tokenizer"] = "char"
-    r["engine"] = {"max_batch_size": 8, "block_size": 16, "max_seq_len": 600, "max_new_tokens": 24}
+    if MACHINE.get("smoke"):
+        r["run"]["dtype"] = "float32"
+        r["engine"] = {**recipe["engine"], "max_batch_size": 8, "max_new_tokens": min(recipe["engine"]["max_new_tokens"], 48)}
+    else:
+        r["model"] = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+                      "max_position_embeddings": 640, "ffn": {"type": "dense", "intermediate_size": 64}}
+        r["tokenizer"] = "char"
+        r["engine"] = {"max_batch_size": 8, "block_size": 16, "max_seq_len": 600, "max_new_tokens": 24}
     r["runtime"] = {"ray": False}
     r["eval"] = {"max_problems": 2, "before_training": True}
     r["logging"] = {"wandb": False, "progress_bar": False}
@@ -99,7 +110,8 @@ def miniature(recipe: dict) -> dict:
             s.update(prompts_per_step=1, group_size=2, micro_batch_size=8, dynamic_sampling=False)
             s["dispatch"] = {"policy": "sample", "max_inflight": 8, "max_version_lag": 2}
             if s["type"] == "opd":
-                s["teachers"] = {**s["teachers"], "device_memory_mib": 1}  # one tiny teacher at a time: switching
+                # one tiny teacher at a time (two SmolLM2s in --smoke): switching
+                s["teachers"] = {**s["teachers"], "device_memory_mib": 600 if MACHINE.get("smoke") else 1}
     if "effort" in r:  # two levels, one sample each: a group of 2
         r["effort"] = {**r["effort"], "levels": [10, 100], "samples_per_level": 1}
     for d in r["datasets"]:
@@ -108,7 +120,7 @@ def miniature(recipe: dict) -> dict:
     return r
 
 
-SNAPSHOTS = {"wp": 19, "compute": 8, "extract": 18, "effort": 0, "extract_l20": 0}
+SNAPSHOTS = {"wp": 19, "compute": 8, "extract": 18, "effort": 0, "extract_l20": 0, "compute_notool": 0}
 """Earlier checkpoints' weights each specialist keeps: with its final model, one teacher per sub-dataset of its domain
 (20, 9, 20 less the 20-layer model's one); ~0.54 GB each, so the pipeline's disk stays under ~45 GB."""
 
@@ -118,13 +130,17 @@ def specialist_recipe(name: str, quick: bool, every_steps: int) -> dict:
     if name == "extract_l20":
         r["run"]["name"] = "pipeline-extract-l20"
         r["model"]["num_layers"] = 20  # the first 20 of SmolLM2's 30 layers: another architecture
+    if name == "compute_notool":
+        r["run"]["name"] = "pipeline-compute-notool"
+        del r["tools"], r["sandbox"]
+        r["datasets"][0]["args"] = {**r["datasets"][0]["args"], "use_tool": False}
     keep_weights = min(SNAPSHOTS[name], 3) if quick else SNAPSHOTS[name]
     r["checkpoint"] = {**r.get("checkpoint", {}), "every_steps": every_steps, "keep_last": 1, "keep_weights": keep_weights}
-    r["runtime"] = {**r["runtime"], "num_cpus": 3, "num_reward_workers": 2}  # five runs share the machine's cores
+    r["runtime"] = {**r["runtime"], "num_cpus": 2, "num_reward_workers": 2}  # six runs share the machine's cores
     if quick:
         r = miniature(r)
         r["checkpoint"]["keep_weights"] = keep_weights
-        if name == "extract_l20":
+        if name == "extract_l20" and not MACHINE.get("smoke"):
             r["model"]["num_layers"] = 1  # the miniature's other architecture: one layer where the others have two
     return r
 
@@ -195,9 +211,10 @@ def final_recipes(out: Path, quick: bool, minutes: float) -> dict[str, Path]:
     base["datasets"] = datasets
     base["tools"] = {**base["tools"], "datasets": [n for n in names if domain[n] == "compute"]}  # the others: as trained
     # the two halves of a word-problem kind share their held-out problems: the run evaluates them once
-    base["eval"] = {**base["eval"], "max_problems": None,
+    # the curves' held-out score, a few problems a sub-dataset (the report scores every model on all of them)
+    base["eval"] = {**base["eval"], "max_problems": 20, "before_training": False,
                     "datasets": [n for n in names if not (domain[n] == "wp" and n.endswith("_1"))]}
-    base["checkpoint"] = {"every_steps": 100, "keep_last": 2}
+    base["checkpoint"] = {"every_steps": 0, "keep_last": 1}  # the stage's end and SIGTERM's (disk: see prune_specialists)
     opd = json.loads(json.dumps(base))
     opd["run"]["name"] = "pipeline-opd"
     opd["stages"] = [{"type": "opd", "max_steps": 5000, "max_minutes": minutes, "prompts_per_step": 32, "group_size": 4,
@@ -214,21 +231,27 @@ def final_recipes(out: Path, quick: bool, minutes: float) -> dict[str, Path]:
     merged["tokenizer"] = {"type": "hf", "path": str(resolve_model_source(base["model"]["init"]))}  # a merge has none
     baseline = json.loads(json.dumps(base))
     baseline["run"]["name"] = "pipeline-baseline"
-    # the specialists' GRPO samples and the OPD stage's, which runs beside it: as many again, about (the report
-    # prints both counts)
+    # the specialists' SFT steps (batches of the same size) and their GRPO samples with the OPD stage's, which runs
+    # beside it: as many again, about; both bounded by the call's minutes (the report prints every count)
     samples = 2 * trained_samples(out)
-    grpo = load(SPECIALISTS["compute"])["stages"][1]
-    baseline["stages"] = [{**load(SPECIALISTS["compute"])["stages"][0], "max_minutes": 3 * 1.5},
-                          {**grpo, "max_minutes": 3 * minutes,
+    sft, grpo = load(SPECIALISTS["compute"])["stages"]
+    baseline["stages"] = [{**sft, "max_minutes": 1.5, "max_steps": max(1, sft_steps(out))},
+                          {**grpo, "max_minutes": minutes + 1.5,
                            "max_steps": max(1, samples // (grpo["prompts_per_step"] * grpo["group_size"]))}]
     recipes = {"opd": opd, "opd_merged": merged, "baseline": baseline}
     if quick:
         recipes = {k: miniature(v) for k, v in recipes.items()}
-        recipes["opd_merged"]["model"] = {"init": str(out / "merged"), "max_position_embeddings": 640}
+        if not MACHINE.get("smoke"):
+            recipes["opd_merged"]["model"] = {"init": str(out / "merged"), "max_position_embeddings": 640}
         for v in recipes.values():
             v["checkpoint"]["every_steps"] = 0
         recipes["opd"]["stages"][0]["max_steps"] = 60  # room for the live reconfiguration (a few seconds)
     return {k: write(v, out / "recipes" / f"{k}.yaml") for k, v in recipes.items()}
+
+
+def sft_steps(out: Path, runs=DOMAINS) -> int:
+    """SFT steps trained by these runs (their metrics)."""
+    return sum(sum("sft/loss" in r for r in _metrics(out / name)) for name in runs)
 
 
 def trained_samples(out: Path, runs=DOMAINS) -> int:
@@ -255,44 +278,106 @@ def launch(name: str, recipe: Path, out: Path) -> subprocess.Popen:
 def phase_specialists(out: Path, quick: bool) -> None:
     procs = {}
     for name in SPECIALISTS:
-        recipe = specialist_recipe(name, quick, every_steps=1 if quick else 40)
+        recipe = specialist_recipe(name, quick, every_steps=1 if quick else 20)
         if recipe:
             procs[name] = launch(name, write(recipe, out / "recipes" / f"{name}.yaml"), out)
     wait(procs, out)
 
 
-def reconfigure_live(out: Path, run: str, proc: subprocess.Popen, quick: bool) -> None:
-    """Once the OPD run has trained a step: raise the computation sub-datasets' weight in the mixture and swap the
-    first extraction sub-dataset's teacher for the extract specialist's final model, added live (`rl reconfigure`;
-    the change lands in the store's config_versions and on the curves)."""
-    metrics = out / run / "metrics.jsonl"
-    while proc.poll() is None and not (metrics.is_file() and '"opd/kl_loss"' in metrics.read_text()):
+def _metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def _until(proc: subprocess.Popen, ready) -> bool:
+    """Poll until ready() or the process ends; whether it is ready."""
+    while proc.poll() is None and not ready():
         time.sleep(0.5)
-    if proc.poll() is not None:
+    return proc.poll() is None
+
+
+def opd_live(out: Path, run: str, recipe: Path, quick: bool, result: dict) -> None:
+    """The OPD run's life, on a thread beside the others: train; once it has trained a step, reconfigure it live
+    (the computation sub-datasets' weight raised in the mixture, the first extraction sub-dataset's teacher swapped
+    for the extract specialist's final model, added live: `rl reconfigure`, in the store's config_versions and on the
+    curves); once a step ran at the new config version, SIGTERM (a preemption: exit 3 with a checkpoint) and
+    `rl resume` to its end. result["error"]: what went wrong, if anything."""
+    run_dir = out / run
+    proc = launch(run, recipe, out)
+    if not _until(proc, lambda: any("opd/kl_loss" in r for r in _metrics(run_dir))):
+        result["error"] = f"{run} ended (exit {proc.returncode}) before its first step"
         return
     datasets, domain = final_datasets(quick)
     first_extract = next(d["name"] for d in datasets if domain[d["name"]] == "extract")
     patch = {"mixture": {d["name"]: 2.0 for d in datasets if domain[d["name"]] == "compute"},
              "add_teachers": [{"name": "extract_swap", "checkpoint": str(snapshots(out / "extract")[0]), "datasets": []}],
              "teachers": {first_extract: "extract_swap"}}
-    path = write(patch, out / "recipes" / f"{run}-patch.yaml")
-    done = subprocess.run([*CLI, "reconfigure", str(out / run), str(path)], cwd=ROOT, capture_output=True, text=True)
+    path = out / "recipes" / f"{run}-patch.yaml"  # a patch, not a recipe: none of write()'s machine settings
+    path.write_text(yaml.safe_dump(patch, sort_keys=False))
+    done = subprocess.run([*CLI, "reconfigure", str(run_dir), str(path)], cwd=ROOT, capture_output=True, text=True)
     print(f"[{run}] reconfigured live: exit {done.returncode} {done.stdout.strip()} {done.stderr.strip()}", flush=True)
+    if done.returncode == 0 and _until(proc, lambda: any(r.get("config/version", 0) >= 1 and "opd/kl_loss" in r
+                                                       for r in _metrics(run_dir))):
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait()
+        result["preempted_at"] = max((r.get("step", 0) for r in _metrics(run_dir)), default=0)
+        print(f"[{run}] SIGTERM after step {result['preempted_at']}: exit {code}", flush=True)
+        if code != 3:
+            result["error"] = f"{run} exited {code} on SIGTERM, not 3 (preempted with a checkpoint)"
+            return
+        cmd = [*CLI, "resume", str(run_dir)]
+        print(f"[{run}] rl {' '.join(cmd[3:])}", flush=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                stdout=open(out / f"{run}.log", "a"), stderr=subprocess.STDOUT)
+    if proc.wait() != 0:
+        result["error"] = f"{run} run failed (exit {proc.returncode}):\n{(out / f'{run}.log').read_text()[-3000:]}"
+
+
+def prune_specialists(out: Path) -> None:
+    """What the final stage and the report do not read: each specialist's Hugging Face exports and every checkpoint
+    but its newest (the SFT stage's end; the scores of both stages are in its metrics). ~2.7 GB a specialist: the
+    pipeline's disk peak stays well inside a 64 GiB machine."""
+    import shutil
+
+    freed = 0
+    for name in SPECIALISTS:
+        run = out / name
+        newest = snapshots(run)[:1] if run.is_dir() else []
+        old = [p for p in (run / "checkpoints").glob("step-*") if p not in newest] if newest else []
+        for path in [*old, run / "export"]:
+            if path.is_dir():
+                freed += sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+                shutil.rmtree(path)
+    print(f"[prune] {freed / 1e9:.1f} GB of the specialists' exports and older checkpoints removed", flush=True)
 
 
 def phase_final(out: Path, quick: bool, minutes: float) -> None:
+    prune_specialists(out)
     merge = [*CLI, "merge", *[str(out / d) for d in DOMAINS if (out / d).is_dir()], "--out", str(out / "merged")]
     if not (out / "merged").exists():
         print(f"[merge] rl {' '.join(merge[3:])}", flush=True)
         subprocess.run(merge, cwd=ROOT, check=True)
     recipes = final_recipes(out, quick, minutes)
-    procs = {name: launch(name, path, out) for name, path in recipes.items()}
     import threading
 
-    live = threading.Thread(target=reconfigure_live, args=(out, "opd", procs["opd"], quick))
+    result: dict = {}
+    live = threading.Thread(target=opd_live, args=(out, "opd", recipes.pop("opd"), quick, result))
     live.start()
-    wait(procs, out)
+    wait({name: launch(name, path, out) for name, path in recipes.items()}, out)
     live.join()
+    if "error" in result:
+        sys.exit(result["error"])
+
+
+def audit(run_dir: Path) -> dict:
+    """The store's consistency counts (TrajectoryStore.audit) and its applied config versions."""
+    from rl.store.trajectories import TrajectoryStore
+
+    store = TrajectoryStore.for_run_dir(run_dir)
+    try:
+        return {**store.audit(), "restarts": len(store.restarts())}
+    finally:
+        store.close()
 
 
 def wilson(k: int, n: int) -> tuple[float, float]:
@@ -305,11 +390,11 @@ def wilson(k: int, n: int) -> tuple[float, float]:
     return c - h, c + h
 
 
-def score(out: Path, domain: str, model: Path, quick: bool, efforts: str | None = None) -> dict:
-    """`rl eval` of the domain specialist's run with `--checkpoint model`: per effort level (None: no prefix),
-    accuracy with its interval, answered and truncated shares, mean response length."""
-    responses = out / "scores" / f"{domain}-{model.parent.parent.name}-{model.name}{'-effort' if efforts else ''}.jsonl"
-    cmd = [*CLI, "eval", str(out / domain), "--checkpoint", str(model), "--responses", str(responses)]
+def score(out: Path, run: str, model: Path, quick: bool, efforts: str | None = None) -> dict:
+    """`rl eval` of run `run` (its held-out problems, prompts and tools) with `--checkpoint model`: per effort level
+    (None: no prefix), accuracy with its interval, answered and truncated shares, mean response length."""
+    responses = out / "scores" / f"{run}-{model.parent.parent.name}-{model.name}{'-effort' if efforts else ''}.jsonl"
+    cmd = [*CLI, "eval", str(out / run), "--checkpoint", str(model), "--responses", str(responses)]
     cmd += ["--effort", efforts] if efforts else []
     cmd += ["--set", "run.device=cpu"] if quick else []
     subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
@@ -327,15 +412,16 @@ def score(out: Path, domain: str, model: Path, quick: bool, efforts: str | None 
     return result
 
 
-def instruct_score(out: Path, domain: str) -> dict | None:
-    """The instruct model on the domain: its specialist's evaluation before training (eval.before_training)."""
-    lines = [json.loads(x) for x in (out / domain / "metrics.jsonl").read_text().splitlines()]
-    first = next((r for r in lines if any(k.startswith("eval/") and k.endswith("/accuracy") and k != "eval/accuracy"
-                                          for k in r)), None)
-    if first is None:
+def run_score(run_dir: Path, index: int) -> dict | None:
+    """A run's own held-out evaluation number `index` (0: before training, 1: after its first stage, ...) over all its
+    datasets: the instruct model (index 0) and the SFT warm start (index 1 of a run with SFT then GRPO)."""
+    evals = [r for r in _metrics(run_dir) if any(k.count("/") == 2 and k.startswith("eval/") and k.endswith("/accuracy")
+                                                 for k in r)]
+    if not -len(evals) <= index < len(evals):
         return None
-    accs = {k.split("/")[1]: v for k, v in first.items() if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2}
-    ns = {k.split("/")[1]: v for k, v in first.items() if k.endswith("/num_problems")}
+    row = evals[index]
+    accs = {k.split("/")[1]: v for k, v in row.items() if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2}
+    ns = {k.split("/")[1]: v for k, v in row.items() if k.endswith("/num_problems")}
     n = int(sum(ns.values()))
     k = round(sum(accs[d] * ns[d] for d in accs))
     return {"acc": k / max(n, 1), "ci": wilson(k, n), "n": n, "answered": float("nan"), "truncated": float("nan"),
@@ -346,36 +432,68 @@ def final_model(run_dir: Path) -> Path:
     return snapshots(run_dir)[0]
 
 
+def teacher_switching(run_dir: Path) -> str:
+    """The OPD stage's teacher loads and the seconds the trainer waited for them, against its wall time."""
+    rows = [r for r in _metrics(run_dir) if "teachers/loads" in r]
+    if not rows:
+        return "no teacher metrics"
+    loads, wait_s = sum(r["teachers/loads"] for r in rows), sum(r["teachers/load_wait_s"] for r in rows)
+    steps = [r for r in _metrics(run_dir) if "opd/kl_loss" in r]
+    wall = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else float("nan")
+    return (f"{len(steps)} steps, {loads:.0f} teacher loads ({loads / max(len(steps), 1):.1f} a step), waited "
+            f"{wait_s:.1f} s of {wall:.0f} s wall ({wait_s / wall:.1%})")
+
+
+COLUMNS = ("instruct", "sft", "specialist", "no_tool", "merged", "opd", "opd_merged", "baseline")
+"""The report's models: the instruct model and the SFT warm start (the specialist run's own evaluations before
+training and after its SFT stage), the specialist, the tool-use specialist's no-tool control, `rl merge` of the
+specialists (the merged student before OPD), the OPD students from the instruct model and from the merge, and the
+multi-task GRPO baseline; all but the first two scored by `rl eval`."""
+
+
 def phase_report(out: Path, quick: bool) -> str:
     domains = [d for d in (*DOMAINS, "effort") if (out / d).is_dir()]
-    models = {"specialist": None, "opd": out / "opd", "opd_merged": out / "opd_merged", "baseline": out / "baseline"}
     from concurrent.futures import ThreadPoolExecutor
 
-    table: dict[str, dict[str, dict | None]] = {d: {"instruct": instruct_score(out, d)} for d in domains}
-    jobs = {(d, label): (out / d if run is None else run) for d in domains if d != "effort"  # effort: below
-            for label, run in models.items() if (out / d if run is None else run).is_dir()}
+    table: dict[str, dict[str, dict | None]] = {d: {"instruct": run_score(out / d, 0), "sft": run_score(out / d, 1)}
+                                               for d in domains}
+    jobs = {}  # (domain, column) -> (the run whose evaluation it is, the model)
+    for d in domains:
+        if d == "effort":  # below, per level
+            continue
+        models = {"specialist": final_model(out / d), "merged": out / "merged"}
+        models |= {c: final_model(out / c) for c in ("opd", "opd_merged", "baseline") if (out / c).is_dir()}
+        jobs |= {(d, c): (d, m) for c, m in models.items() if m.is_dir()}
+        if d == "compute" and (out / "compute_notool").is_dir():
+            jobs[(d, "no_tool")] = ("compute_notool", final_model(out / "compute_notool"))
     with ThreadPoolExecutor(max_workers=4) as pool:  # `rl eval` subprocesses, a few at a time
-        scores = {key: pool.submit(score, out, key[0], final_model(run), quick) for key, run in jobs.items()}
+        scores = {key: pool.submit(score, out, run, model, quick) for key, (run, model) in jobs.items()}
         effort_job = pool.submit(score, out, "effort", final_model(out / "effort"), quick,
                                  ",".join(map(str, EFFORT_LEVELS))) if (out / "effort").is_dir() else None
-        for (d, label), f in scores.items():
-            table[d][label] = f.result()[None]
+        for (d, c), f in scores.items():
+            table[d][c] = f.result()[None]
         effort = effort_job.result() if effort_job is not None else {}
     if effort:
         table["effort"]["specialist"] = effort[max(effort)]
-    cols = ["instruct", "specialist", "opd", "opd_merged", "baseline"]
     print("held-out accuracy, greedy [95% interval] problems:")
-    print(f"{'domain':<9}" + "".join(f"{c:>25}" for c in cols))
+    print(f"{'domain':<9}" + "".join(f"{c:>24}" for c in COLUMNS))
     for d, row in table.items():
-        cells = [("-" if (s := row.get(c)) is None else f"{s['acc']:.3f} [{s['ci'][0]:.2f},{s['ci'][1]:.2f}] {s['n']}").rjust(25)
-                 for c in cols]
+        cells = [("-" if (s := row.get(c)) is None else f"{s['acc']:.3f} [{s['ci'][0]:.2f},{s['ci'][1]:.2f}] {s['n']}").rjust(24)
+                 for c in COLUMNS]
         print(f"{d:<9}" + "".join(cells))
     print("answered / truncated / mean response tokens:")
     for d, row in table.items():
         print(f"  {d:<9}" + "; ".join(f"{c} {s['answered']:.2f}/{s['truncated']:.2f}/{s['len']:.0f}"
                                       for c, s in row.items() if s is not None and not math.isnan(s["len"])))
     print(f"trained samples: specialists' GRPO {trained_samples(out)}, OPD {trained_samples(out, ['opd'])}, "
-          f"baseline {trained_samples(out, ['baseline'])}")
+          f"baseline {trained_samples(out, ['baseline'])}; SFT steps: specialists {sft_steps(out)}, baseline "
+          f"{sft_steps(out, ['baseline'])}")
+    for run in ("opd", "opd_merged"):
+        if (out / run).is_dir():
+            print(f"{run}: {teacher_switching(out / run)}")
+    audits = {run: audit(out / run) for run in ("opd", "opd_merged", "baseline") if (out / run).is_dir()}
+    for run, a in audits.items():  # opd: preempted by SIGTERM and resumed (phase_final); the others uninterrupted
+        print(f"store audit {run}: {a}")
     for level, s in sorted(effort.items()):
         print(f"  effort {level:>3}: accuracy {s['acc']:.3f} [{s['ci'][0]:.2f},{s['ci'][1]:.2f}], mean length {s['len']:.1f} tokens")
     gains = {d: row["specialist"]["acc"] - row["instruct"]["acc"] for d, row in table.items()
@@ -384,19 +502,24 @@ def phase_report(out: Path, quick: bool) -> str:
               if row.get("opd") and d in gains and gains[d] > 0}
     over = [row["opd"]["acc"] - row["baseline"]["acc"] for row in table.values() if row.get("opd") and row.get("baseline")]
     lens = [effort[b]["len"] for b in sorted(effort)]
+    lost = sum(a["trained_twice"] + a["link_mismatch"] + a["prompts_open"] for a in audits.values())
     return (f"RESULT specialist_gain_min={100 * min(gains.values(), default=float('nan')):.1f} "
             f"opd_gap_closed_min={min(closed.values(), default=float('nan')):.3f} "
             f"opd_over_baseline={100 * (sum(over) / len(over) if over else float('nan')):.1f} "
             f"effort_len_ratio={(lens[-1] / lens[0]) if lens and lens[0] > 0 else float('nan'):.2f} "
-            f"effort_len_increasing={int(all(a < b for a, b in zip(lens, lens[1:])))} domains={len(table)}")
+            f"effort_len_increasing={int(all(a < b for a, b in zip(lens, lens[1:])))} "
+            f"opd_resumed={audits.get('opd', {}).get('restarts', 0)} audit_faults={lost} domains={len(table)}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase", choices=["specialists", "final", "report", "all"], default="all")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline")
-    ap.add_argument("--minutes", type=float, default=4.0, help="the OPD stage's minutes (the baseline's GRPO: 3x)")
+    ap.add_argument("--minutes", type=float, default=5.0,
+                    help="the OPD stage's minutes (the baseline: 1.5 of SFT, then GRPO for these and 1.5 more)")
     ap.add_argument("--quick", action="store_true", help="CPU: a miniature of every phase on a tiny random model")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU: --quick's few steps on the real SmolLM2 (float32): rehearse every phase before a GPU run")
     ap.add_argument("--no-ray", action="store_true", help="every run in-process (runtime.ray: false): a machine without Ray")
     ap.add_argument("--sandbox-backend", choices=["bwrap", "process"], default=None,
                     help="the sandboxes' isolation (default: bwrap where it is installed, else process, said so)")
@@ -404,6 +527,8 @@ def main() -> None:
     import shutil
 
     MACHINE["no_ray"] = a.no_ray
+    MACHINE["smoke"] = a.smoke
+    a.quick = a.quick or a.smoke
     MACHINE["sandbox_backend"] = a.sandbox_backend or ("bwrap" if shutil.which("bwrap") else "process")
     if MACHINE["sandbox_backend"] == "process" and a.sandbox_backend is None:
         print("bwrap is not installed here: the sandboxes run as plain processes (sandbox.backend: process)", flush=True)

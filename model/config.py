@@ -313,8 +313,11 @@ def merge_checkpoint_fields(cls: type[ModelConfig], data: dict, derived: dict) -
 def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
     """Configs whose weights are interchangeable: equal up to the KV-cache storage format and QAT,
     which change how K/V are stored, not which parameters exist (a QAT fine-tune starts from a bf16
-    checkpoint), and up to `init` and `init_std` (where the weights came from, how random ones are drawn)."""
-    return a.model_copy(update={"kv_cache": b.kv_cache, "init": b.init, "init_std": b.init_std}) == b
+    checkpoint), up to `init` and `init_std` (where the weights came from, how random ones are drawn), and up to
+    `max_position_embeddings`, the longest sequence a recipe runs (RoPE has no parameters; its scaling reads
+    `rope_scaling.original_max_position_embeddings`): runs of one model at different lengths share weights."""
+    return a.model_copy(update={"kv_cache": b.kv_cache, "init": b.init, "init_std": b.init_std,
+                                "max_position_embeddings": b.max_position_embeddings}) == b
 
 
 def read_teacher_config(checkpoint: str | Path) -> ModelConfig:

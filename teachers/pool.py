@@ -68,6 +68,11 @@ from teachers.config import TeacherPoolConfig, TeacherSpec
 
 R = TypeVar("R")
 _MIB = 1 << 20
+
+
+class TeacherPoolError(ValueError):
+    """A teacher the pool cannot take (unreadable, mismatched, too large for `device_memory_mib`): the job ends
+    with this one line (rl/cli/commands.py), not a traceback."""
 _KEEP_DTYPE_SUFFIXES = ("e_score_correction_bias",)
 """Buffers kept in their stored dtype (the MoE selection bias is added to float32 router scores)."""
 
@@ -227,8 +232,8 @@ class TeacherPool:
             try:
                 stored = load_file(str(weights))
             except (SafetensorError, OSError) as e:  # truncated, damaged or missing: the teacher's, not a bug
-                raise ValueError(f"teacher {spec.name!r}: cannot read {str(weights)!r}: "
-                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from None
+                raise TeacherPoolError(f"teacher {spec.name!r}: cannot read {str(weights)!r}: "
+                                           f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from None
         else:  # a Hugging Face directory or GGUF file: converted tensor by tensor into a host Decoder
             from model.pretrained import build_decoder
 
@@ -239,9 +244,9 @@ class TeacherPool:
                     datasets: Iterable[str] = (), source: str = "in-memory weights") -> None:
         """Register a teacher from a state dict (Decoder layout; a tied head may be omitted)."""
         if name in self._host:
-            raise ValueError(f"teacher {name!r} is already in the pool")
+            raise TeacherPoolError(f"teacher {name!r} is already in the pool")
         if self.student_vocab is not None and (err := check_vocab(self.student_vocab, cfg, name)):
-            raise ValueError(err)
+            raise TeacherPoolError(err)
         stored = dict(stored)
         expected = {k: tuple(v.shape) for k, v in _skeleton(cfg).state_dict().items()}
         if cfg.tie_word_embeddings:
@@ -253,12 +258,12 @@ class TeacherPool:
             reshaped = sorted(k for k in expected.keys() & got.keys() if expected[k] != got[k])
             problems = ([f"missing {missing[:3]}"] if missing else []) + ([f"unexpected {unexpected[:3]}"] if unexpected else [])
             problems += [f"{k} is {got[k]} not {expected[k]}" for k in reshaped[:3]]
-            raise ValueError(f"teacher {name!r} {source} does not match its config: {', '.join(problems)}")
+            raise TeacherPoolError(f"teacher {name!r} {source} does not match its config: {', '.join(problems)}")
         tensors = {}
         for k, v in stored.items():
             v = v.detach().to("cpu")
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):  # a NaN teacher makes every KL NaN
-                raise ValueError(f"teacher {name!r} {source} has non-finite weights in {k}")
+                raise TeacherPoolError(f"teacher {name!r} {source} has non-finite weights in {k}")
             if self.dtype is not None and v.is_floating_point() and not k.endswith(_KEEP_DTYPE_SUFFIXES):
                 v = v.to(self.dtype)
             tensors[k] = v
@@ -272,8 +277,8 @@ class TeacherPool:
             flat[dt][off : off + shape.numel()].view(shape).copy_(tensors[k])
         nbytes = sum(t.numel() * t.element_size() for t in flat.values())
         if nbytes > self.budget_bytes:
-            raise ValueError(f"teacher {name!r} needs {nbytes / _MIB:.1f} MiB on device but the pool's "
-                             f"device_memory_mib is {self.budget_bytes / _MIB:.1f}")
+            raise TeacherPoolError(f"teacher {name!r} needs {nbytes / _MIB:.3g} MiB on device but the pool's "
+                                   f"device_memory_mib is {self.budget_bytes / _MIB:.3g}")
         module = _skeleton(cfg)
         slots = []
         for key in module.state_dict():
@@ -294,7 +299,7 @@ class TeacherPool:
         budget = int(device_memory_mib * _MIB)
         too_big = [n for n, h in self._host.items() if h.nbytes > budget]
         if too_big:
-            raise ValueError(f"device_memory_mib={device_memory_mib} cannot hold teachers {too_big[:3]}")
+            raise TeacherPoolError(f"device_memory_mib={device_memory_mib} cannot hold teachers {too_big[:3]}")
         self._settle_inflight()
         self.budget_bytes = budget
         while self.resident_bytes > budget:

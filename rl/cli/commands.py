@@ -108,6 +108,7 @@ def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = F
     from rl.runtime.groups import WorkerFailure
     from rl.runtime.sandbox_nodes import SandboxStartError
     from rl.store.db import StoreError
+    from teachers.pool import TeacherPoolError
     from rollout.engine import KVPoolSizeError
     from configbase.files import WriteRefused
 
@@ -115,7 +116,7 @@ def _train(recipe, run_dir: Path, prefix: str, resume: bool, overwrite: bool = F
         summary = train(recipe, run_dir, resume=resume, overwrite=overwrite, break_lock=break_lock,
                         new_identity=new_identity)
     except (CheckpointError, CheckpointFormatError, ChatTemplateError, StoreError, DatasetError, RunDirError,
-            SandboxStartError, PlacementError, KVPoolSizeError, KVFormatDeviceError, WriteRefused) as e:
+            SandboxStartError, PlacementError, KVPoolSizeError, KVFormatDeviceError, TeacherPoolError, WriteRefused) as e:
         print(f"{prefix}: {str(e).strip().splitlines()[-1]}", file=sys.stderr)  # a worker's: its own last line
         return EXIT_BAD_INPUT
     except WorkerFailure as e:

@@ -107,9 +107,11 @@ def merge(sources: list[Path], weights: list[float]):
                              "merged checkpoints share one vocabulary")
         if not same_weights(c, configs[0]):
             diff = [k for k in type(c).model_fields
-                    if getattr(c, k) != getattr(configs[0], k) and k not in ("kv_cache", "init", "init_std")]
+                    if getattr(c, k) != getattr(configs[0], k)
+                    and k not in ("kv_cache", "init", "init_std", "max_position_embeddings")]
             raise MergeError(f"{s} has another architecture than {sources[0]} (differs in: {', '.join(diff)})")
-    model = Decoder(configs[0].model_copy(update={"init": None}))
+    longest = max(c.max_position_embeddings for c in configs)  # the longest any source ran: RoPE has no weights
+    model = Decoder(configs[0].model_copy(update={"init": None, "max_position_embeddings": longest}))
     with torch.no_grad():
         for name, t in model.state_dict().items():
             if name == "lm_head.weight" and configs[0].tie_word_embeddings:  # stored once, as the embedding

@@ -72,6 +72,20 @@ def test_vocab_mismatch_is_refused_at_validate(teachers, tmp_path):
     assert len(lines) == 1 and "wrong-vocab has vocab_size=120 but the student has vocab_size=99" in lines[0]
 
 
+def test_a_teacher_larger_than_the_pool_ends_the_job_in_one_line(teachers, tmp_path):
+    """device_memory_mib below one teacher's weights (found by issue #43's pipeline rehearsal): `rl train` says which
+    teacher and how many MiB, exit 2, no traceback."""
+    r = recipe(teachers)
+    r["stages"][0]["teachers"]["device_memory_mib"] = 0.05
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(r))
+    proc = subprocess.run([*CLI, "train", str(path), "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MiB on device but the pool's device_memory_mib is 0.05" in lines[0], lines
+
+
 def test_live_reconfiguration_of_a_running_opd_job(teachers, tmp_path):
     names = [t.name for t in teachers.teachers]  # t00 (upper), t01 (reverse), 3 untrained spares
     path = tmp_path / "r.yaml"

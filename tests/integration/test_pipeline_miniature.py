@@ -28,9 +28,15 @@ def test_the_pipeline_miniature_runs_every_phase_and_reports_every_domain(tmp_pa
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = done.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"RESULT specialist_gain_min=\S+ opd_gap_closed_min=\S+ opd_over_baseline=\S+ "
-                        r"effort_len_ratio=\S+ effort_len_increasing=[01] domains=4", result), result
+                        r"effort_len_ratio=\S+ effort_len_increasing=[01] opd_resumed=1 audit_faults=0 domains=4",
+                        result), result
     for d in ("wp", "compute", "extract", "effort"):
         assert re.search(rf"^{d} +\d\.\d{{3}} \[", done.stdout, re.M), d  # the instruct model's score, from its run
+    compute = next(line for line in done.stdout.splitlines() if line.startswith("compute "))
+    assert "-" not in compute.split()[1:], compute  # every column scored, the no-tool control and the merge among them
+    # the OPD run was preempted by SIGTERM after the live reconfiguration and resumed to its end
+    assert re.search(r"\[opd\] SIGTERM after step \d+: exit 3", done.stdout), done.stdout[-3000:]
+    assert re.search(r"opd: \d+ steps, \d+ teacher loads", done.stdout)
 
     stage = yaml.safe_load((out / "recipes" / "opd.yaml").read_text())["stages"][0]
     teachers, datasets = stage["teachers"]["teachers"], yaml.safe_load((out / "recipes" / "opd.yaml").read_text())["datasets"]
@@ -45,6 +51,8 @@ def test_the_pipeline_miniature_runs_every_phase_and_reports_every_domain(tmp_pa
         versions = [json.loads(v) for (v,) in c.execute("select patch_json from config_versions where status = 'applied' order by seq")]
     assert any(v.get("teachers", {}).get("extract_person") == "extract_swap" for v in versions), versions
     assert "reconfigured live: exit 0" in done.stdout
+    steps = [json.loads(x) for x in (out / "opd" / "metrics.jsonl").read_text().splitlines() if '"opd/kl_loss"' in x]
+    assert steps[-1]["config/version"] >= 1  # the resumed run trains at the reconfigured version, not the recipe's
     for run in ("opd", "opd_merged", "baseline"):
         assert list((out / run / "checkpoints").glob("step-*")), run
     merged = yaml.safe_load((out / "recipes" / "opd_merged.yaml").read_text())

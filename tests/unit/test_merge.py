@@ -42,6 +42,29 @@ def test_a_run_directory_resolves_to_its_newest_or_a_given_steps_checkpoint(tmp_
     assert resolve_source(f"{tmp_path / 'run'}:4") == four
 
 
+def test_runs_of_one_model_at_different_lengths_merge_at_the_longest(tmp_path):
+    """max_position_embeddings is how long a recipe runs, not a weight (issue #43's specialists: 1024 and 512): the
+    merge is the average, saved at the longest, and a checkpoint of either length loads into a model of the other."""
+    import json
+
+    from model.checkpoint import read_weights
+    from model.config import ModelConfig
+
+    a = _ckpt(tmp_path / "a", 0, max_position_embeddings=256)
+    b = _ckpt(tmp_path / "b", 1, max_position_embeddings=128)
+    assert main(["merge", str(a), str(b), "--out", str(tmp_path / "m")]) == 0
+    merged = ModelConfig.model_validate_json((tmp_path / "m" / "config.json").read_text())
+    assert merged.max_position_embeddings == 256
+    sb = load_file(str(b / "model.safetensors"))
+    state = read_weights(merged.model_copy(update={"max_position_embeddings": 64}), b)  # b at another length
+    assert all(torch.equal(state[k], sb[k]) for k in sb)
+    other = json.loads((a / "config.json").read_text()) | {"num_layers": 1}  # a real difference still refuses
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="different model config"):
+        read_weights(ModelConfig.model_validate(other).model_copy(update={"num_layers": 2}), tmp_path / "c")
+
+
 @pytest.mark.parametrize("other, message", [
     (dict(hidden_size=96, head_dim=24), "has another architecture than"),
     (dict(vocab_size=120), "has vocab_size=120 but"),
