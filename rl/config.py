@@ -371,9 +371,12 @@ class SandboxConfig(StrictConfig):
     backend: Literal["bwrap", "process"] = "bwrap"
     """Isolation of the servers the job starts (`auto`): bwrap (namespaces + cgroups, strong) or process
     (rlimits only, weak: for machines without user namespaces). A server started apart has its own."""
-    max_sandboxes: int = Field(32, ge=1, le=65536)
+    max_sandboxes: int | None = Field(None, ge=1, le=65536)
     """Admission limit of each server the job starts (`auto`): sandboxes open at once on a node; a sample past
-    it waits with backoff (its KV kept)."""
+    it waits with backoff (its KV kept). None: one for every sample the engines may hold at once
+    (`engine.max_batch_size` x `runtime.num_workers`, `Recipe.sandbox_slots`): a sample keeps its sandbox from its
+    first call to its end, so a lower limit caps the samples in flight (issue #43's tool-use specialist on an H200:
+    32 of 256 in flight, 40-68 s a GRPO step)."""
 
     @field_validator("socket")
     @classmethod
@@ -659,6 +662,10 @@ class Recipe(StrictConfig):
                 diff = [k for k in ModelConfig.model_fields if getattr(theirs, k) != getattr(self.model, k) and k != "kv_cache"]
                 raise ValueError(f"run.init_checkpoint {str(ckpt)!r} was saved with a different model (differs in: {', '.join(diff)})")
         return self
+
+    def sandbox_slots(self) -> int:
+        """`sandbox.max_sandboxes`, or one sandbox for every sample the engines may hold at once."""
+        return self.sandbox.max_sandboxes or min(65536, self.engine.max_batch_size * self.runtime.num_workers)
 
     def tool_datasets(self) -> frozenset[str] | None:
         """The datasets that use the tools (`tools.datasets`; None: every one, or no tools)."""

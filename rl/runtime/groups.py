@@ -337,7 +337,7 @@ class Runtime:
     def _start_sandboxes(self, recipe: Recipe, run_dir, say: Callable[[str], None]) -> None:
         """`sandbox.socket: auto`: a sandbox server on each node a worker runs on (rl/runtime/sandbox_nodes.py); each worker
         gets its node's socket."""
-        self.sandboxes = NodeSandboxes(run_key(run_dir), recipe.sandbox.backend, recipe.sandbox.max_sandboxes,
+        self.sandboxes = NodeSandboxes(run_key(run_dir), recipe.sandbox.backend, recipe.sandbox_slots(),
                                        remote=self.remote, say=say)
         policy, rewards = self.policy.group, self.rewards.group
         if not self.remote:

@@ -46,7 +46,7 @@ def _recipe(dataset_args: dict | None = None, **tools) -> dict:
         "datasets": [{"type": "custom", "name": "sums", "task": "tests.tasks.tool_sums:ToolSums",
                       **({"args": dataset_args} if dataset_args else {})}],
         "engine": {"max_batch_size": 16, "max_seq_len": 400, "max_new_tokens": 64},
-        "sandbox": {"limits": {"timeout_s": 5, "memory_mib": 64}, "max_sandboxes": 8},
+        "sandbox": {"limits": {"timeout_s": 5, "memory_mib": 64}},  # max_sandboxes: one per sample in flight
         "tools": {"format": "code", "max_turns": 2, "max_tool_output_tokens": 16, "timeout_s": 5, **tools},
         "runtime": {"ray": True, "num_workers": 1, "num_cpus": 2},
         "stages": [{"type": "sft", "max_steps": 60, "batch_size": 16, "optim": {"lr": 3e-3}},
@@ -80,6 +80,9 @@ def _train(root: Path, recipe: dict) -> tuple[subprocess.CompletedProcess, Path]
     assert _server_processes(state) == [] and not sock.exists()  # stopped with the job, its socket removed
     log = [json.loads(line) for line in (state / "commands.jsonl").read_text().splitlines()]
     assert [e["op"] for e in log if e["op"] in ("start", "stop")] == ["start", "stop"]
+    # one sandbox for each sample the engine may hold (a sample keeps its sandbox to its end: fewer cap the rollout)
+    want = recipe["sandbox"].get("max_sandboxes") or recipe["engine"]["max_batch_size"] * recipe["runtime"]["num_workers"]
+    assert next(e for e in log if e["op"] == "start")["max_sandboxes"] == want
     assert any(e["op"] == "exec" for e in log)  # the rollouts' calls ran on it
     return proc, run_dir
 

@@ -104,3 +104,13 @@ def test_whose_sandbox_servers_a_job_uses(server_socket, sandbox, tools, server)
         assert recipe.tools.on_failure == "zero_reward"  # the default repercussion
     Path("r.yaml").write_text(GOOD + "tools: {format: code, on_failure: ignore}\n")
     assert "tools.on_failure: Input should be 'zero_reward' or 'leave_loss'" in error_of(Path("r.yaml").read_text())
+
+
+def test_sandboxes_default_to_one_per_sample_in_flight(server_socket):
+    """A sample keeps its sandbox from its first call to its end: a server admitting fewer than the engines hold caps
+    the samples in flight (issue #43's tool-use specialist: 32 of 256, 40-68 s a GRPO step)."""
+    Path("r.yaml").write_text(GOOD + "sandbox: {socket: auto}\ntools: {format: code}\n")
+    recipe = load_recipe("r.yaml")
+    assert recipe.sandbox_slots() == recipe.engine.max_batch_size * recipe.runtime.num_workers
+    Path("r.yaml").write_text(GOOD + "sandbox: {socket: auto, max_sandboxes: 5}\ntools: {format: code}\n")
+    assert load_recipe("r.yaml").sandbox_slots() == 5
