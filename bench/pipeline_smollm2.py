@@ -122,7 +122,8 @@ def miniature(recipe: dict) -> dict:
 
 SNAPSHOTS = {"wp": 19, "compute": 8, "extract": 18, "effort": 0, "extract_l20": 0, "compute_notool": 0}
 """Earlier checkpoints' weights each specialist keeps: with its final model, one teacher per sub-dataset of its domain
-(20, 9, 20 less the 20-layer model's one); ~0.54 GB each, so the pipeline's disk stays under ~45 GB."""
+(20, 9, 20 less the 20-layer model's one); ~0.54 GB each (the H200 run: 57 GB on disk at the specialists' end, 15.5
+GB of it pruned before the final stage, `prune_specialists`)."""
 
 
 def specialist_recipe(name: str, quick: bool, every_steps: int) -> dict:
@@ -370,7 +371,7 @@ def phase_final(out: Path, quick: bool, minutes: float) -> None:
 
 
 def audit(run_dir: Path) -> dict:
-    """The store's consistency counts (TrajectoryStore.audit) and its applied config versions."""
+    """The store's consistency counts (TrajectoryStore.audit) and how many times the run was restarted."""
     from rl.store.trajectories import TrajectoryStore
 
     store = TrajectoryStore.for_run_dir(run_dir)
@@ -415,12 +416,14 @@ def score(out: Path, run: str, model: Path, quick: bool, efforts: str | None = N
 def run_score(run_dir: Path, index: int) -> dict | None:
     """A run's own held-out evaluation number `index` (0: before training, 1: after its first stage, ...) over all its
     datasets: the instruct model (index 0) and the SFT warm start (index 1 of a run with SFT then GRPO)."""
-    evals = [r for r in _metrics(run_dir) if any(k.count("/") == 2 and k.startswith("eval/") and k.endswith("/accuracy")
-                                                 for k in r)]
+    def dataset_accuracy(k: str) -> bool:  # eval/<dataset>/accuracy, not the overall eval/accuracy
+        return k.count("/") == 2 and k.startswith("eval/") and k.endswith("/accuracy")
+
+    evals = [r for r in _metrics(run_dir) if any(map(dataset_accuracy, r))]
     if not -len(evals) <= index < len(evals):
         return None
     row = evals[index]
-    accs = {k.split("/")[1]: v for k, v in row.items() if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2}
+    accs = {k.split("/")[1]: v for k, v in row.items() if dataset_accuracy(k)}
     ns = {k.split("/")[1]: v for k, v in row.items() if k.endswith("/num_problems")}
     n = int(sum(ns.values()))
     k = round(sum(accs[d] * ns[d] for d in accs))
@@ -434,12 +437,13 @@ def final_model(run_dir: Path) -> Path:
 
 def teacher_switching(run_dir: Path) -> str:
     """The OPD stage's teacher loads and the seconds the trainer waited for them, against its wall time."""
-    rows = [r for r in _metrics(run_dir) if "teachers/loads" in r]
+    metrics = _metrics(run_dir)
+    rows = [r for r in metrics if "teachers/loads" in r]
     if not rows:
         return "no teacher metrics"
     loads, wait_s = sum(r["teachers/loads"] for r in rows), sum(r["teachers/load_wait_s"] for r in rows)
-    steps = [r for r in _metrics(run_dir) if "opd/kl_loss" in r]
-    wall = steps[-1]["time"] - steps[0]["time"] if len(steps) > 1 else float("nan")
+    steps = [r for r in metrics if "opd/kl_loss" in r]
+    wall = max(steps[-1]["time"] - steps[0]["time"], 1e-9) if len(steps) > 1 else float("nan")
     return (f"{len(steps)} steps, {loads:.0f} teacher loads ({loads / max(len(steps), 1):.1f} a step), waited "
             f"{wait_s:.1f} s of {wall:.0f} s wall ({wait_s / wall:.1%})")
 

@@ -316,8 +316,15 @@ def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
     checkpoint), up to `init` and `init_std` (where the weights came from, how random ones are drawn), and up to
     `max_position_embeddings`, the longest sequence a recipe runs (RoPE has no parameters; its scaling reads
     `rope_scaling.original_max_position_embeddings`): runs of one model at different lengths share weights."""
-    return a.model_copy(update={"kv_cache": b.kv_cache, "init": b.init, "init_std": b.init_std,
-                                "max_position_embeddings": b.max_position_embeddings}) == b
+    return not weight_differences(a, b)
+
+
+_NOT_WEIGHTS = ("kv_cache", "init", "init_std", "max_position_embeddings")
+
+
+def weight_differences(a: ModelConfig, b: ModelConfig) -> list[str]:
+    """The fields that make `a`'s weights differ from `b`'s (empty: `same_weights`), for one-line refusals."""
+    return [k for k in type(a).model_fields if k not in _NOT_WEIGHTS and getattr(a, k) != getattr(b, k)]
 
 
 def read_teacher_config(checkpoint: str | Path) -> ModelConfig:

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import Field, field_validator, model_validator
 
 from configbase import StrictConfig
-from model.config import CharTokenizerConfig, HFTokenizerConfig, ModelConfig, TokenizerConfig, same_weights
+from model.config import CharTokenizerConfig, HFTokenizerConfig, ModelConfig, TokenizerConfig, weight_differences
 from rewards.config import DatasetConfig
 from rewards.effort import EffortConfig
 from rl.dispatch import DispatchConfig
@@ -658,8 +658,7 @@ class Recipe(StrictConfig):
             if not config_file.is_file():
                 raise ValueError(f"run.init_checkpoint {str(ckpt)!r} has no config.json")
             theirs = ModelConfig.model_validate_json(config_file.read_text())
-            if not same_weights(theirs, self.model):  # the KV-cache format may differ (e.g. a QAT fine-tune)
-                diff = [k for k in ModelConfig.model_fields if getattr(theirs, k) != getattr(self.model, k) and k != "kv_cache"]
+            if diff := weight_differences(theirs, self.model):  # the KV-cache format may differ (e.g. a QAT fine-tune)
                 raise ValueError(f"run.init_checkpoint {str(ckpt)!r} was saved with a different model (differs in: {', '.join(diff)})")
         return self
 

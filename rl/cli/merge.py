@@ -97,7 +97,7 @@ def merge(sources: list[Path], weights: list[float]):
     """The merged Decoder: each parameter and buffer Σ_i w_i θ_i in float64, cast back to its dtype."""
     import torch
 
-    from model.config import same_weights
+    from model.config import weight_differences
     from model.decoder import Decoder
 
     configs, states = zip(*(read_source(s) for s in sources))
@@ -105,10 +105,7 @@ def merge(sources: list[Path], weights: list[float]):
         if c.vocab_size != configs[0].vocab_size:
             raise MergeError(f"{s} has vocab_size={c.vocab_size} but {sources[0]} has {configs[0].vocab_size}: "
                              "merged checkpoints share one vocabulary")
-        if not same_weights(c, configs[0]):
-            diff = [k for k in type(c).model_fields
-                    if getattr(c, k) != getattr(configs[0], k)
-                    and k not in ("kv_cache", "init", "init_std", "max_position_embeddings")]
+        if diff := weight_differences(c, configs[0]):
             raise MergeError(f"{s} has another architecture than {sources[0]} (differs in: {', '.join(diff)})")
     longest = max(c.max_position_embeddings for c in configs)  # the longest any source ran: RoPE has no weights
     model = Decoder(configs[0].model_copy(update={"init": None, "max_position_embeddings": longest}))
