@@ -9,6 +9,8 @@ student distilled on-policy from 40+ teachers, against a multi-task GRPO baselin
     python bench/pipeline_smollm2.py --quick                               # CPU: a miniature of all three phases
     python bench/pipeline_smollm2.py --smoke --no-ray                      # CPU: the same few steps on the real
                                                                            # SmolLM2: a rehearsal before a GPU run
+    python bench/pipeline_smollm2.py --no-ray --out /tmp/pipe              # the H200 (no Ray there): every phase in
+                                                                           # one process, ~20 minutes (BENCHMARKS.md)
 
 Specialists (configs/pipeline/): `wp` word problems (math-verify), `compute` questions answered through Python calls
 that the job's sandbox runs, `extract` structured output (JSON against a schema), `effort` the word problems with
@@ -131,6 +133,9 @@ def specialist_recipe(name: str, quick: bool, every_steps: int) -> dict:
     if name == "extract_l20":
         r["run"]["name"] = "pipeline-extract-l20"
         r["model"]["num_layers"] = 20  # the first 20 of SmolLM2's 30 layers: another architecture
+        # its SFT repairs a model missing a third of its layers, not a format: the recipe's 25 steps left it at 0.000
+        # (every answer truncated) on the H200; the SFT minutes bind instead
+        r["stages"][0]["max_steps"] = 2000
     if name == "compute_notool":
         r["run"]["name"] = "pipeline-compute-notool"
         del r["tools"], r["sandbox"]
@@ -233,11 +238,12 @@ def final_recipes(out: Path, quick: bool, minutes: float) -> dict[str, Path]:
     baseline = json.loads(json.dumps(base))
     baseline["run"]["name"] = "pipeline-baseline"
     # the specialists' SFT steps (batches of the same size) and their GRPO samples with the OPD stage's, which runs
-    # beside it: as many again, about; both bounded by the call's minutes (the report prints every count)
+    # beside it: as many again, about; both bounded by the stage's minutes, the OPD run's own (the SFT steps take
+    # well under a minute; the report prints every count)
     samples = 2 * trained_samples(out)
     sft, grpo = load(SPECIALISTS["compute"])["stages"]
     baseline["stages"] = [{**sft, "max_minutes": 1.5, "max_steps": max(1, sft_steps(out))},
-                          {**grpo, "max_minutes": minutes + 1.5,
+                          {**grpo, "max_minutes": max(minutes - 1, 0.5),
                            "max_steps": max(1, samples // (grpo["prompts_per_step"] * grpo["group_size"]))}]
     recipes = {"opd": opd, "opd_merged": merged, "baseline": baseline}
     if quick:
@@ -251,8 +257,15 @@ def final_recipes(out: Path, quick: bool, minutes: float) -> dict[str, Path]:
 
 
 def sft_steps(out: Path, runs=DOMAINS) -> int:
-    """SFT steps trained by these runs (their metrics)."""
-    return sum(sum("sft/loss" in r for r in _metrics(out / name)) for name in runs)
+    """SFT steps trained by these runs: the step of each run's evaluation at its SFT stage's end (the SFT stage logs
+    every `log_every` steps, so its rows undercount)."""
+    total = 0
+    for name in runs:
+        rows = _metrics(out / name)
+        last = max((i for i, r in enumerate(rows) if "sft/loss" in r), default=None)
+        if last is not None:
+            total += next((r["step"] for r in rows[last:] if "eval/accuracy" in r), rows[last]["step"])
+    return total
 
 
 def trained_samples(out: Path, runs=DOMAINS) -> int:
@@ -519,8 +532,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--phase", choices=["specialists", "final", "report", "all"], default="all")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "pipeline")
-    ap.add_argument("--minutes", type=float, default=5.0,
-                    help="the OPD stage's minutes (the baseline: 1.5 of SFT, then GRPO for these and 1.5 more)")
+    ap.add_argument("--minutes", type=float, default=7.0,
+                    help="the final stage's minutes: the OPD runs' and the baseline's (its SFT steps, then GRPO for the "
+                         "minutes less one)")
     ap.add_argument("--quick", action="store_true", help="CPU: a miniature of every phase on a tiny random model")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU: --quick's few steps on the real SmolLM2 (float32): rehearse every phase before a GPU run")

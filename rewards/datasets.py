@@ -96,6 +96,11 @@ class _FileDatasetConfig(StrictConfig):
     """Field holding the reference answer (a string or a number)."""
     demonstration: str | None = None
     """Field holding the SFT target (e.g. a worked solution); default: the answer itself."""
+    direct_demonstration: str | None = None
+    """The demonstration without its reasoning, a template of the row's fields, e.g. `"The answer is {answer}."`:
+    the effort cold start (`stages[i].effort_cold_start`, seed §5.1.4) shows it at level b with probability
+    1 − b/100 and the `demonstration` otherwise, so SFT teaches the policy to read the effort prefix. None: the file's
+    demonstrations ignore the level (a recipe with the cold start on refuses to load)."""
     verifier: VerifierConfig
     """exact | math | regex | python:pkg.module:fn, or a mapping with options (rewards/verifiers.py)."""
     heldout: HeldoutConfig = Field(default_factory=HeldoutConfig)
@@ -194,6 +199,19 @@ def _text(cfg: _FileDatasetConfig, path: Path, n: int, row: Mapping, field: str,
     return value
 
 
+def _template(cfg: _FileDatasetConfig, path: Path, n: int, row: Mapping) -> str:
+    """`direct_demonstration` filled with the row's fields (numbers as text)."""
+    fields = {k: v for k, v in row.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
+    try:
+        return cfg.direct_demonstration.format_map(fields)
+    except KeyError as e:
+        raise DatasetError(path, f"is missing or not a string or number, which direct_demonstration "
+                                 f"{cfg.direct_demonstration!r} names", row=n, field=e.args[0]) from None
+    except (ValueError, IndexError) as e:
+        raise DatasetError(path, f"direct_demonstration {cfg.direct_demonstration!r} is not a template of the row's "
+                                 f"fields ({e})", row=n) from None
+
+
 def _kind(value: Any) -> str:
     return "null" if value is None else f"a {type(value).__name__} ({_short_repr(value)})"
 
@@ -255,6 +273,8 @@ def row_problem(cfg: _FileDatasetConfig, path: Path, n: int, row: Mapping, probl
     metadata: dict[str, Any] = {"row_number": n}
     if cfg.demonstration is not None:
         metadata["demonstration"] = _text(cfg, path, n, row, cfg.demonstration)
+    if cfg.direct_demonstration is not None:
+        metadata["direct_demonstration"] = _template(cfg, path, n, row)
     if isinstance(cfg.verifier, PythonVerifierConfig):
         metadata["row"] = dict(row)  # the function's third argument
     return Problem(problem_id or f"{cfg.name}:{n}", cfg.name, _with_system(cfg, prompt), answer, metadata)
@@ -361,5 +381,11 @@ class FileDataset(Task):
 
     def demonstration(self, problem: Problem, rng: random.Random, *, direct_answer_rate: float | None = None,
                       reasoning_frac: float | None = None) -> str:
-        """The row's demonstration field, else its answer (effort cold-start options do not apply)."""
+        """The row's demonstration field, else its answer; with `direct_demonstration`, that instead with probability
+        direct_answer_rate (or 1 − reasoning_frac: a file's demonstration has no lines to keep a share of)."""
+        direct = problem.metadata.get("direct_demonstration")
+        rate = direct_answer_rate if direct_answer_rate is not None else (
+            None if reasoning_frac is None else 1 - reasoning_frac)
+        if direct is not None and rate and rng.random() < rate:
+            return direct
         return problem.metadata.get("demonstration", problem.answer)

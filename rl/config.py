@@ -135,7 +135,8 @@ class SFTStage(StrictConfig):
     effort_cold_start: bool = False
     """Demonstrations prefixed with level b show reasoning that grows with b (see cold_start_style): a
     tiny model has no language prior to read the prefix's meaning from, so SFT shows it once; RL with
-    the length penalty then sets the trade-off. False: demonstrations ignore the level."""
+    the length penalty then sets the trade-off. False: demonstrations ignore the level. A file dataset needs its
+    `direct_demonstration` (the answer without the reasoning)."""
     cold_start_style: Literal["direct", "partial"] = "direct"
     """`direct`: at level b skip the scratchpad with probability 1 − b/100 (all or nothing);
     `partial`: keep the first round(b/100 · n) of the n worked lines (graded length)."""
@@ -726,6 +727,14 @@ class Recipe(StrictConfig):
                     raise ValueError(
                         f"stages.{i}.group_size={stage.group_size} must equal len(effort.levels) x "
                         f"effort.samples_per_level = {self.effort.group_size}")
+                if isinstance(stage, SFTStage) and stage.effort_cold_start:
+                    plain = [d.name for d in self.datasets if d.name in self.stage_datasets(stage)
+                             and hasattr(d, "direct_demonstration") and d.direct_demonstration is None]
+                    if plain:
+                        raise ValueError(
+                            f"stages.{i}.effort_cold_start: file datasets {plain} name no direct_demonstration (the "
+                            f"answer without its reasoning, e.g. \"The answer is {{answer}}.\"), so their demonstrations "
+                            f"could not follow the level")
         return self
 
     @model_validator(mode="after")

@@ -55,5 +55,7 @@ def test_the_pipeline_miniature_runs_every_phase_and_reports_every_domain(tmp_pa
     assert steps[-1]["config/version"] >= 1  # the resumed run trains at the reconfigured version, not the recipe's
     for run in ("opd", "opd_merged", "baseline"):
         assert list((out / run / "checkpoints").glob("step-*")), run
+    # the SFT steps the three domains' specialists trained (two each; the baseline's SFT budget), not their log rows
+    assert re.search(r"SFT steps: specialists 6, baseline 2$", done.stdout, re.M), done.stdout[-3000:]
     merged = yaml.safe_load((out / "recipes" / "opd_merged.yaml").read_text())
     assert merged["model"]["init"] == str(out / "merged") and (out / "merged" / "model.safetensors").is_file()

@@ -294,3 +294,21 @@ def test_where_makes_sub_datasets_of_one_file_train_and_held_out(tmp_path):
         _task(tmp_path, rows, where={"kind": "medium"}).scan()
     with pytest.raises(ValidationError, match="has no field 'size'"):
         _task(tmp_path, rows, where={"size": 3})
+
+
+def test_direct_demonstration_is_the_cold_starts_answer_without_reasoning(tmp_path):
+    """seed §5.1.4's cold start on a file: at level b the template (the answer alone) with probability 1 - b/100."""
+    task = _task(tmp_path, demonstration="sol", direct_demonstration="So: {a} (from {q})", heldout={"fraction": 0.2})
+    p = next(p for p in task.heldout() + list(itertools.islice(task.train_stream(), 50)) if p.problem_id == "add:8")
+    assert p.metadata["direct_demonstration"] == "So: 3 (from 1+2=)"
+    rng = random.Random(0)
+    assert task.demonstration(p, rng) == "1+2=3"  # no cold start: the demonstration
+    assert task.demonstration(p, rng, direct_answer_rate=1.0) == "So: 3 (from 1+2=)"
+    assert task.demonstration(p, rng, direct_answer_rate=0.0) == "1+2=3"
+    assert task.demonstration(p, rng, reasoning_frac=1.0) == "1+2=3"
+    share = sum(task.demonstration(p, rng, direct_answer_rate=0.3) != "1+2=3" for _ in range(2000)) / 2000
+    assert 0.25 < share < 0.35, share
+    share = sum(task.demonstration(p, rng, reasoning_frac=0.3) != "1+2=3" for _ in range(2000)) / 2000
+    assert 0.65 < share < 0.75, share
+    with pytest.raises(ValueError, match=r"d\.jsonl: row 1: field 'nope': is missing .* direct_demonstration"):
+        _task(tmp_path, direct_demonstration="{nope}")  # the recipe's load reads the first rows

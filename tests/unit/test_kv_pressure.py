@@ -137,5 +137,5 @@ def test_quantised_kv_formats_park_their_stored_bytes(kv):
     plain = _drive(_engine(model, False), _requests())
     eng = _engine(model, True, num_blocks=TIGHT)
     got = _drive(eng, _requests(), interrupt_at=(5,))
-    _same(plain, got)
+    _same(plain, got, logprob_tol=1e-2)  # the roomy run quantises K/V computed in other batch shapes (_same)
     assert eng.stats.parks > 0 and eng.cache.num_free_blocks == eng.cache.num_blocks

@@ -55,13 +55,16 @@ def _drive(eng, reqs, tool_output=None, interrupt_at=()):
     return out
 
 
-def _same(a, b):
+def _same(a, b, logprob_tol: float = 1e-5):
+    """The same generations; log-probs within `logprob_tol`: batch shapes differ, so float noise (~3e-6 on CPU). A
+    quantised KV cache rounds that noise to whole quantisation steps where a value sits near a boundary (FP8 on an AMD
+    EPYC: 6e-4), so its callers pass a bound of such a step."""
     assert a.keys() == b.keys()
     for k in a:
         x, y = a[k], b[k]
         assert (x.response_tokens, x.finish_reason, x.appended_spans, x.policy_versions) == \
                (y.response_tokens, y.finish_reason, y.appended_spans, y.policy_versions), k
-        assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0) < 1e-5, k  # batch shapes differ: float noise
+        assert max((abs(p - q) for p, q in zip(x.logprobs, y.logprobs)), default=0) < logprob_tol, k
 
 
 def test_overlap_is_off_on_cpu_by_default_and_for_moe_unless_asked(dense_model, moe_model):

@@ -439,3 +439,14 @@ def test_a_stage_uses_its_own_datasets_and_its_dispatch_may_name_only_those(in_t
     assert load_recipe("r.yaml").eval_datasets() == ["arith", "big"]
     msg = error_of(two, ["stages.1.datasets=[big]", "stages.1.dispatch.mixture={arith: 1.0}"])
     assert "stages.1.dispatch names unknown datasets ['arith']; the stage's datasets are ['big']" in msg
+
+
+def test_the_effort_cold_start_refuses_a_file_dataset_without_a_direct_demonstration():
+    data, _ = load_recipe_dict(Path(__file__).resolve().parents[2] / "configs/pipeline/word_problems_effort.yaml")
+    recipe = Recipe.model_validate(data)
+    assert recipe.stages[0].effort_cold_start and recipe.datasets[0].direct_demonstration
+    del data["datasets"][0]["direct_demonstration"]
+    with pytest.raises(ValueError, match=r"stages\.0\.effort_cold_start: file datasets \['wp'\] name no direct_demonstration"):
+        Recipe.model_validate(data)
+    data["stages"][0]["effort_cold_start"] = False
+    Recipe.model_validate(data)
