@@ -117,12 +117,17 @@ def write_weights(model: Decoder, directory: str | Path, state: dict[str, torch.
 def read_weights(config: ModelConfig, directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """A checkpoint's full state_dict, after checking it was saved with `config`'s weights."""
     path = Path(directory)
-    if not same_weights(load_config(path), config):
+    saved = load_config(path)
+    if not same_weights(saved, config):
         raise ValueError(f"checkpoint {path} was saved with a different model config")
     file = path / "model.safetensors"
     state = load_file(str(file), device=str(device))
     for name, t in state.items():
         check_finite(t, name, file)
+    if saved.lora is not None and config.lora is None:  # a LoRA run's checkpoint read as a plain model: merged
+        from model.lora import merge_lora_state
+
+        state = merge_lora_state(state, saved.lora)
     return state
 
 
@@ -167,6 +172,7 @@ def load_config(path: str | Path) -> ModelConfig:
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Decoder:
-    model = Decoder(load_config(path)).to(device)
+    """The checkpoint's model; a LoRA run's as the plain model of its merged weights (model/lora.py)."""
+    model = Decoder(load_config(path).model_copy(update={"lora": None})).to(device)
     load_weights_into(model, path)
     return model

@@ -135,6 +135,32 @@ class Llama3RopeScaling(StrictConfig):
 RopeScalingConfig = Annotated[Union[LinearRopeScaling, Llama3RopeScaling], Field(discriminator="type")]
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(StrictConfig):
+    """Low-rank adapters (LoRA, Hu et al. 2021; PEFT's layout): each targeted linear layer computes
+    W x + (alpha / rank) · B A x, with A [rank, in] and B [out, rank] trained and W frozen (model/lora.py). MoE routed
+    experts (stacked tensors, not linear layers) stay frozen; a shared expert's projections are adapted."""
+
+    rank: int = Field(32, gt=0)
+    """r: the adapters' inner width."""
+    alpha: float = Field(32.0, gt=0)
+    """The update's scale is alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training (PEFT's `lora_dropout`)."""
+    targets: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = Field(
+        default_factory=lambda: list(LORA_TARGETS), min_length=1)
+    """The linear layers adapted, by name in every decoder layer (PEFT's `target_modules`)."""
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """A's initialisation (B starts at zero either way, so training starts from the base): `kaiming` uniform as
+    PEFT's default, `gaussian` N(0, 1/rank) as PEFT's `init_lora_weights="gaussian"`."""
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class ModelConfig(StrictConfig):
     """Decoder shape. Dense form maps onto Llama/Qwen2/Qwen3, MoE form onto Qwen3-MoE/DeepSeekMoE.
 
@@ -184,6 +210,10 @@ class ModelConfig(StrictConfig):
     """RoPE frequency scaling, `type: linear | llama3` as Hugging Face configs spell it; None = plain RoPE."""
     hidden_act: Literal["silu"] = "silu"
     """Activation of every SwiGLU block; silu is the only one (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters on a frozen base instead of every weight (model/lora.py); None: full fine-tuning.
+    A LoRA run's checkpoints hold the base and the adapters; read as a model elsewhere (`rl eval --checkpoint`,
+    `rl export`, `rl merge`, an OPD teacher) they are the merged weights W + (alpha / rank) · B A."""
     init: str | None = None
     """Pretrained checkpoint to start from (HF directory, GGUF file, asyncrl checkpoint directory, or the
     name of a model `rl models fetch` knows); its config fixes the architecture fields (see the class
@@ -319,7 +349,10 @@ def same_weights(a: ModelConfig, b: ModelConfig) -> bool:
     return not weight_differences(a, b)
 
 
-_NOT_WEIGHTS = ("kv_cache", "init", "init_std", "max_position_embeddings")
+_NOT_WEIGHTS = ("kv_cache", "init", "init_std", "max_position_embeddings", "lora")
+"""`lora`: adapters are tensors beside the weights, not other weights: a LoRA model starts from a base's weights (its
+adapters at their initialisation), and a LoRA checkpoint read as a plain model is its merged weights (model/lora.py
+`merge_lora_state`); the readers check the tensors themselves."""
 
 
 def weight_differences(a: ModelConfig, b: ModelConfig) -> list[str]:

@@ -46,12 +46,15 @@ def build_decoder(cfg: ModelConfig, device="cpu", dtype=None, read_weights: bool
     import torch
 
     from model.decoder import Decoder
-
+    from model.lora import apply_lora
     from model.registry import resolve_model_source
 
     dtype = dtype or torch.float32
     if cfg.init is None:
-        return Decoder(cfg).to(device=device, dtype=dtype)
+        model = Decoder(cfg).to(device=device, dtype=dtype)
+        if cfg.lora is not None:  # after the base's initialisation: the same base as a run without adapters
+            apply_lora(model, cfg.lora)
+        return model
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)
     model = model.to_empty(device=device)
@@ -59,6 +62,8 @@ def build_decoder(cfg: ModelConfig, device="cpu", dtype=None, read_weights: bool
         model.lm_head.weight = model.model.embed_tokens.weight
     for b in model.buffers():  # Router.e_score_correction_bias: zero (no checkpoint of ours has one)
         b.zero_()
+    if cfg.lora is not None:  # initialised adapters; a base checkpoint leaves them so, a LoRA one loads them too
+        apply_lora(model, cfg.lora)
     if read_weights:
         load_pretrained_into(model, resolve_model_source(cfg.init))
     return model
@@ -223,8 +228,12 @@ def export_hf(model, out_dir: str | Path, *, tokenizer_from: TokenizerFrom = Non
     layout) unless expert_layout="fused". `tokenizer_from`: an HF directory whose tokenizer files (and
     generation_config.json) are copied, or a callable that writes them into the directory it is given
     (the tokenizer's own writer, e.g. for a GGUF source whose tokenizer lives in the GGUF header)."""
-    state = dict(model.state_dict())
-    return _write_hf(model.config, state.__getitem__, Path(out_dir), tokenizer_from, bos_token_id, eos_token_id,
+    state, cfg = dict(model.state_dict()), model.config
+    if cfg.lora is not None:  # the trained policy: adapters merged (model/lora.py)
+        from model.lora import merge_lora_state
+
+        state, cfg = merge_lora_state(state, cfg.lora), cfg.model_copy(update={"lora": None})
+    return _write_hf(cfg, state.__getitem__, Path(out_dir), tokenizer_from, bos_token_id, eos_token_id,
                      expert_layout, max_shard_bytes)
 
 
@@ -247,9 +256,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, tokenizer_
                 name = "model.embed_tokens.weight"
             if name not in keys:
                 raise CheckpointFormatError(f"{checkpoint / 'model.safetensors'}: no tensor {name}")
+            layer = name.removesuffix(".weight")
+            if cfg.lora is not None and f"{layer}.lora_A" in keys:  # a LoRA run: the merged weight (model/lora.py)
+                from model.lora import merge_lora_state
+
+                return merge_lora_state({n: st.get_tensor(n) for n in (name, f"{layer}.lora_A", f"{layer}.lora_B")},
+                                        cfg.lora)[name]
             return st.get_tensor(name)
 
-        return _write_hf(cfg, get, Path(out_dir), tokenizer_from, bos_token_id, eos_token_id, expert_layout, max_shard_bytes)
+        return _write_hf(cfg.model_copy(update={"lora": None}), get, Path(out_dir), tokenizer_from, bos_token_id,
+                         eos_token_id, expert_layout, max_shard_bytes)
 
 
 def _write_hf(cfg: ModelConfig, get, out: Path, tokenizer_from: TokenizerFrom, bos_token_id, eos_token_id,

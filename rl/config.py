@@ -720,6 +720,13 @@ class Recipe(StrictConfig):
         return self
 
     @model_validator(mode="after")
+    def validate_lora(self) -> "Recipe":
+        if self.model.lora is not None and self.runtime.parallel == "fsdp2" and self.runtime.num_workers > 1:
+            raise ValueError("model.lora with runtime.parallel: fsdp2 is not supported: the frozen base is not sharded "
+                             "and the adapters are small: use runtime.parallel: ddp")
+        return self
+
+    @model_validator(mode="after")
     def validate_effort(self) -> "Recipe":
         if self.effort is not None:
             for i, stage in enumerate(self.stages):

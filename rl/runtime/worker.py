@@ -26,6 +26,7 @@ import msgpack
 
 from model.checkpoint import synced_entry, write_weights
 from model.decoder import Decoder, is_dtensor
+from model.lora import ADAPTERS, has_lora, lora_layers, merged_copy, merged_weight
 from model.pretrained import build_decoder, load_pretrained_into
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.faults import fault_point
@@ -106,23 +107,29 @@ def interface_of(ip: str) -> str | None:
 
 def rollout_copy(model: Decoder, dtype: torch.dtype) -> Decoder:
     """A copy of `model` with its parameters in `dtype` (buffers, e.g. the MoE selection bias, keep theirs)
-    for the engine, without gradients; `refresh_rollout_copy` updates it in place."""
-    import copy
+    for the engine, without gradients; `refresh_rollout_copy` updates it in place. With LoRA adapters, a plain model
+    holding the merged weights (model/lora.py `merged_copy`)."""
 
-    twin = copy.deepcopy(model).requires_grad_(False).eval()
+    twin = (merged_copy(model) if has_lora(model) else copy.deepcopy(model)).requires_grad_(False).eval()
     for p in twin.parameters():
         p.data = p.data.to(dtype)
     return twin
 
 
 @torch.no_grad()
-def refresh_rollout_copy(twin: Decoder, model: Decoder) -> None:
+def refresh_rollout_copy(twin: Decoder, model: Decoder, frozen: bool = True) -> None:
     """The master weights cast into the copy's existing tensors: the addresses do not change, so the engine's
     captured CUDA graphs stay valid (seed §5.2.1: the weight update happens in place on the device). A
-    sharded (FSDP2) parameter is gathered on the device first, one at a time, on every rank together."""
+    sharded (FSDP2) parameter is gathered on the device first, one at a time, on every rank together.
+    With LoRA, an adapted layer's weight is W + s · B A recomputed from the untouched base (no drift); `frozen=False`
+    (after an optimizer step) skips the frozen parameters, which did not change."""
     dst = dict(twin.named_parameters())
+    adapted = {f"{name}.weight": layer for name, layer in lora_layers(model).items()}
     for name, src in model.named_parameters():
-        dst[name].copy_(src.full_tensor() if is_dtensor(src) else src)
+        if name in adapted:
+            dst[name].copy_(merged_weight(adapted[name]))
+        elif name.rsplit(".", 1)[-1] not in ADAPTERS and (frozen or src.requires_grad):
+            dst[name].copy_(src.full_tensor() if is_dtensor(src) else src)
     for d, b in zip(twin.buffers(), model.buffers()):
         d.copy_(b)
 
@@ -169,10 +176,11 @@ class PolicyWorker:
         """FSDP2 with initial weights from a file: each rank reads its rows of it once sharded (`join_process_group`)."""
         self.model = build_policy(recipe, read_weights=not self._weights_unread)  # same seed on every rank
         # the engine decodes with its own copy of the float32 master weights under run.dtype bfloat16 (a bf16 copy)
-        # and under FSDP2 (the trainer's parameters become shards); else it shares the trainer's module
+        # and under FSDP2 (the trainer's parameters become shards) and with LoRA (the engine reads weights, never a
+        # layer's forward: it decodes the merged W + s · B A); else it shares the trainer's module
         bf16 = recipe.run.dtype == "bfloat16"
-        self.rollout_model = (rollout_copy(self.model, torch.bfloat16 if bf16 else torch.float32) if bf16 or sharded
-                              else self.model)
+        self.rollout_model = (rollout_copy(self.model, torch.bfloat16 if bf16 else torch.float32)
+                              if bf16 or sharded or has_lora(self.model) else self.model)
         self.model.compile_for_training(recipe.compile_mode())  # the training forward only (model/compile.py)
         self.parallel: Single = Single(self.model)
         """The trainer's data-parallel strategy (rl/train/parallel.py); set by `join_process_group`."""
@@ -319,7 +327,7 @@ class PolicyWorker:
         bfloat16 or FSDP2 the engine's copy is refreshed here, from the gathered shards under FSDP2, on every
         rank together): new tokens carry `version` from here on."""
         if self.rollout_model is not self.model:
-            refresh_rollout_copy(self.rollout_model, self.model)
+            refresh_rollout_copy(self.rollout_model, self.model, frozen=False)
         self.rollout_model.refresh_rollout_weights()  # the engine's fused q/k/v, gate/up (model/fused.py), in place
         self.engine.policy_version = version
 
@@ -334,6 +342,8 @@ class PolicyWorker:
             self.pool = None
         if isinstance(stage, OPDStage):  # teacher weights in host memory, an LRU set on the device
             self.pool = TeacherPool.from_config(stage.teachers, device=self.recipe.run.device)
+        if getattr(stage, "kl_ref_coef", 0) > 0 and self.reference is None and has_lora(self.model):
+            self.reference = self.model  # the base: the objective turns the adapters off (model/lora.py adapters_off)
         if getattr(stage, "kl_ref_coef", 0) > 0 and self.reference is None:
             # the run's initial policy, rebuilt exactly as the policy was (same seed, same init weights), so a
             # resumed job penalises the KL to the same reference without keeping it in checkpoints
@@ -356,7 +366,8 @@ class PolicyWorker:
         shards = rt.num_workers if rt.parallel == "fsdp2" and rt.num_workers > 1 else 1
         per_token = activation_bytes_per_token(self.recipe.model, self.recipe.run.dtype == "bfloat16",
                                                getattr(stage, "activation_checkpointing", False))
-        return token_cap(free, self.model.num_parameters() // shards, per_token, optimizer_allocated=False)
+        trained = sum(p.numel() for p in self.model.parameters() if p.requires_grad)  # LoRA: the adapters alone
+        return token_cap(free, trained // shards, per_token, optimizer_allocated=False)
 
     def add_teachers(self, specs: Sequence[TeacherSpec]) -> None:
         """Load teachers into this worker's pool, all or none (rl/reconfigure.py: the job validates a patch by loading

@@ -23,6 +23,7 @@ from collections import defaultdict
 import torch
 
 from model.decoder import Decoder
+from model.lora import adapters_off
 from model.reverse_kl import reverse_kl_loss
 from model.token_logprobs import token_logprobs
 from rl.config import GRPOStage, OPDStage, SFTStage
@@ -169,7 +170,7 @@ class GRPOObjective:
                 metrics["rl/entropy_coef"] = coef
             loss = loss - coef * (bonus[0] * kept).sum() / rows.num_tokens
         if s.kl_ref_coef > 0:
-            with torch.no_grad():
+            with torch.no_grad(), adapters_off(self.reference):  # LoRA: the base is the reference, no second copy
                 ref_hidden = self.reference.forward_hidden(**b.forward_kwargs(self.routing_replay)).hidden
                 ref_logprobs = response_logprobs(self.reference, ref_hidden, b, self.temperature)
             k3 = reference_kl(x.logprobs, ref_logprobs) * b.mask

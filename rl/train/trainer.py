@@ -376,7 +376,7 @@ def lr_factor(cfg: OptimConfig, step: int, total_steps: int | None) -> float:
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
                     total_steps: int | None = None) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA (model/lora.py): the adapters alone
     # one fused kernel for the whole update on CUDA (torch's default there is the multi-tensor foreach loop);
     # FSDP2's sharded parameters (DTensors) keep the default
     fused = bool(params) and all(p.is_cuda and not is_dtensor(p) for p in params)

@@ -1,0 +1,153 @@
+"""LoRA (model/lora.py, issue #44): the adapted forward is the merged model's, only the adapters train, the engine
+decodes W + s·B·A recomputed from the untouched base, and a LoRA checkpoint read as a plain model is merged."""
+
+import pytest
+import torch
+
+from model.config import LoraConfig, same_weights
+from model.decoder import Decoder
+from model.lora import adapters_off, apply_lora, lora_layers, merge_lora_state, merged_copy, merged_weight
+from rl.config import Recipe
+from rl.runtime.worker import PolicyWorker
+from rl.train.trainer import TrainBatch
+from tests.conftest import debug_config
+from tests.unit.test_worker import RECIPE, _reqs
+
+LORA = {"rank": 4, "alpha": 8.0}
+
+
+def _logits(model, ids):
+    out = model(ids)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _randomise_b(model, std=0.05):
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            layer.lora_B.normal_(std=std)  # B starts at zero: a nonzero B makes the adapters move the logits
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_adapted_forward_is_the_merged_plain_models_and_adapters_off_is_the_base(moe):
+    torch.manual_seed(0)
+    base = Decoder(debug_config(moe=moe)).double()
+    model = Decoder(debug_config(moe=moe)).double()
+    model.load_state_dict(base.state_dict())
+    n = apply_lora(model, LoraConfig(**LORA))
+    layers = debug_config(moe=moe).num_layers
+    assert n == layers * 7  # MoE: the shared expert's three; the routed experts (stacked tensors) stay frozen
+    assert moe == any(".experts." in k for k in model.state_dict())
+    assert set(base.state_dict()) < set(model.state_dict())  # the base's names unchanged: base checkpoints load as are
+    assert {k for k, p in model.named_parameters() if p.requires_grad} == \
+           {k for k in model.state_dict() if k.endswith((".lora_A", ".lora_B"))}
+    ids = torch.randint(0, 99, (2, 12))
+    assert torch.equal(_logits(model, ids), _logits(base, ids))  # B = 0: training starts from the base
+    _randomise_b(model)
+    adapted, plain = _logits(model, ids), _logits(merged_copy(model), ids)
+    assert (adapted - _logits(base, ids)).abs().max() > 1e-2  # the adapters matter: > 1e8 x the bound below
+    assert (adapted - plain).abs().max() < 1e-10  # float64: W x + s B A x against (W + s B A) x
+    with adapters_off(model):
+        assert torch.equal(_logits(model, ids), _logits(base, ids))
+    merged = merge_lora_state(model.state_dict(), LoraConfig(**LORA))
+    assert merged.keys() == base.state_dict().keys()
+    assert all(torch.equal(merged[k], v) for k, v in merged_copy(model).state_dict().items())
+
+
+def test_targets_choose_the_layers_and_a_target_list_that_names_none_is_refused():
+    model = Decoder(debug_config(moe=False))
+    assert apply_lora(model, LoraConfig(rank=2, targets=["q_proj", "v_proj"])) == 2 * debug_config(moe=False).num_layers
+    assert {name.rsplit(".", 1)[-1] for name in lora_layers(model)} == {"q_proj", "v_proj"}
+    with pytest.raises(ValueError, match=r"model\.lora\.targets \['o_proj'\] name no linear layer"):
+        apply_lora(torch.nn.Sequential(torch.nn.Linear(2, 2)), LoraConfig(targets=["o_proj"]))
+    assert same_weights(model.config, model.config.model_copy(update={"lora": LoraConfig()}))  # adapters: not weights
+
+
+def _lora_worker(**run):
+    recipe = Recipe.model_validate({**RECIPE, "run": {**RECIPE["run"], **run},
+                                    "model": {**RECIPE["model"], "lora": LORA}})
+    return recipe, PolicyWorker(recipe)
+
+
+def _step(w, recipe):
+    gens = w.generate(_reqs())
+    batch = TrainBatch([g.prompt_tokens for g in gens], [g.response_tokens for g in gens],
+                       float(sum(len(g.response_tokens) for g in gens)), [g.logprobs for g in gens],
+                       [g.policy_versions for g in gens], [g.routing_trace for g in gens], [1.0, -1.0, 0.5, -0.5])
+    w.train_step(batch, recipe.stages[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_only_the_adapters_train_and_the_engine_decodes_the_merged_weights_recomputed_from_the_base(dtype):
+    recipe, w = _lora_worker(dtype=dtype)
+    assert w.rollout_model is not w.model and not lora_layers(w.rollout_model)  # a plain copy: the engine reads weights
+    w.begin_stage(recipe.stages[0])
+    trained = {k for k, p in w.model.named_parameters() if p.requires_grad}
+    assert trained and all(k.endswith((".lora_A", ".lora_B")) for k in trained)
+    assert sum(len(g["params"]) for g in w.trainer.opt.param_groups) == len(trained)  # no optimizer state for the base
+    base = {k: p.detach().clone() for k, p in w.model.named_parameters() if not p.requires_grad}
+    engine = dict(w.rollout_model.named_parameters())
+    addresses = {k: p.data_ptr() for k, p in engine.items()}
+    layers = {f"{name}.weight": layer for name, layer in lora_layers(w.model).items()}
+    for _ in range(3):
+        _step(w, recipe)
+        w.update_weights(w.engine.policy_version + 1)
+    assert all(torch.equal(p, base[k]) for k, p in w.model.named_parameters() if k in base)  # the base never moves
+    assert any(layer.lora_B.abs().max() > 0 for layer in layers.values())  # it trained
+    for k, p in engine.items():  # the engine: W + s B A from the base, cast once; everything else the base's
+        want = merged_weight(layers[k]) if k in layers else base[k]
+        assert torch.equal(p, want.to(p.dtype)), k
+    assert {k: p.data_ptr() for k, p in engine.items()} == addresses  # in place: captured CUDA graphs stay valid
+    for _ in range(50):  # no drift: every update recomputes from the untouched base
+        w.update_weights(w.engine.policy_version + 1)
+    assert all(torch.equal(p, (merged_weight(layers[k]) if k in layers else base[k]).to(p.dtype)) for k, p in engine.items())
+
+
+def test_a_lora_checkpoint_reads_as_its_merged_plain_model(tmp_path):
+    from model.checkpoint import load_checkpoint, write_weights
+    from model.pretrained import export_checkpoint, export_hf
+
+    torch.manual_seed(0)
+    model = Decoder(debug_config(moe=False).model_copy(update={"lora": LoraConfig(**LORA)}))
+    apply_lora(model, model.config.lora)
+    _randomise_b(model)
+    write_weights(model, tmp_path)
+    ids = torch.randint(0, 99, (2, 12))
+    want = _logits(model, ids)
+    plain = load_checkpoint(tmp_path)  # rl eval --checkpoint, an OPD teacher's config
+    assert not lora_layers(plain) and plain.config.lora is None
+    assert torch.allclose(_logits(plain, ids), want, atol=1e-5)  # float32: merged once, rounded once
+    for out in (export_checkpoint(tmp_path, tmp_path / "hf"), export_hf(model, tmp_path / "hf_live")):
+        from safetensors.torch import load_file
+
+        exported = load_file(str(out / "model.safetensors"))
+        assert not any("lora" in k for k in exported)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        assert torch.equal(exported[q], merged_weight(lora_layers(model)["model.layers.0.self_attn.q_proj"]))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_memory_estimate_counts_the_adapters_gradients_and_moments_alone(moe):
+    from rl.runtime.memory import estimate, lora_parameter_count, parameter_count
+
+    cfg = debug_config(moe=moe).model_copy(update={"lora": LoraConfig(rank=8, targets=["q_proj", "down_proj"])})
+    model = Decoder(cfg)
+    apply_lora(model, cfg.lora)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_parameter_count(cfg) == adapters > 0 and lora_parameter_count(cfg.model_copy(update={"lora": None})) == 0
+    stage = {**RECIPE["stages"][0], "kl_ref_coef": 0.1}
+    full = estimate(Recipe.model_validate({**RECIPE, "stages": [stage]}))
+    lora = estimate(Recipe.model_validate({**RECIPE, "stages": [stage], "model": {**RECIPE["model"], "lora": LORA}}))
+    n, a = full["parameters"], lora_parameter_count(Recipe.model_validate({**RECIPE, "model": {**RECIPE["model"], "lora": LORA}}).model)
+    assert parameter_count(Recipe.model_validate(RECIPE).model) == n
+    assert (full["gradients"], full["adamw"], full["reference"], full["engine_weights"]) == (4 * n, 8 * n, 4 * n, 0)
+    assert (lora["weights"], lora["gradients"], lora["adamw"], lora["reference"], lora["engine_weights"]) == \
+           (4 * (n + a), 4 * a, 8 * a, 0, 4 * n)  # float32 run: the engine's merged copy is float32 too
+
+
+def test_lora_with_fsdp2_is_refused_in_one_line():
+    bad = {**RECIPE, "model": {**RECIPE["model"], "lora": LORA},
+           "runtime": {"ray": False, "num_workers": 2, "parallel": "fsdp2"},
+           "stages": [{**RECIPE["stages"][0], "prompts_per_step": 2}]}
+    with pytest.raises(ValueError, match=r"model\.lora with runtime\.parallel: fsdp2 is not supported"):
+        Recipe.model_validate(bad)
+    Recipe.model_validate({**bad, "runtime": {**bad["runtime"], "parallel": "ddp"}})
