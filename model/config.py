@@ -168,7 +168,8 @@ class ModelConfig(StrictConfig):
     file, or an asyncrl checkpoint directory (`model.formats.checkpoint_kind` tells them apart). Every
     architecture field is then derived from the checkpoint (`model.formats.checkpoint_fields`); a field the
     recipe gives as well must equal the derived value, else validation fails with one line naming the field
-    and both values. Free to differ: `kv_cache` (storage format, QAT), `init_std` (unused), and
+    and both values. Free to differ: `kv_cache` (storage format, QAT), `init_std` (unused), `lora` (adapters on the
+    checkpoint's weights), and
     `max_position_embeddings` and `num_layers`, which may be lowered (never raised): a lower `num_layers` keeps the
     checkpoint's first layers and drops the rest (layer dropping: a smaller model of another shape initialised from
     a pretrained one, e.g. an OPD teacher of another architecture, issue #43). `sparse_attention` must match the
@@ -323,7 +324,8 @@ def merge_checkpoint_fields(cls: type[ModelConfig], data: dict, derived: dict) -
     got = cls.model_validate(merged)
     init = data["init"]
     for name in given:
-        if name in ("kv_cache", "init_std"):  # free: how K/V are stored; the init of weights that get loaded
+        if name in ("kv_cache", "init_std", "lora"):  # free: how K/V are stored; the init of weights that get loaded;
+            # adapters trained on the checkpoint's weights
             continue
         if name in ("max_position_embeddings", "num_layers"):  # may be lowered: num_layers keeps the first N layers
             if getattr(got, name) > getattr(want, name):

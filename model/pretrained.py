@@ -208,7 +208,8 @@ def load_pretrained_into(model, path: str | Path) -> int:
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointFormatError(f"{path}: no tensor {missing[0]}{more}")
-    short = [n for n, t in targets.items() if written[n] < t.numel()]
+    # LoRA adapters (model/lora.py) that a base checkpoint does not hold keep their initialisation
+    short = [n for n, t in targets.items() if written[n] < t.numel() and n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
     if short:
         raise CheckpointFormatError(f"{path}: no tensor for {short[0]}")
     return nbytes
@@ -333,3 +334,47 @@ def _write_files(fields: dict, conv, get, tmp: Path, tokenizer_from, bos_token_i
     (tmp / "config.json").write_text(json.dumps(hf_config(fields, dtype=dtype or "float32", **generation), indent=2))
     if not (tmp / "generation_config.json").is_file():
         (tmp / "generation_config.json").write_text(json.dumps({k: v for k, v in generation.items() if v is not None}, indent=2))
+
+
+PEFT_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)$")
+"""The adapted layers a PEFT adapter of a Llama/Qwen base holds: ours are named as transformers names them."""
+
+
+def export_peft_adapter(checkpoint: str | Path, out_dir: str | Path, base_model: str | None = None) -> Path:
+    """A LoRA run's checkpoint as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that
+    `peft.PeftModel.from_pretrained(base, DIR)` loads onto the base it was trained on (`base_model`: its path,
+    recorded as base_model_name_or_path). CheckpointFormatError (one line) for a checkpoint without adapters or with
+    adapters PEFT's layout of these architectures has no place for (a shared expert's)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from model.checkpoint import load_config
+
+    checkpoint, out = Path(checkpoint), Path(out_dir)
+    cfg = load_config(checkpoint)
+    if cfg.lora is None:
+        raise CheckpointFormatError(f"{checkpoint}: not trained with LoRA (no model.lora): export the model, not an adapter")
+    output_dir(out, what="export directory")
+    tensors = {}
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as st:
+        for name in st.keys():
+            layer, _, kind = name.rpartition(".")
+            if kind in ("lora_A", "lora_B"):
+                if not PEFT_LAYER.match(layer):
+                    raise CheckpointFormatError(f"{checkpoint}: adapter {name} has no place in a PEFT adapter of a "
+                                                f"Llama/Qwen base")
+                tensors[f"base_model.model.{layer}.{kind}.weight"] = st.get_tensor(name).contiguous()
+    lora = cfg.lora
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": sorted(lora.targets),
+              "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True, "use_rslora": False,
+              "use_dora": False, "modules_to_save": None}
+    tmp = temp_dir_for(out)
+    try:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        publish_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -61,3 +61,10 @@ def test_lora_trains_the_adapters_alone_and_resumes_to_the_uninterrupted_run(run
     merged = state[f"{q}.weight"] + 2.0 * state[f"{q}.lora_B"] @ state[f"{q}.lora_A"]
     assert torch.allclose(hf[f"{q}.weight"].float(), merged, atol=1e-6)
     assert not torch.equal(hf[f"{q}.weight"].float(), state[f"{q}.weight"])
+    # --adapter: the adapters alone, in PEFT's layout (their round trip through peft: tests/unit/test_lora.py)
+    adapter = _run("export", str(run_dir), "--adapter", "--out", str(tmp_path / "adapter"))
+    assert adapter.returncode == 0, adapter.stderr[-2000:]
+    peft = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert sorted(peft) == sorted(f"base_model.model.{k}.weight" for k in state if k.endswith((".lora_A", ".lora_B")))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"]) == ("LORA", 4, 8.0)

@@ -151,3 +151,37 @@ def test_lora_with_fsdp2_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"model\.lora with runtime\.parallel: fsdp2 is not supported"):
         Recipe.model_validate(bad)
     Recipe.model_validate({**bad, "runtime": {**bad["runtime"], "parallel": "ddp"}})
+
+
+def test_the_peft_adapter_export_loads_onto_the_base_in_transformers_with_the_same_logits(tmp_path):
+    pytest.importorskip("peft")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from model.checkpoint import write_weights
+    from model.config import ModelConfig
+    from model.formats import CheckpointFormatError
+    from model.pretrained import build_decoder, export_peft_adapter
+    from tests.hf_tiny import make_hf
+
+    base_dir = tmp_path / "base"
+    make_hf("qwen3", base_dir, seed=3, vocab_size=99)
+    torch.manual_seed(0)
+    ours = build_decoder(ModelConfig(init=str(base_dir), lora=LoraConfig(rank=4, alpha=16.0)))
+    _randomise_b(ours, std=0.1)
+    (tmp_path / "ckpt").mkdir()
+    write_weights(ours, tmp_path / "ckpt")
+    export_peft_adapter(tmp_path / "ckpt", tmp_path / "adapter", base_model=str(base_dir))
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    x = torch.tensor([[1, 5, 17, 40, 3, 98, 2]])
+    with torch.no_grad():
+        plain = base(x).logits
+        peft_logits = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(x).logits
+        mine = _logits(ours.eval(), x)
+    assert (mine - plain).abs().max() > 0.05  # the adapters matter: > 100x the bound below
+    assert (mine - peft_logits).abs().max() <= 5e-4, (mine - peft_logits).abs().max()  # issue 44: 5e-4 (here ~1e-6)
+    with pytest.raises(CheckpointFormatError, match="not trained with LoRA"):
+        plain_ckpt = tmp_path / "plain"
+        plain_ckpt.mkdir()
+        write_weights(build_decoder(ModelConfig(init=str(base_dir))), plain_ckpt)
+        export_peft_adapter(plain_ckpt, tmp_path / "adapter2")
