@@ -79,6 +79,18 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     return n
 
 
+def base_to(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store the adapted layers' frozen weights in `dtype` (bf16 under mixed precision: autocast casts them to it at
+    every forward anyway, so the forward is unchanged and no float32 master copy is kept); returns the bytes saved.
+    Biases, norms, embeddings and the adapters keep theirs."""
+    saved = 0
+    for layer in lora_layers(model).values():
+        w = layer.weight
+        saved += w.numel() * (w.element_size() - torch.empty((), dtype=dtype).element_size())
+        w.data = w.data.to(dtype)
+    return saved
+
+
 def lora_layers(model: nn.Module) -> dict[str, LoraLinear]:
     """The adapted layers by module name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}

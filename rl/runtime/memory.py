@@ -6,8 +6,9 @@ Per worker (one device); the trainer's tensors are float32 (`build_policy`), als
     (sharded; the one layer gathered at a time is not counted), the frozen reference P·4 when a stage has
     kl_ref_coef > 0 (P: parameters, `parameter_count`: one period of layers on the meta device and
     arithmetic, exact for every architecture, nothing allocated, the same time for any number of layers);
-    with `model.lora`, weights (P + A)·4 and gradients and moments for the A adapter parameters alone
-    (`lora_parameter_count`), no reference copy (the base with its adapters off) and always the engine's copy;
+    with `model.lora`, weights (P + A)·4 (the T weights of the adapted layers at 2 bytes, not 4, under run.dtype
+    bfloat16) and gradients and moments for the A adapter parameters alone (`lora_counts`), no reference copy (the
+    base with its adapters off) and always the engine's copy;
     the engine's own copy of the weights with run.dtype bfloat16 (P·2) and under fsdp2 (P·4 or P·2: the
     engine holds full weights, rl/runtime/worker.py);
     the engine's KV pool: num_blocks · block_size tokens · num_layers · the format's bytes per token per layer
@@ -80,7 +81,7 @@ def estimate(recipe: Recipe) -> dict[str, float]:
             kv = (e.kv_gib * GIB // (e.block_size * per_token)) * e.block_size * per_token
     reference = any(isinstance(s, GRPOStage) and s.kl_ref_coef > 0 for s in recipe.stages)
     teachers = max((s.teachers.device_memory_mib * 2**20 for s in recipe.stages if isinstance(s, OPDStage)), default=0.0)
-    adapters = lora_parameter_count(m)  # LoRA: only the adapters have gradients and AdamW moments
+    adapters, adapted = lora_counts(m)  # LoRA: only the adapters have gradients and AdamW moments
     copy = recipe.run.dtype != "float32" or shards > 1 or m.lora is not None  # LoRA: the engine decodes a merged copy
     engine_weights = params * engine_dtype.itemsize if copy else 0.0
     reference = reference and m.lora is None  # LoRA: the base with its adapters off, no second copy
@@ -94,6 +95,8 @@ def estimate(recipe: Recipe) -> dict[str, float]:
     activations = max(_micro_batch_tokens(recipe, s) * activation_bytes_per_token(
         m, autocast, getattr(s, "activation_checkpointing", False)) for s in recipe.stages)
     trainer = (params + adapters) * elem / shards
+    if m.lora is not None and recipe.run.dtype == "bfloat16":  # the adapted layers' frozen weights in bf16 (worker.py)
+        trainer -= adapted * 2 / shards
     trained = (adapters if m.lora is not None else params) * elem / shards
     parts = {"weights": trainer, "gradients": trained, "adamw": 2 * trained,
              "reference": params * elem if reference else 0.0,
@@ -125,8 +128,13 @@ def parameter_count(cfg) -> int:
 def lora_parameter_count(cfg) -> int:
     """The adapters' parameters under `cfg.lora` (0 without): rank × (in + out) for each targeted linear layer of each
     decoder layer (model/lora.py), from one layer on the meta device."""
+    return lora_counts(cfg)[0]
+
+
+def lora_counts(cfg) -> tuple[int, int]:
+    """(the adapters' parameters, the adapted layers' weights: the base a bf16 run stores in bf16); (0, 0) without."""
     if cfg.lora is None:
-        return 0
+        return 0, 0
     import torch
     from torch import nn
 
@@ -137,10 +145,15 @@ def lora_parameter_count(cfg) -> int:
     with torch.device("meta"), _shapes_only():
         small = Decoder(cfg.model_copy(update={"num_layers": built, "lora": None}))
     targets = set(cfg.lora.targets)
-    per_layer = [sum(cfg.lora.rank * (m.in_features + m.out_features) for name, m in layer.named_modules()
-                     if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets) for layer in small.model.layers]
+    adapted = [[m for name, m in layer.named_modules() if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+               for layer in small.model.layers]
     full, rest = divmod(cfg.num_layers, built)
-    return full * sum(per_layer) + sum(per_layer[:rest])
+
+    def total(per_layer: list[int]) -> int:
+        return full * sum(per_layer) + sum(per_layer[:rest])
+
+    return (total([sum(cfg.lora.rank * (m.in_features + m.out_features) for m in ms) for ms in adapted]),
+            total([sum(m.in_features * m.out_features for m in ms) for ms in adapted]))
 
 
 def activation_bytes_per_token(m, autocast: bool, checkpointing: bool = False, backward: bool = True) -> float:

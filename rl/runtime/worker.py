@@ -26,7 +26,7 @@ import msgpack
 
 from model.checkpoint import synced_entry, write_weights
 from model.decoder import Decoder, is_dtensor
-from model.lora import ADAPTERS, has_lora, lora_layers, merged_copy, merged_weight
+from model.lora import ADAPTERS, base_to, has_lora, lora_layers, merged_copy, merged_weight
 from model.pretrained import build_decoder, load_pretrained_into
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.faults import fault_point
@@ -179,6 +179,8 @@ class PolicyWorker:
         # and under FSDP2 (the trainer's parameters become shards) and with LoRA (the engine reads weights, never a
         # layer's forward: it decodes the merged W + s · B A); else it shares the trainer's module
         bf16 = recipe.run.dtype == "bfloat16"
+        if bf16 and has_lora(self.model):  # the frozen base in bf16, no float32 master copy (model/lora.py base_to)
+            base_to(self.model, torch.bfloat16)
         self.rollout_model = (rollout_copy(self.model, torch.bfloat16 if bf16 else torch.float32)
                               if bf16 or sharded or has_lora(self.model) else self.model)
         self.model.compile_for_training(recipe.compile_mode())  # the training forward only (model/compile.py)

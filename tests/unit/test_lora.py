@@ -142,6 +142,10 @@ def test_the_memory_estimate_counts_the_adapters_gradients_and_moments_alone(moe
     assert (full["gradients"], full["adamw"], full["reference"], full["engine_weights"]) == (4 * n, 8 * n, 4 * n, 0)
     assert (lora["weights"], lora["gradients"], lora["adamw"], lora["reference"], lora["engine_weights"]) == \
            (4 * (n + a), 4 * a, 8 * a, 0, 4 * n)  # float32 run: the engine's merged copy is float32 too
+    recipe = Recipe.model_validate({**RECIPE, "run": {**RECIPE["run"], "dtype": "bfloat16"},
+                                    "model": {**RECIPE["model"], "lora": LORA}})
+    w = PolicyWorker(recipe)  # the estimate against the bytes the worker's trainer holds
+    assert estimate(recipe)["weights"] == sum(p.numel() * p.element_size() for p in w.model.parameters())
 
 
 def test_lora_with_fsdp2_is_refused_in_one_line():
@@ -185,3 +189,33 @@ def test_the_peft_adapter_export_loads_onto_the_base_in_transformers_with_the_sa
         plain_ckpt.mkdir()
         write_weights(build_decoder(ModelConfig(init=str(base_dir))), plain_ckpt)
         export_peft_adapter(plain_ckpt, tmp_path / "adapter2")
+
+
+def test_under_bf16_the_adapted_base_is_stored_in_bf16_and_trains_exactly_as_its_float32_master_would():
+    """Mixed precision casts every weight to bf16 at each forward: a base stored in bf16 (no float32 master copy:
+    half its bytes) gives the same losses and adapters, step for step."""
+    from model.lora import base_to
+
+    recipe, w = _lora_worker(dtype="bfloat16")
+    layers = lora_layers(w.model)
+    assert {layer.weight.dtype for layer in layers.values()} == {torch.bfloat16}
+    assert {layer.lora_A.dtype for layer in layers.values()} == {torch.float32}
+    _, master = _lora_worker(dtype="bfloat16")
+    for layer in lora_layers(master.model).values():  # the same run with its base kept in float32
+        layer.weight.data = layer.weight.data.float()
+    assert base_to(master.model, torch.float32) == 0
+    for worker in (w, master):
+        worker.begin_stage(recipe.stages[0])
+    for worker in (w, master):
+        gens = worker.generate(_reqs())
+        batch = TrainBatch([g.prompt_tokens for g in gens], [g.response_tokens for g in gens],
+                           float(sum(len(g.response_tokens) for g in gens)), [g.logprobs for g in gens],
+                           [g.policy_versions for g in gens], [g.routing_trace for g in gens], [1.0, -1.0, 0.5, -0.5])
+        worker.train_step(batch, recipe.stages[0])
+    a, b = (dict(x.model.named_parameters()) for x in (w, master))
+    adapters = [k for k in a if k.endswith((".lora_A", ".lora_B"))]
+    assert all(torch.equal(a[k], b[k]) for k in adapters) and any(b[k].abs().max() > 0 for k in adapters if "lora_B" in k)
+    from rl.train.parallel import trainer_state_bytes
+
+    base_bytes = sum(layer.weight.numel() for layer in layers.values())
+    assert trainer_state_bytes(master.model, master.trainer.opt) - trainer_state_bytes(w.model, w.trainer.opt) == 2 * base_bytes
