@@ -8,8 +8,11 @@ with untrusted code: a fresh sandbox, `python3 -c` of a short snippet, close. Pe
 `total` adds the close. Items run `--items` per level at concurrency 1, 8 and 32 (a semaphore over one
 client connection, as `run_batch` does), after a warm-up; executions per second = items / wall time of the
 level. Then the hostile suite (sandbox_client/hostile.py) runs against the same backend.
-Last line: RESULT backend=<name> p50_ms=<create+exec+close p50 at concurrency 1> p99_ms=<its p99>
-execs_per_s=<best level> hostile_contained=<n>/<total>
+Multi-turn samples (`turns`): 3 calls each with the tool turns' snapshot before every call after the first, 32 at
+a time, with calls that only print (an empty work directory: its snapshot runs no exec) and calls that write a file
+(tar at every snapshot). Last line: RESULT backend=<name> p50_ms=<create+exec+close p50 at concurrency 1>
+p99_ms=<its p99> execs_per_s=<best level> turn_calls_per_s=<printing calls> turn_calls_per_s_tar=<writing calls>
+hostile_contained=<n>/<total>
 """
 
 from __future__ import annotations
@@ -71,6 +74,30 @@ async def level(socket_path: Path, concurrency: int, items: int) -> dict:
             "total_p50": statistics.median(total), "total_p99": pct(total, 0.99)}
 
 
+async def turns(socket_path: Path, concurrency: int, samples: int, calls: int, write: bool) -> dict:
+    """Multi-turn samples as rl/runtime/tool_turns.py runs them: a sandbox each, `calls` calls of `python3 -c`, the
+    work directory snapshot before every call after the first (what a checkpoint would keep), `concurrency` samples
+    at a time. `write`: every call writes a file (each snapshot runs tar); else the calls only print (the work
+    directory stays empty: the snapshot is b"", no exec). Tool calls per second over the wall time."""
+    gate = asyncio.Semaphore(concurrency)
+    code = "open('state.txt', 'a').write('x'); print(6 * 7)" if write else "print(6 * 7)"
+    async with await SandboxClient.connect(socket_path) as client:
+        async def one() -> None:
+            async with gate:
+                sb = await client.create_waiting(LIMITS)
+                for c in range(calls):
+                    if c:
+                        await sb.snapshot()
+                    await sb.exec(code=code)
+                await sb.close()
+
+        await asyncio.gather(*(one() for _ in range(min(samples, concurrency))))  # warm-up
+        start = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(samples)))
+        wall = time.perf_counter() - start
+    return {"write": write, "samples": samples, "calls": calls, "calls_per_s": samples * calls / wall}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smoke size: under a minute")
@@ -90,6 +117,11 @@ def main() -> None:
                 print(f"{r['concurrency']:5d} {r['items']:6d} {r['create_p50']:7.1f} {r['exec_p50']:7.1f} {r['close_p50']:7.1f} "
                       f"{r['first_output_p50']:10.1f} {r['total_p50']:7.1f} {r['total_p99']:10.1f} {r['execs_per_s']:8.1f} "
                       f"{r['wrong_output']:6d}")
+            multi = [asyncio.run(turns(world.socket_path, 32, 64 if a.quick else 256, 3, w)) for w in (False, True)]
+            print("multi-turn samples, 32 at a time, 3 calls each, a snapshot before each call after the first:")
+            for r in multi:
+                print(f"  calls {'writing a file (tar at every snapshot)' if r['write'] else 'that only print (empty: no tar)':40s} "
+                      f"{r['calls_per_s']:7.1f} calls/s")
             outcomes = [run_case(name, world) for name in CASES]
         print(f"\nhostile suite ({a.backend}):")
         for o in outcomes:
@@ -102,7 +134,8 @@ def main() -> None:
         Path(a.json).write_text(json.dumps({"args": vars(a), "levels": levels, "hostile": [o.__dict__ for o in outcomes]},
                                            indent=1))
     print(f"RESULT backend={a.backend} p50_ms={solo['total_p50']:.1f} p99_ms={solo['total_p99']:.1f} "
-          f"execs_per_s={max(r['execs_per_s'] for r in levels):.1f} hostile_contained={contained}/{len(outcomes)}")
+          f"execs_per_s={max(r['execs_per_s'] for r in levels):.1f} turn_calls_per_s={multi[0]['calls_per_s']:.1f} "
+          f"turn_calls_per_s_tar={multi[1]['calls_per_s']:.1f} hostile_contained={contained}/{len(outcomes)}")
 
 
 if __name__ == "__main__":

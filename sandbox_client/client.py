@@ -198,13 +198,14 @@ class Sandbox:
         return result["data"]
 
     async def snapshot(self) -> bytes:
-        """The work directory's whole content as a gzip'd tar (taken inside the sandbox); a `SandboxError` when
-        the archive passes `limits.snapshot_mib`. Take it while no exec runs, or it may catch files half-written."""
+        """The work directory's whole content as a gzip'd tar (taken inside the sandbox; b"" when it is empty); a
+        `SandboxError` when the archive passes `limits.snapshot_mib`. Take it while no exec runs, or it may catch files
+        half-written."""
         result = await self.client.call("snapshot", wait_s=self.limits.timeout_s + ANSWER_SLACK_S, sandbox_id=self.id)
         return result["data"]
 
     async def restore(self, archive: bytes) -> None:
-        """Make the work directory what `snapshot` returned (its present content is removed first)."""
+        """Make the work directory what `snapshot` returned (its present content is removed first; b"": empty)."""
         await self.client.call("restore", wait_s=self.limits.timeout_s + ANSWER_SLACK_S, sandbox_id=self.id,
                                data=_bytes(archive))
 

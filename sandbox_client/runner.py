@@ -40,6 +40,8 @@ class SandboxState:
     procs: set[asyncio.subprocess.Process] = field(default_factory=set)
     """Its execs' launcher processes while they run (close kills their groups)."""
     closed: bool = False
+    snapshot_cache: tuple | None = None
+    """(the work directory's fingerprint, its archive) of the last snapshot (server.py `_op_snapshot`), small ones."""
 
 
 async def run_exec(sb: SandboxState, backend: Backend, children: Children, argv: list[str], stdin: bytes,

@@ -11,7 +11,8 @@ them through one isolation backend (backends.py).
   resolves in the sandbox's view of the filesystem, never the server's.
 - `snapshot` / `restore` move a work directory's whole content as a gzip'd tar (`tar` inside the sandbox, like
   the file operations): a multi-turn rollout keeps its sample's files across a preemption this way (seed
-  §5.1.3). The archive is capped (`Limits.snapshot_mib`); a larger one is a one-line error.
+  §5.1.3). The archive is capped (`Limits.snapshot_mib`); a larger one is a one-line error. An empty directory's
+  snapshot is b"" and an unchanged one's the archive before, with no exec (`work_fingerprint`: metadata by lstat).
 - An exec ends at its own end, or is killed (the whole process tree) when it passes its wall-clock timeout,
   its CPU seconds (polled from the cgroup, RLIMIT_CPU behind it) or its output cap; OOM kills and refused
   forks are read from the cgroup's counters. The result says which (`ExecResult.reason`).
@@ -74,6 +75,36 @@ SNAPSHOT_ARGV = ("tar", "-czf", "-", "--numeric-owner", ".")
 """Run in the work directory: its whole content (hidden files included) as a gzip'd tar on stdout."""
 RESTORE_ARGV = ("/bin/sh", "-c", "find . -mindepth 1 -delete && tar -xzf - --no-same-owner")
 """Run in the work directory: empty it, then unpack the archive on stdin into it."""
+EMPTY_ARGV = ("find", ".", "-mindepth", "1", "-delete")
+"""Run in the work directory: empty it (the restore of an empty directory's snapshot, b"")."""
+FINGERPRINT_ENTRIES = 4096
+"""A work directory with more entries than this is archived at every snapshot (`work_fingerprint`)."""
+CACHED_SNAPSHOT_BYTES = 1 << 20
+"""Archives up to this size are kept for the next snapshot of an unchanged work directory."""
+
+
+def work_fingerprint(work: Path) -> tuple | None:
+    """The work directory's metadata: every entry by lstat (path, mode, inode, size, mtime and ctime in ns; ctime moves
+    at every write, and no call can set it back) and the directory's own, taken by the server without following a
+    link or reading a file; None when it cannot be taken cheaply (more than FINGERPRINT_ENTRIES entries, or one the
+    server cannot read): the snapshot then runs `tar` as always. `len(...) == 4`: the directory is empty."""
+    entries, stack = [], [""]
+    try:
+        while stack:
+            rel = stack.pop()
+            with os.scandir(work / rel if rel else work) as it:
+                for e in it:
+                    st = e.stat(follow_symlinks=False)
+                    path = f"{rel}/{e.name}" if rel else e.name
+                    entries.append((path, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns))
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(path)
+                    if len(entries) > FINGERPRINT_ENTRIES:
+                        return None
+        root = os.lstat(work)
+    except OSError:
+        return None
+    return (root.st_mode, root.st_ino, root.st_mtime_ns, root.st_ctime_ns, *sorted(entries))
 
 
 class ServerError(RuntimeError):
@@ -454,7 +485,17 @@ class SandboxServer:
         return {"data": result.stdout}
 
     async def _op_snapshot(self, msg, owned) -> dict[str, Any]:
+        """The work directory as a gzip'd tar from `tar` inside the sandbox; without an exec, b"" for an empty one and
+        the last archive for one whose fingerprint has not changed since (`work_fingerprint`): a multi-turn sample
+        snapshots before every call after its first (rl/runtime/tool_turns.py), and a process spawn is what a call
+        costs. `exec` in the answer: whether `tar` ran."""
         sb = self._get(msg, owned)
+        before = work_fingerprint(sb.work)
+        if before is not None and (len(before) == 4 or (sb.snapshot_cache or (None,))[0] == before):
+            data = b"" if len(before) == 4 else sb.snapshot_cache[1]
+            self._record({"op": "snapshot", "sandbox": sb.id, "reason": "empty" if not data else "unchanged",
+                          "stdout_bytes": len(data)})
+            return {"data": data, "exec": False}
         cap = sb.limits.snapshot_mib * MIB
         result = await run_exec(sb, self.backend, self.children, list(SNAPSHOT_ARGV), b"", sb.limits.timeout_s,
                                 output_bytes=cap)
@@ -464,7 +505,10 @@ class SandboxServer:
                                f"{sb.limits.snapshot_mib} MiB (Limits.snapshot_mib)")
         if not result.ok:
             raise SandboxError(f"snapshot: {_why(result)}")
-        return {"data": result.stdout}
+        # kept only if nothing moved while tar ran (an exec beside it, against the rule) and it is small
+        keep = before is not None and len(result.stdout) <= CACHED_SNAPSHOT_BYTES and work_fingerprint(sb.work) == before
+        sb.snapshot_cache = (before, result.stdout) if keep else None
+        return {"data": result.stdout, "exec": True}
 
     async def _op_restore(self, msg, owned) -> dict[str, Any]:
         sb, data = self._get(msg, owned), msg["data"]
@@ -473,7 +517,9 @@ class SandboxServer:
         if len(data) > sb.limits.snapshot_mib * MIB:
             raise SandboxError(f"restore: an archive of {len(data)} bytes passes the sandbox's cap of "
                                f"{sb.limits.snapshot_mib} MiB (Limits.snapshot_mib)")
-        result = await run_exec(sb, self.backend, self.children, list(RESTORE_ARGV), data, sb.limits.timeout_s)
+        sb.snapshot_cache = None
+        argv = RESTORE_ARGV if data else EMPTY_ARGV  # b"": an empty directory's snapshot
+        result = await run_exec(sb, self.backend, self.children, list(argv), data, sb.limits.timeout_s)
         self._record_exec("restore", result)
         if not result.ok:
             raise SandboxError(f"restore: {_why(result)}")

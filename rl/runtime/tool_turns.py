@@ -225,7 +225,7 @@ class ToolTurns:
                 if self._client is None:
                     self._client = await SandboxClient.connect(self.socket_path)
                 sb = self._sandboxes[sample_id] = await self._client.create_waiting(self.limits, wait_s=self.admission_wait_s)
-                if kept is not None:
+                if kept is not None and kept["archive"]:  # b"": it was empty, as a new sandbox is
                     await sb.restore(kept["archive"])
                     self._kept.pop(sample_id, None)
             timeout = min(self.timeout_s, self.limits.timeout_s)

@@ -134,6 +134,36 @@ def test_a_work_directory_moves_to_another_sandbox_by_snapshot_and_restore(world
     assert errors[1].startswith("restore: ")
 
 
+def test_snapshots_of_an_empty_or_unchanged_work_directory_run_no_exec(world):
+    """A multi-turn sample snapshots its work directory before every call after its first (rl/runtime/tool_turns.py),
+    and a process spawn is what a call costs: an empty directory's snapshot is b"" and an unchanged one's is the last
+    archive, with no exec; any write (a touch moves ctime, which no call can set back) takes a new one."""
+    async def session():
+        async with await SandboxClient.connect(world.socket_path) as client:
+            async with await client.create(LIMITS) as sb:
+                async def snap():
+                    r = await client.call("snapshot", wait_s=30, sandbox_id=sb.id)
+                    return r["data"], r["exec"]
+
+                steps = [await snap()]  # empty
+                await sb.exec(code="print(6 * 7)")  # a call that writes nothing
+                steps.append(await snap())
+                await sb.exec("mkdir d && echo x > d/f")
+                steps += [await snap(), await snap()]  # new, then unchanged
+                await sb.exec("touch -d 2000-01-01 d/f")  # same size; mtime set back, ctime moved
+                steps.append(await snap())
+                await sb.restore(b"")  # the empty snapshot's restore: an empty directory
+                listing = await sb.exec("find . -mindepth 1")
+                steps.append(await snap())
+                return steps, listing.stdout
+
+    steps, listing = asyncio.run(session())
+    assert [e for _, e in steps] == [False, False, True, False, True, False]
+    assert steps[0][0] == steps[1][0] == steps[5][0] == b""
+    assert steps[3][0] == steps[2][0] and steps[2][0][:2] == b"\x1f\x8b"  # the same gzip'd tar, reused
+    assert listing == b""
+
+
 def _climbing_archive() -> bytes:
     """A gzip'd tar whose members climb out: `../escaped`, `/tmp/asyncrl-escaped`, and a link to /tmp then a file
     through it."""
