@@ -142,7 +142,7 @@ def main() -> None:
     # the actors import this module by name (bench/ on their path)
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent),
                                                 os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     res, batch = {}, None
     for name, options in (("threaded", {"concurrency_groups": HEALTH}), ("plain", {})):
         actor = ray.remote(num_cpus=2, num_gpus=int(cuda), **options)(TimedWorker).remote(

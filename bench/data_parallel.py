@@ -187,7 +187,7 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)  # GPUs: Ray finds them
+    ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)  # GPUs: Ray finds them
     out = Path(tempfile.mkdtemp(prefix="data_parallel_"))
     try:
         rows = [run("one", a, 1, 1, out), run("strong", a, 2, 1, out), run("weak", a, 2, 2, out)]

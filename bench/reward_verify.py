@@ -72,7 +72,7 @@ def main() -> None:
     n, reps = (256, 2) if args.quick else (args.samples, args.reps)
     items = trajectories(n)
     rec = recipe()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         actor = ray.remote(num_cpus=0, concurrency_groups=HEALTH)(BenchRewardWorker)
         workers = [actor.remote(rec) for _ in range(args.workers)]

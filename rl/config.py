@@ -313,7 +313,8 @@ class RuntimeConfig(StrictConfig):
     ray: bool = True
     """Run workers as Ray actors; false runs one PolicyWorker in the driver process (debugging)."""
     ray_address: str | None = None
-    """Join this Ray cluster ('auto' or host:port); default: start Ray locally."""
+    """Join this Ray cluster ('auto' or host:port); default: start a Ray of the job's own, even where RAY_ADDRESS is
+    set or another cluster was `ray start`ed on this machine (a bare `ray.init()` would join that one)."""
     num_cpus: int | None = Field(None, gt=0)
     """CPUs of a locally started Ray (default: all)."""
     num_workers: int = Field(1, gt=0)

@@ -312,7 +312,10 @@ class Runtime:
             if cfg.ray_address:
                 ray.init(address=cfg.ray_address, log_to_driver=True)
             else:
-                ray.init(num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True)
+                # address="local": a Ray of the job's own, never a cluster someone `ray start`ed on this machine (a bare
+                # ray.init() joins the newest one, and refuses num_cpus there: CI's two-node test beside a job, 2026-12-04)
+                ray.init(address="local", num_cpus=cfg.num_cpus or os.cpu_count(), include_dashboard=False,
+                         log_to_driver=True)
         threads = max(1, recipe.run.num_threads // n)
         fault = {"ASYNCRL_FAULT": os.environ["ASYNCRL_FAULT"]} if os.environ.get("ASYNCRL_FAULT") else {}
         bundle = placement.worker_bundle(recipe.run.device, cfg.cpus_per_worker)  # every worker's device reserved first

@@ -60,7 +60,7 @@ def test_workers_run_in_their_bundles_and_a_busy_cluster_fails_after_the_timeout
 
     from rl.runtime.placement import PlacementError, actor_options, release, reserve
 
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     try:
         other_job = placement_group([{"CPU": 2.0}])
         assert other_job.wait(60)

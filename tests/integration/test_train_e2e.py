@@ -1,6 +1,7 @@
 """`rl train` end to end on a tiny recipe: real SQLite store, wandb offline, checkpoints, RESULT line."""
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -30,8 +31,11 @@ TINY = {
 
 
 def _rl(*args, cwd):
+    # a cluster of someone else's on this machine is not the job's (runtime.ray_address unset: a Ray of its own): a bare
+    # ray.init() would join it (CI, 2026-12-04: the two-node test's head beside a job) and refuse num_cpus there
+    env = {**os.environ, "RAY_ADDRESS": "127.0.0.1:1"}
     return subprocess.run([sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+                          cwd=cwd, capture_output=True, text=True, timeout=300, env=env)
 
 
 @pytest.fixture(scope="module")
