@@ -79,8 +79,9 @@ EMPTY_ARGV = ("find", ".", "-mindepth", "1", "-delete")
 """Run in the work directory: empty it (the restore of an empty directory's snapshot, b"")."""
 FINGERPRINT_ENTRIES = 4096
 """A work directory with more entries than this is archived at every snapshot (`work_fingerprint`)."""
-CACHED_SNAPSHOT_BYTES = 1 << 20
-"""Archives up to this size are kept for the next snapshot of an unchanged work directory."""
+CACHED_SNAPSHOT_BYTES = 256 << 10
+"""Archives up to this size are kept for the next snapshot of an unchanged work directory (at most 64 MiB over a
+server of 256 sandboxes)."""
 
 
 def work_fingerprint(work: Path) -> tuple | None:
