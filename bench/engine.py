@@ -27,24 +27,13 @@ import time
 import torch
 
 from model.kernels import gemv
-from model.config import DenseFFNConfig, ModelConfig
+from model.config import ModelConfig
 from model.decoder import Decoder
 from rollout.config import EngineConfig
 from rollout import sampling
 from rollout.engine import Engine
+from model.shapes import SHAPES  # name -> ModelConfig fields (random weights of published shapes)
 from rollout.types import GenerationRequest
-
-SHAPES = {  # name -> ModelConfig fields (random weights of the published architectures' shapes)
-    "smollm2": dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                    ffn=DenseFFNConfig(intermediate_size=1536), tie_word_embeddings=True, rope_theta=100000.0),
-    "qwen3": dict(vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-                  ffn=DenseFFNConfig(intermediate_size=3072), qk_norm=True, tie_word_embeddings=True, rope_theta=1e6),
-    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-                       ffn=DenseFFNConfig(intermediate_size=6144), qk_norm=True, tie_word_embeddings=True,
-                       rope_theta=1e6),
-    "tiny": dict(vocab_size=512, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                 ffn=DenseFFNConfig(intermediate_size=128)),
-}
 
 
 def _sync(device: str) -> None:

@@ -303,6 +303,32 @@ def describe(parts: dict[str, float]) -> str:
     return f"{parts['total'] / GIB:.2f} GiB per worker ({shown}; the allocator's slack not counted)"
 
 
+def largest_fitting(recipe: Recipe, capacity: float) -> str:
+    """The largest shape of the Qwen3 ladder (model/shapes.py) whose estimate with everything else of `recipe` (its
+    rollout budget, teachers, LoRA, KV format and lengths) fits `capacity`, with the activations of one row of
+    engine.max_seq_len (a CUDA trainer cuts micro-batches to what is free: `token_cap`), and with LoRA (rank 32)
+    when the recipe trains every weight: a clause for `check`'s lines."""
+    from model.config import LoraConfig, ModelConfig
+    from model.shapes import LADDER, SHAPES
+
+    def largest(lora) -> str | None:
+        fit = None
+        for name in LADDER:  # smallest first: the estimate grows with the shape
+            m = ModelConfig(**SHAPES[name], lora=lora, kv_cache=recipe.model.kv_cache,
+                            max_position_embeddings=recipe.model.max_position_embeddings)
+            parts = estimate(recipe.model_copy(update={"model": m}))
+            row = recipe.engine.max_seq_len * max(activation_bytes_per_token(
+                m, recipe.run.dtype == "bfloat16", getattr(st, "activation_checkpointing", False)) for st in recipe.stages)
+            if parts["total"] - parts["activations"] + row > capacity:
+                break
+            fit = name
+        return fit
+
+    own, lora = largest(recipe.model.lora), None if recipe.model.lora else largest(LoraConfig())
+    what = f"the largest Qwen3 shape that fits so: {own or 'none'}"
+    return what + (f" ({lora} with model.lora rank 32)" if lora and lora != own else "")
+
+
 def check(recipe: Recipe) -> str:
     """The line `rl validate` prints; ValueError (one line) when the estimate exceeds the device's memory."""
     parts = estimate(recipe)
@@ -314,9 +340,10 @@ def check(recipe: Recipe) -> str:
         raise ValueError(f"the {recipe.run.device} worker needs at least {describe(parts)}, more than the "
                          f"{capacity / GIB:.2f} GiB of {source}: lower engine.max_batch_size / max_seq_len / num_blocks, "
                          "micro_batch_size / micro_batch_tokens (or turn on activation_checkpointing), "
-                         f"the teachers' device_memory_mib, or the model")
+                         f"the teachers' device_memory_mib, or the model ({largest_fitting(recipe, capacity)})")
     per_token = max(activation_bytes_per_token(recipe.model, recipe.run.dtype == "bfloat16",
                                                getattr(s, "activation_checkpointing", False)) for s in recipe.stages)
     fits = int((capacity - parts["total"] + parts["activations"]) / per_token)
     return (f"{line}, of {capacity / GIB:.2f} GiB ({source}); the training forward keeps ~{per_token / 2**20:.2f} MiB "
-            f"a token: micro-batches of up to {fits:,} tokens fit beside the rest{kv_concurrency(recipe, parts)}")
+            f"a token: micro-batches of up to {fits:,} tokens fit beside the rest{kv_concurrency(recipe, parts)}; "
+            f"{largest_fitting(recipe, capacity)}")

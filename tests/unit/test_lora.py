@@ -1,6 +1,8 @@
 """LoRA (model/lora.py, issue #44): the adapted forward is the merged model's, only the adapters train, the engine
 decodes W + s·B·A recomputed from the untouched base, and a LoRA checkpoint read as a plain model is merged."""
 
+import re
+
 import pytest
 import torch
 
@@ -219,3 +221,26 @@ def test_under_bf16_the_adapted_base_is_stored_in_bf16_and_trains_exactly_as_its
 
     base_bytes = sum(layer.weight.numel() for layer in layers.values())
     assert trainer_state_bytes(master.model, master.trainer.opt) - trainer_state_bytes(w.model, w.trainer.opt) == 2 * base_bytes
+
+
+def test_rl_validate_refuses_full_fine_tuning_at_the_8b_shape_and_fits_it_with_lora():
+    """Issue 44's goal on one H200 (139 GiB): GRPO at the Qwen3-8B shape with 128 samples of 2K tokens in flight fits
+    with LoRA; full fine-tuning (16 bytes a parameter) is refused with the numbers and the shapes that would fit."""
+    from model.config import ModelConfig
+    from model.shapes import SHAPES
+    from rl.runtime.memory import check, estimate
+
+    recipe = Recipe.model_validate({
+        **RECIPE, "run": {**RECIPE["run"], "device": "cuda", "dtype": "bfloat16", "device_memory_gib": 139},
+        "model": {**RECIPE["model"], "max_position_embeddings": 4096},
+        "engine": {"max_batch_size": 128, "block_size": 16, "max_seq_len": 2304, "max_new_tokens": 2048},
+        "stages": [{**RECIPE["stages"][0], "prompts_per_step": 16, "group_size": 8, "micro_batch_size": 1,
+                    "dispatch": {"max_inflight": 128}}]})
+    shape = ModelConfig(**SHAPES["qwen3-8b"], max_position_embeddings=4096)
+    full = recipe.model_copy(update={"model": shape})
+    lora = recipe.model_copy(update={"model": shape.model_copy(update={"lora": LoraConfig(rank=32)})})
+    assert estimate(lora)["kv_pool"] >= 128 * 2304 * 36 * 8 * 128 * 2 * 2  # 128 samples of 2,304 tokens, bf16 K and V
+    with pytest.raises(ValueError, match=r"more than the 139\.00 GiB of run\.device_memory_gib.*the largest Qwen3 shape "
+                                         r"that fits so: qwen3-4b \(qwen3-(8|14|32)b with model\.lora rank 32\)"):
+        check(full)
+    assert re.search(r"the largest Qwen3 shape that fits so: qwen3-(8|14|32)b$", check(lora))
