@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 
 from pydantic import ValidationError
 
@@ -83,6 +84,17 @@ def uniform_groups(ready: dict[str, int], finished: dict[str, list[Sample]], on_
         if len(group) == size and rewards and all(len(r) == 1 for r in rewards.values()):
             out.append(pid)
     return out
+
+
+def tool_call_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """A step's tool calls (multi-turn samples; none: {}): calls a sample, and the mean and largest seconds from a
+    call's parse to its output (rl/runtime/tool_turns.py; sandbox admission and exec): what holds samples off the
+    engine while they wait."""
+    walls = [t.wall_s for s in samples for t in s.turns if t.kind == "tool" and t.wall_s is not None]
+    if not walls:
+        return {}
+    return {"rollout/tool_calls_per_sample": len(walls) / len(samples),
+            "rollout/tool_call_s_mean": sum(walls) / len(walls), "rollout/tool_call_s_max": max(walls)}
 
 
 def verified_group_ids(ready: dict[str, int], finished: dict[str, list[Sample]]) -> set[str]:
@@ -577,6 +589,7 @@ class AsyncGRPO:
             "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "rollout/tokens_per_s": clock.generated_tokens / max(clock.rollout_s, 1e-9),
             "rollout/concurrency_mean": clock.concurrency_mean,
+            **tool_call_metrics(samples),
             "rollout/prompts_too_long": self.prompts_too_long,
             "async/max_version_lag": max(trained_version - v for v in versions) if versions else 0,
             "async/stale_token_frac": sum(v < trained_version for v in versions) / max(len(versions), 1),

@@ -142,3 +142,6 @@ def test_grpo_rollouts_call_tools_in_the_sandbox_and_killed_calls_leave_the_loss
     steps = [m for m in logged if "rollout/tool_failures" in m]
     assert len(steps) == 2 and sum(m["rollout/tool_failures/memory"] for m in steps) == len(failed)
     assert sum(m["rollout/tool_failures"] for m in steps) == sum(m["rollout/left_out"] for m in steps) == len(failed)
+    # what holds samples off the engine: each step's calls a sample and their seconds, from the samples' tool turns
+    assert all(m["rollout/tool_calls_per_sample"] > 0 and 0 < m["rollout/tool_call_s_mean"] <= m["rollout/tool_call_s_max"]
+               for m in steps)
