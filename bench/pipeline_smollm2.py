@@ -11,6 +11,8 @@ student distilled on-policy from 40+ teachers, against a multi-task GRPO baselin
                                                                            # SmolLM2: a rehearsal before a GPU run
     python bench/pipeline_smollm2.py --no-ray --out /tmp/pipe              # the H200 (no Ray there): every phase in
                                                                            # one process, ~20 minutes (BENCHMARKS.md)
+    bash tools/remote/start.sh python3 bench/pipeline_smollm2.py --no-ray --out /tmp/pipe    # the same, detached on a
+    bash tools/remote/poll.sh 540 /tmp/pipe                                # machine lent call by call; then poll
 
 Specialists (configs/pipeline/): `wp` word problems (math-verify), `compute` questions answered through Python calls
 that the job's sandbox runs, `extract` structured output (JSON against a schema), `effort` the word problems with
