@@ -25,6 +25,21 @@ def _sh(*cmd: str, ns: bool = False, env=None, check: bool = True) -> subprocess
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, check=check)
 
 
+def _stop_our_ray() -> None:
+    """End the Ray processes of the two nodes, and only those (their command lines name the nodes' addresses; their
+    workers exit with their raylet): `ray stop` ends every Ray on the machine, a job's in another test process among
+    them (CI, 2026-12-04: a tool-use run's GCS gone mid-job)."""
+    import psutil
+
+    ours = [p for p in psutil.process_iter(["cmdline"])
+            if any(HEAD in arg or NODE in arg for arg in (p.info["cmdline"] or ()))]
+    for p in ours:
+        p.terminate()
+    _, alive = psutil.wait_procs(ours, timeout=15)
+    for p in alive:
+        p.kill()
+
+
 @pytest.fixture
 def two_nodes():
     if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -48,7 +63,7 @@ def two_nodes():
             "--disable-usage-stats", ns=True, env=env)
         yield env
     finally:
-        _sh(*RAY, "stop", "--force", env=env, check=False)
+        _stop_our_ray()
         _sh("ip", "link", "del", HOST_IF, check=False)
         _sh("ip", "netns", "del", NS, check=False)
 
