@@ -329,6 +329,11 @@ def largest_fitting(recipe: Recipe, capacity: float) -> str:
     return what + (f" ({lora} with model.lora rank 32)" if lora and lora != own else "")
 
 
+def _largest(recipe: Recipe, capacity: float, before: str, after: str) -> str:
+    """`largest_fitting`'s clause for a GPU recipe (~1 s of meta-device estimates); nothing for a CPU one."""
+    return f"{before}{largest_fitting(recipe, capacity)}{after}" if recipe.run.device == "cuda" else ""
+
+
 def check(recipe: Recipe) -> str:
     """The line `rl validate` prints; ValueError (one line) when the estimate exceeds the device's memory."""
     parts = estimate(recipe)
@@ -340,10 +345,10 @@ def check(recipe: Recipe) -> str:
         raise ValueError(f"the {recipe.run.device} worker needs at least {describe(parts)}, more than the "
                          f"{capacity / GIB:.2f} GiB of {source}: lower engine.max_batch_size / max_seq_len / num_blocks, "
                          "micro_batch_size / micro_batch_tokens (or turn on activation_checkpointing), "
-                         f"the teachers' device_memory_mib, or the model ({largest_fitting(recipe, capacity)})")
+                         f"the teachers' device_memory_mib, or the model{_largest(recipe, capacity, ' (', ')')}")
     per_token = max(activation_bytes_per_token(recipe.model, recipe.run.dtype == "bfloat16",
                                                getattr(s, "activation_checkpointing", False)) for s in recipe.stages)
     fits = int((capacity - parts["total"] + parts["activations"]) / per_token)
     return (f"{line}, of {capacity / GIB:.2f} GiB ({source}); the training forward keeps ~{per_token / 2**20:.2f} MiB "
-            f"a token: micro-batches of up to {fits:,} tokens fit beside the rest{kv_concurrency(recipe, parts)}; "
-            f"{largest_fitting(recipe, capacity)}")
+            f"a token: micro-batches of up to {fits:,} tokens fit beside the rest{kv_concurrency(recipe, parts)}"
+            f"{_largest(recipe, capacity, '; ', '')}")
