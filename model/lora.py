@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model.config import LoraConfig
+from model.config import LoraConfig, ModelConfig
 
 ADAPTERS = ("lora_A", "lora_B")
 
@@ -153,3 +153,11 @@ def merge_lora_state(state: Mapping[str, torch.Tensor], cfg: LoraConfig) -> dict
             delta = state[f"{layer}.lora_B"].to(dt) @ state[key].to(dt)
             out[f"{layer}.weight"] = (w.to(dt) + cfg.scaling * delta).to(w.dtype)
     return out
+
+
+def as_plain(cfg: ModelConfig, state: Mapping[str, torch.Tensor]) -> tuple[ModelConfig, Mapping[str, torch.Tensor]]:
+    """A checkpoint's (config, state) as a model without adapters: a LoRA run's merged (`merge_lora_state`), any
+    other's as it is (what `rl merge`, `rl export` and an OPD teacher read)."""
+    if cfg.lora is None:
+        return cfg, state
+    return cfg.model_copy(update={"lora": None}), merge_lora_state(state, cfg.lora)

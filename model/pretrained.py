@@ -229,11 +229,9 @@ def export_hf(model, out_dir: str | Path, *, tokenizer_from: TokenizerFrom = Non
     layout) unless expert_layout="fused". `tokenizer_from`: an HF directory whose tokenizer files (and
     generation_config.json) are copied, or a callable that writes them into the directory it is given
     (the tokenizer's own writer, e.g. for a GGUF source whose tokenizer lives in the GGUF header)."""
-    state, cfg = dict(model.state_dict()), model.config
-    if cfg.lora is not None:  # the trained policy: adapters merged (model/lora.py)
-        from model.lora import merge_lora_state
+    from model.lora import as_plain  # a LoRA model: the trained policy, adapters merged
 
-        state, cfg = merge_lora_state(state, cfg.lora), cfg.model_copy(update={"lora": None})
+    cfg, state = as_plain(model.config, dict(model.state_dict()))
     return _write_hf(cfg, state.__getitem__, Path(out_dir), tokenizer_from, bos_token_id, eos_token_id,
                      expert_layout, max_shard_bytes)
 

@@ -234,10 +234,9 @@ class TeacherPool:
             except (SafetensorError, OSError) as e:  # truncated, damaged or missing: the teacher's, not a bug
                 raise TeacherPoolError(f"teacher {spec.name!r}: cannot read {str(weights)!r}: "
                                            f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from None
-            if cfg.lora is not None:  # a LoRA run's checkpoint: the teacher is its merged weights (model/lora.py)
-                from model.lora import merge_lora_state
+            from model.lora import as_plain  # a LoRA run's checkpoint: the teacher is its merged weights
 
-                cfg, stored = cfg.model_copy(update={"lora": None}), merge_lora_state(stored, cfg.lora)
+            cfg, stored = as_plain(cfg, stored)
         else:  # a Hugging Face directory or GGUF file: converted tensor by tensor into a host Decoder
             from model.pretrained import build_decoder
 

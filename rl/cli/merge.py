@@ -86,12 +86,9 @@ def read_source(source: Path):
 
     try:
         if checkpoint_kind(source) == "asyncrl":
-            config, state = load_config(source), load_file(str(source / "model.safetensors"))
-            if config.lora is not None:  # a LoRA run: its merged weights, so the merge averages the deltas B·A
-                from model.lora import merge_lora_state
+            from model.lora import as_plain  # a LoRA run: its merged weights, so the merge averages the deltas B·A
 
-                config, state = config.model_copy(update={"lora": None}), merge_lora_state(state, config.lora)
-            return config, state
+            return as_plain(load_config(source), load_file(str(source / "model.safetensors")))
         config = read_pretrained_config(source)
         return config, build_decoder(config).state_dict()
     except (OSError, ValueError, SafetensorError) as e:  # ValueError: CheckpointFormatError, pydantic's

@@ -244,3 +244,35 @@ def test_rl_validate_refuses_full_fine_tuning_at_the_8b_shape_and_fits_it_with_l
                                          r"that fits so: qwen3-4b \(qwen3-(8|14|32)b with model\.lora rank 32\)"):
         check(full)
     assert re.search(r"the largest Qwen3 shape that fits so: qwen3-(8|14|32)b$", check(lora))
+
+
+def test_rl_merge_averages_the_deltas_and_a_lora_teacher_scores_with_its_merged_weights(tmp_path):
+    """Issue 44: `rl merge` of LoRA runs merges the deltas B·A (against a manual merge), and an OPD teacher from a LoRA
+    checkpoint is the merged model (rl/cli/merge.py, teachers/pool.py through model/lora.py `as_plain`)."""
+    from model.checkpoint import write_weights
+    from rl.cli.merge import merge
+    from teachers.config import TeacherSpec
+    from teachers.pool import TeacherPool
+
+    cfg = debug_config(moe=False).model_copy(update={"lora": LoraConfig(**LORA)})
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = Decoder(cfg)
+        apply_lora(model, cfg.lora)
+        _randomise_b(model)
+        (tmp_path / f"run{seed}").mkdir()
+        write_weights(model, tmp_path / f"run{seed}")
+        models.append(model)
+    merged = merge([tmp_path / "run0", tmp_path / "run1"], [0.5, 0.5])
+    q = "model.layers.0.self_attn.q_proj"
+    layers = [lora_layers(m)[q] for m in models]
+    manual = sum(0.5 * merged_weight(layer).double() for layer in layers)  # (W0 + s B0 A0 + W1 + s B1 A1) / 2
+    assert not lora_layers(merged) and torch.allclose(dict(merged.named_parameters())[f"{q}.weight"].double(), manual,
+                                                      atol=1e-6)
+    pool = TeacherPool([TeacherSpec(name="t", checkpoint=tmp_path / "run0", datasets=["d"])], device_memory_mib=64)
+    ids = torch.randint(0, 99, (2, 12))
+    want = _logits(merged_copy(models[0]).eval(), ids)
+    with torch.no_grad():
+        out = pool.forward("t", ids)
+    assert torch.allclose(out.hidden.float() @ out.head_weight.float().T, want, atol=1e-4)
