@@ -46,7 +46,7 @@ def teacher_accuracy(recipe: Path, teachers: dict[str, Path]) -> dict[str, float
     """Each domain's teacher, greedy, on the recipe's held-out problems of that domain (the student's)."""
     import torch
 
-    from model.checkpoint import load_checkpoint
+    from model.pretrained import load_checkpoint
     from rewards.config import DEFAULT_DOMAIN_CONFIGS
     from rl.algo.train_teachers import heldout_accuracy
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from model.checkpoint import load_checkpoint, load_weights_into  # noqa: E402
+from model.pretrained import load_checkpoint, load_weights_into  # noqa: E402
 from model.decoder import Decoder  # noqa: E402
 from rl.algo.evaluation import engine_generate, evaluate  # noqa: E402
 from rl.recipe_io import load_recipe  # noqa: E402

@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from model.checkpoint import load_checkpoint
+from model.pretrained import load_checkpoint
 from model.config import ModelConfig, MoEFFNConfig
 from model.decoder import Decoder
 from model.tokenizer import CharTokenizer

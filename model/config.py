@@ -16,9 +16,12 @@ class CharTokenizerConfig(StrictConfig):
 
     type: Literal["char"] = "char"
     """Discriminator: the char tokenizer."""
+    vocab_size: int | None = Field(None, ge=99)
+    """Pad the ids to this many (the ids past the 99 decode to nothing): a synthetic task at a real model's output-head
+    size (the benches' Qwen3 shapes, vocabulary 151,936); None: 99."""
 
     def build(self) -> Tokenizer:
-        return CharTokenizer()
+        return CharTokenizer(self.vocab_size)
 
 
 class HFTokenizerConfig(StrictConfig):
@@ -213,7 +216,8 @@ class ModelConfig(StrictConfig):
     """Activation of every SwiGLU block; silu is the only one (Llama, Qwen2, Qwen3, Qwen3-MoE)."""
     lora: LoraConfig | None = None
     """Train low-rank adapters on a frozen base instead of every weight (model/lora.py); None: full fine-tuning.
-    A LoRA run's checkpoints hold the base and the adapters; read as a model elsewhere (`rl eval --checkpoint`,
+    A LoRA run's checkpoints hold the adapters and the base's identity when the base is a file (model/checkpoint.py
+    `BASE_FILE`), else every weight; read as a model elsewhere (`rl eval --checkpoint`,
     `rl export`, `rl merge`, an OPD teacher) they are the merged weights W + (alpha / rank) · B A."""
     init: str | None = None
     """Pretrained checkpoint to start from (HF directory, GGUF file, asyncrl checkpoint directory, or the

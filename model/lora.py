@@ -105,10 +105,17 @@ def _wide(w: torch.Tensor) -> torch.dtype:
     return torch.promote_types(w.dtype, torch.float32)
 
 
+def merge(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + s · B A in float32 (float64 for a float64 base), one fused addmm: the engine's weight update
+    (`merged_weight`, every adapted layer after every optimizer step) and the checkpoint readers (`merge_lora_state`)
+    round alike, so the weights that `rl eval` reads are those the engine decoded."""
+    dt = _wide(w)
+    return torch.addmm(w.to(dt), b.to(dt), a.to(dt), alpha=scaling)
+
+
 def merged_weight(layer: LoraLinear) -> torch.Tensor:
-    """W + s · B A in float32 (float64 for a float64 base; the caller casts into its copy)."""
-    dt = _wide(layer.weight)
-    return layer.weight.to(dt) + layer.lora_scaling * (layer.lora_B.to(dt) @ layer.lora_A.to(dt))
+    """W + s · B A of an adapted layer (`merge`; the caller casts into its copy)."""
+    return merge(layer.weight, layer.lora_A, layer.lora_B, layer.lora_scaling)
 
 
 @torch.no_grad()
@@ -149,9 +156,7 @@ def merge_lora_state(state: Mapping[str, torch.Tensor], cfg: LoraConfig) -> dict
         if key.endswith(".lora_A"):
             layer = key.removesuffix(".lora_A")
             w = state[f"{layer}.weight"]
-            dt = _wide(w)
-            delta = state[f"{layer}.lora_B"].to(dt) @ state[key].to(dt)
-            out[f"{layer}.weight"] = (w.to(dt) + cfg.scaling * delta).to(w.dtype)
+            out[f"{layer}.weight"] = merge(w, state[key], state[f"{layer}.lora_B"], cfg.scaling).to(w.dtype)
     return out
 
 

@@ -23,11 +23,17 @@ import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from configbase.files import output_dir, publish_dir, temp_dir_for
 from model.config import ModelConfig
 from model.formats import (SAFETENSORS_INDEX, TOKENIZER_FILES, CheckpointFormatError, checkpoint_fields, checkpoint_kind,
                            hf_architecture, hf_config, hf_weight_files)
+
+if TYPE_CHECKING:  # annotations only: importing this module does not import torch
+    import torch
+
+    from model.decoder import Decoder
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -88,6 +94,13 @@ def _open_source(path: Path, kind: str, cfg: ModelConfig):
             t = torch.from_numpy(g.dequantized(name))
             return t if rows is None else t[rows.start : rows.stop]
         return conv, iter([(path, list(g.tensors), dequantized)])
+    if kind == "asyncrl":
+        from model.checkpoint import base_record, load_config
+
+        if base_record(path) is not None:  # LoRA adapters alone (model/checkpoint.py BASE_FILE): on their base
+            state = read_weights(load_config(path).model_copy(update={"lora": cfg.lora}), path)
+            return identity_conversion(cfg, list(state)), iter([(path / "model.safetensors", list(state), lambda n, rows:
+                                                                  state[n] if rows is None else state[n][rows.start : rows.stop])])
     files = hf_weight_files(path) if kind == "hf" else [path / "model.safetensors"]
     names = {}
     for f in files:  # headers only: every tensor name, to pick the expert layout before loading any
@@ -215,6 +228,93 @@ def load_pretrained_into(model, path: str | Path) -> int:
     return nbytes
 
 
+# -- asyncrl checkpoints as models: LoRA adapters alone are put back on their base ------------------------------------
+def base_state(directory: str | Path, saved: ModelConfig, record: dict, device="cpu") -> dict[str, torch.Tensor]:
+    """The full state dict of a checkpoint of adapters alone: its base's weights (checked against `record`) under its
+    adapters, as a LoRA model of the saved config holds them."""
+    from model.checkpoint import check_base, is_adapter, saved_tensors
+
+    path = check_base(directory, record)
+    model = build_decoder(saved.model_copy(update={"init": str(path)}), device=device)
+    state = model.state_dict()
+    adapters = saved_tensors(Path(directory), device)
+    missing = sorted(k for k in state if is_adapter(k) and k not in adapters)
+    unexpected = sorted(k for k in adapters if k not in state)
+    if missing or unexpected:
+        raise CheckpointFormatError(f"{Path(directory) / 'model.safetensors'}: does not hold the adapters of its config "
+                                    f"(missing {missing[:2]}, unexpected {unexpected[:2]})")
+    state.update(adapters)
+    if saved.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def read_weights(config: ModelConfig, directory: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A checkpoint's full state_dict, after checking it was saved with `config`'s weights; a checkpoint of LoRA
+    adapters alone with its base put back (`base_state`), merged when `config` has no adapters."""
+    from model.checkpoint import base_record, load_config, saved_tensors
+    from model.config import same_weights
+
+    path = Path(directory)
+    saved = load_config(path)
+    if not same_weights(saved, config):
+        raise ValueError(f"checkpoint {path} was saved with a different model config")
+    record = base_record(path)
+    state = saved_tensors(path, device) if record is None else base_state(path, saved, record, device)
+    if saved.lora is not None and config.lora is None:  # a LoRA run's checkpoint read as a plain model: merged
+        from model.lora import merge_lora_state
+
+        state = merge_lora_state(state, saved.lora)
+    return state
+
+
+def read_state(directory: str | Path, device="cpu") -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(saved config, full state dict) of an asyncrl checkpoint directory, adapters and all (what `model.lora.as_plain`
+    turns into a plain model for `rl merge` and the OPD teachers)."""
+    from model.checkpoint import load_config
+
+    saved = load_config(directory)
+    return saved, read_weights(saved, directory, device)
+
+
+def load_weights_into(model: Decoder, directory: str | Path, base: str | Path | None = None) -> None:
+    """Copy a checkpoint's weights into `model` in place (same config), keeping its device. `base`: the file `model`'s
+    frozen weights were just read from (a LoRA run's resume): a checkpoint of adapters alone on that base (same
+    digests, else one line) loads its adapters only, over the weights already there."""
+    from model.checkpoint import base_record, check_base, is_adapter, load_config, saved_tensors
+    from model.config import same_weights
+
+    device = next(model.parameters()).device
+    record = base_record(directory)
+    if record is not None and base is not None and model.config.lora is not None:
+        check_base(directory, record, against=base)
+        if not same_weights(load_config(directory), model.config):
+            raise ValueError(f"checkpoint {Path(directory)} was saved with a different model config")
+        state = saved_tensors(Path(directory), device)
+        expected = {k for k in model.state_dict() if is_adapter(k)}
+        if set(state) != expected:
+            raise ValueError(f"checkpoint {Path(directory)} does not hold its config's adapters: missing "
+                             f"{sorted(expected - set(state))[:3]}, unexpected {sorted(set(state) - expected)[:3]}")
+        model.load_state_dict(state, strict=False)
+        return
+    state = read_weights(model.config, directory, device=device)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {Path(directory)} does not match its config: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Decoder:
+    """The checkpoint's model; a LoRA run's as the plain model of its merged weights (model/lora.py)."""
+    from model.checkpoint import load_config
+    from model.decoder import Decoder
+
+    model = Decoder(load_config(path).model_copy(update={"lora": None})).to(device)
+    load_weights_into(model, path)
+    return model
+
+
 # -- export -------------------------------------------------------------------------------------------------
 _DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 TokenizerFrom = str | Path | Callable[[Path], None] | None
@@ -243,10 +343,16 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, tokenizer_
     tensor without building a Decoder."""
     from safetensors import safe_open
 
-    from model.checkpoint import load_config
+    from model.checkpoint import base_record, load_config
+    from model.lora import as_plain
 
     checkpoint = Path(checkpoint)
     cfg = load_config(checkpoint)
+    if base_record(checkpoint) is not None:  # LoRA adapters alone: on their base, merged (model/checkpoint.py)
+        plain, state = as_plain(*read_state(checkpoint))
+        return _write_hf(plain, lambda name: state[
+            "model.embed_tokens.weight" if name == "lm_head.weight" and name not in state else name], Path(out_dir),
+                         tokenizer_from, bos_token_id, eos_token_id, expert_layout, max_shard_bytes)
     with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as st:
         keys = set(st.keys())
 
@@ -341,15 +447,16 @@ PEFT_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(
 def export_peft_adapter(checkpoint: str | Path, out_dir: str | Path, base_model: str | None = None) -> Path:
     """A LoRA run's checkpoint as a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) that
     `peft.PeftModel.from_pretrained(base, DIR)` loads onto the base it was trained on (`base_model`: its path,
-    recorded as base_model_name_or_path). CheckpointFormatError (one line) for a checkpoint without adapters or with
+    recorded as base_model_name_or_path; default: the path the checkpoint's base.json names). CheckpointFormatError (one line) for a checkpoint without adapters or with
     adapters PEFT's layout of these architectures has no place for (a shared expert's)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from model.checkpoint import load_config
+    from model.checkpoint import base_record, load_config
 
     checkpoint, out = Path(checkpoint), Path(out_dir)
     cfg = load_config(checkpoint)
+    base_model = base_model or (base_record(checkpoint) or {}).get("path")
     if cfg.lora is None:
         raise CheckpointFormatError(f"{checkpoint}: not trained with LoRA (no model.lora): export the model, not an adapter")
     output_dir(out, what="export directory")

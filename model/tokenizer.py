@@ -61,13 +61,17 @@ class CharTokenizer:
     eos_ids = (EOS_ID,)
     add_bos = True
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int | None = None) -> None:
         self._offset = 3
         self._to_id = {ch: i + self._offset for i, ch in enumerate(_CHARS)}
+        self._size = vocab_size or self._offset + len(_CHARS)
+        if self._size < self._offset + len(_CHARS):
+            raise ValueError(f"a char tokenizer has at least {self._offset + len(_CHARS)} ids, not {self._size}")
 
     @property
     def vocab_size(self) -> int:
-        return self._offset + len(_CHARS)
+        """99, or the padded size it was given: ids past the characters decode to nothing."""
+        return self._size
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         try:
@@ -77,9 +81,9 @@ class CharTokenizer:
         return ([BOS_ID] if bos else []) + ids + ([EOS_ID] if eos else [])
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Special tokens decode to nothing; ids are assumed to be < vocab_size."""
-        off = self._offset
-        return "".join(_CHARS[i - off] for i in ids if i >= off)
+        """Special tokens, and the padding ids past the characters, decode to nothing."""
+        off, end = self._offset, self._offset + len(_CHARS)
+        return "".join(_CHARS[i - off] for i in ids if off <= i < end)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True) -> str:
         """The messages' contents, one per line, roles dropped: a tiny char-level model has no chat format to

@@ -228,12 +228,15 @@ class TeacherPool:
             from safetensors import SafetensorError
             from safetensors.torch import load_file  # only checkpoint reads need it
 
+            from model.checkpoint import base_record
+            from model.pretrained import read_state
+
             weights = Path(spec.checkpoint) / "model.safetensors"
-            try:
-                stored = load_file(str(weights))
-            except (SafetensorError, OSError) as e:  # truncated, damaged or missing: the teacher's, not a bug
+            try:  # LoRA adapters alone (model/checkpoint.py BASE_FILE): on their base, checked; else the file as saved
+                stored = read_state(spec.checkpoint)[1] if base_record(spec.checkpoint) else load_file(str(weights))
+            except (SafetensorError, OSError, ValueError) as e:  # truncated, damaged, missing, another base: the teacher's
                 raise TeacherPoolError(f"teacher {spec.name!r}: cannot read {str(weights)!r}: "
-                                           f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from None
+                                       f"{str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}") from None
             from model.lora import as_plain  # a LoRA run's checkpoint: the teacher is its merged weights
 
             cfg, stored = as_plain(cfg, stored)

@@ -104,6 +104,26 @@ def check_lineage(run_dir: Path, store: TrajectoryStore, newest: Path | None) ->
         f"rl resume {run_dir} --new-identity")
 
 
+def check_lora_base(recipe: Recipe, path: Path) -> None:
+    """Refuse (CheckpointError, one line) before anything is rolled back: a checkpoint of LoRA adapters alone whose
+    base (model/checkpoint.py `BASE_FILE`) is not the recipe's base file, byte for byte (sha256)."""
+    from model.checkpoint import base_record, check_base
+    from model.formats import CheckpointFormatError
+    from rl.runtime.worker import initial_weights
+
+    record = base_record(path)
+    base = initial_weights(recipe) if recipe.model.lora is not None else None
+    if record is None:
+        return
+    if base is None:
+        raise CheckpointError(f"checkpoint {path} holds LoRA adapters alone, on the base {record['path']}; the recipe "
+                              "has no model.lora or no base file to put them on")
+    try:
+        check_base(path, record, against=base)
+    except CheckpointFormatError as e:
+        raise CheckpointError(f"cannot resume: {e}") from None
+
+
 def find_resume_point(recipe: Recipe, store: TrajectoryStore, manager: CheckpointManager,
                       say: Callable[[str], None], *, run_dir: Path | None = None,
                       new_identity: bool = False) -> ResumePoint | None:
@@ -136,6 +156,7 @@ def find_resume_point(recipe: Recipe, store: TrajectoryStore, manager: Checkpoin
     except CheckpointError as e:
         raise CheckpointError(f"checkpoint {path}: {e}") from None
     check_resumable(recipe_from_yaml(state["recipe_yaml"]), recipe)
+    check_lora_base(recipe, path)
     if new_identity:
         _fork(run_dir, store, state["watermark"], say)
     undone = store.rollback_to(state["watermark"], checkpoint=str(path))

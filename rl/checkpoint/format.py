@@ -13,6 +13,9 @@ Files of a checkpoint directory:
   file                       written by  content
   model.safetensors          rank 0      policy weights (data-parallel ranks hold identical weights)
   config.json                rank 0      the ModelConfig (model/checkpoint.py)
+  base.json                  rank 0      a LoRA run on a base file: model.safetensors holds the adapters alone,
+                                         and this names the base (path, sha256 of its weight files); resume
+                                         refuses another base (model/checkpoint.py BASE_FILE)
   trainer.json               rank 0      {format: 2, tree: tensor tree (below) of {optimizer, scheduler,
                                          torch_rng, cuda_rng}}: the current stage's AdamW and LR-schedule
                                          state_dicts (null before a stage's trainer exists) and torch RNGs
@@ -95,7 +98,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import publish_directory, read_manifest, verify_files
+from model.checkpoint import BASE_FILE, publish_directory, read_manifest, verify_files
 from rl.faults import fault_point
 from rollout.types import ROLLOUT_STATE_FORMAT
 
@@ -327,7 +330,7 @@ class CheckpointManager:
             return
         tmp = self.keep_weights / f".tmp-{name}-{os.getpid()}"
         tmp.mkdir()
-        for f in WEIGHT_FILES:
+        for f in WEIGHT_FILES + ((BASE_FILE,) if (pruned / BASE_FILE).is_file() else ()):  # LoRA: the base's identity
             os.replace(pruned / f, tmp / f)
         os.replace(tmp, dest)
         kept = sorted(p for p in self.keep_weights.glob("step-*") if p.is_dir() and not p.is_symlink())

@@ -61,7 +61,8 @@ def _load_model(ckpt: Path, vocab_size: int, device: str):
     or its vocabulary is not the run's (`--checkpoint` names any directory: its token ids would mean other text)."""
     from safetensors import SafetensorError
 
-    from model.checkpoint import load_checkpoint, load_config
+    from model.checkpoint import load_config
+    from model.pretrained import load_checkpoint
 
     try:
         config = load_config(ckpt)

@@ -78,20 +78,21 @@ def read_source(source: Path):
     as they are, its config with its KV-cache format); a Hugging Face directory (what `rl export` writes) or a GGUF
     file through the declared conversion (model/pretrained.py). MergeError (one line) when it cannot be read."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
-    from model.checkpoint import load_config
-    from model.formats import checkpoint_kind
+    from model.pretrained import read_state
+    from model.formats import CheckpointFormatError, checkpoint_kind
     from model.pretrained import build_decoder, read_pretrained_config
 
     try:
         if checkpoint_kind(source) == "asyncrl":
             from model.lora import as_plain  # a LoRA run: its merged weights, so the merge averages the deltas B·A
 
-            return as_plain(load_config(source), load_file(str(source / "model.safetensors")))
+            return as_plain(*read_state(source))  # adapters alone: on their checked base (model/checkpoint.py)
         config = read_pretrained_config(source)
         return config, build_decoder(config).state_dict()
-    except (OSError, ValueError, SafetensorError) as e:  # ValueError: CheckpointFormatError, pydantic's
+    except CheckpointFormatError as e:  # names the file and the tensor (non-finite weights, a changed LoRA base)
+        raise MergeError(str(e).splitlines()[0]) from None
+    except (OSError, ValueError, SafetensorError) as e:  # ValueError: pydantic's
         raise MergeError(f"{source}: not a readable checkpoint ({str(e).splitlines()[0][:160]})") from None
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import msgpack
 
-from model.checkpoint import synced_entry, write_weights
+from model.checkpoint import BASE_FILE, synced_entry, write_weights
 from model.decoder import Decoder, is_dtensor
 from model.lora import ADAPTERS, base_to, has_lora, lora_layers, merged_copy, merged_weight
 from model.pretrained import build_decoder, load_pretrained_into
@@ -175,6 +175,9 @@ class PolicyWorker:
         self._weights_unread = sharded and initial_weights(recipe) is not None
         """FSDP2 with initial weights from a file: each rank reads its rows of it once sharded (`join_process_group`)."""
         self.model = build_policy(recipe, read_weights=not self._weights_unread)  # same seed on every rank
+        self._lora_base = initial_weights(recipe) if recipe.model.lora is not None else None
+        """The file a LoRA run's frozen base was read from: its checkpoints hold the adapters and this file's identity
+        (model/checkpoint.py `BASE_FILE`); None: every weight is written (no LoRA, or a random base)."""
         # the engine decodes with its own copy of the float32 master weights under run.dtype bfloat16 (a bf16 copy)
         # and under FSDP2 (the trainer's parameters become shards) and with LoRA (the engine reads weights, never a
         # layer's forward: it decodes the merged W + s · B A); else it shares the trainer's module
@@ -411,7 +414,8 @@ class PolicyWorker:
         from rl.checkpoint.format import TRAINER_JSON, TRAINER_TENSORS, inflight_file, save_tree
 
         self.wait_saved()
-        weights = self.parallel.full_state_dict() if background else None  # host copies (rank 0), or None
+        base = self._lora_base
+        weights = self.parallel.full_state_dict(adapters_only=base is not None) if background else None  # host copies
         optimizer = self.parallel.full_optimizer_state(self.trainer.opt) if self.trainer else None
         trainer = None
         if self.rank == 0:
@@ -429,9 +433,9 @@ class PolicyWorker:
             if background:
                 fault_point("checkpoint_background", self.rank)
                 if self.rank == 0:
-                    write_weights(self.parallel.model, directory, state=weights)
+                    write_weights(self.parallel.model, directory, state=weights, base=base)
             else:
-                self.parallel.write_weights(directory)  # full tensors, gathered under FSDP2: every rank takes part
+                self.parallel.write_weights(directory, base=base)  # full tensors under FSDP2: every rank takes part
             if trainer is not None:
                 save_tree(trainer, directory)
             mine = inflight_file(directory, self.rank)
@@ -439,7 +443,8 @@ class PolicyWorker:
             if not background:
                 return {}
             # the manifest's entries of this worker's files, made here (fsync, digest) instead of at the commit
-            names = [mine.name] + (["model.safetensors", "config.json", TRAINER_JSON, TRAINER_TENSORS] if self.rank == 0 else [])
+            names = [mine.name] + (["model.safetensors", "config.json", TRAINER_JSON, TRAINER_TENSORS]
+                                   + ([BASE_FILE] if base is not None else []) if self.rank == 0 else [])
             return {n: synced_entry(Path(directory) / n) for n in names}
 
         if not background:
@@ -465,7 +470,7 @@ class PolicyWorker:
         """Weights, optimizer, LR schedule and RNG from a checkpoint (after `begin_stage`)."""
         from rl.checkpoint.format import open_tree, read_tree
 
-        self.parallel.load_weights(directory)  # FSDP2: each rank reads only its rows of the full tensors
+        self.parallel.load_weights(directory, base=self._lora_base)  # FSDP2: each rank reads only its rows
         if self.rollout_model is not self.model:
             refresh_rollout_copy(self.rollout_model, self.model)
         self.rollout_model.refresh_rollout_weights()

@@ -44,7 +44,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model.checkpoint import load_weights_into, write_weights
+from model.checkpoint import is_adapter, write_weights
+from model.pretrained import load_weights_into
 from model.decoder import Decoder, is_dtensor
 from model.pretrained import load_pretrained_into, shard_rows
 from rl.checkpoint.format import FileTensor, read_tree
@@ -146,21 +147,25 @@ class Single:
         return float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm)))
 
     # -- checkpoints: full tensors ------------------------------------------------------------------
-    def write_weights(self, directory: str | Path) -> None:
-        """Rank 0 writes the full weights (model.safetensors + config.json); every rank must call it."""
+    def write_weights(self, directory: str | Path, base: Path | None = None) -> None:
+        """Rank 0 writes the full weights (model.safetensors + config.json), or a LoRA model's adapters alone and
+        `base`'s identity (model/checkpoint.py `write_weights`); every rank must call it."""
         if self.rank == 0:
-            write_weights(self.model, directory)
+            write_weights(self.model, directory, base=base)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, adapters_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The model's state_dict as full CPU tensors of their own on rank 0 (None elsewhere): a snapshot that training
-        may go on from (a background checkpoint write); every rank must call it."""
+        may go on from (a background checkpoint write); every rank must call it. `adapters_only`: the LoRA adapters
+        alone (a frozen 8B base is 16 GB of host copies a checkpoint for nothing)."""
         if self.rank != 0:
             return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
+                if not adapters_only or is_adapter(k)}
 
-    def load_weights(self, directory: str | Path) -> int | None:
-        """The checkpoint's weights into the trainer's module, in place; returns the tensor bytes read when counted."""
-        load_weights_into(self.model, directory)
+    def load_weights(self, directory: str | Path, base: Path | None = None) -> int | None:
+        """The checkpoint's weights into the trainer's module, in place (a LoRA checkpoint on `base`, the file the
+        module's frozen weights came from: its adapters alone); returns the tensor bytes read when counted."""
+        load_weights_into(self.model, directory, base=base)
         return None
 
     def full_optimizer_state(self, opt: torch.optim.Optimizer) -> dict | None:
@@ -244,12 +249,12 @@ class FSDP2(Single):
     def micro_batches(self, n: int) -> int:
         return _max_over_ranks(n, self.model)
 
-    def write_weights(self, directory: str | Path) -> None:
+    def write_weights(self, directory: str | Path, base: Path | None = None) -> None:
         state = self.full_state_dict()
-        if self.rank == 0:
+        if self.rank == 0:  # no LoRA under FSDP2 (rl validate refuses it): every weight
             write_weights(self.model, directory, state=state)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, adapters_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The model's state_dict as full CPU tensors on rank 0 (None elsewhere), gathered one tensor at a time."""
         out = {}
         for k, v in self.model.state_dict().items():
@@ -258,7 +263,7 @@ class FSDP2(Single):
                 out[k] = full.cpu()
         return out if self.rank == 0 else None
 
-    def load_weights(self, directory: str | Path) -> int:
+    def load_weights(self, directory: str | Path, base: Path | None = None) -> int:
         """Each rank reads only the rows it keeps of each tensor (safetensors slices, model/pretrained.py
         `load_pretrained_into`): about 1/N of the file, whichever strategy or worker count wrote it (full
         tensors), straight into its shards."""

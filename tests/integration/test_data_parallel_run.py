@@ -15,7 +15,7 @@ CLI = [sys.executable, "-c", "from rl.cli import main; raise SystemExit(main())"
 
 
 def test_rl_train_with_two_ddp_workers(tmp_path):
-    from model.checkpoint import load_weights_into
+    from model.pretrained import load_weights_into
     from rl.checkpoint.format import find_checkpoint
     from rl.recipe_io import recipe_from_yaml
     from rl.runtime.worker import build_policy

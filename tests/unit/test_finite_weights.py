@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import load_checkpoint, load_weights_into, read_weights, write_weights
+from model.checkpoint import write_weights
+from model.pretrained import load_checkpoint, load_weights_into, read_weights
 from model.decoder import Decoder
 from model.formats import CheckpointFormatError
 from model.pretrained import load_pretrained_into

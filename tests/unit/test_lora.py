@@ -105,7 +105,8 @@ def test_only_the_adapters_train_and_the_engine_decodes_the_merged_weights_recom
 
 
 def test_a_lora_checkpoint_reads_as_its_merged_plain_model(tmp_path):
-    from model.checkpoint import load_checkpoint, write_weights
+    from model.checkpoint import write_weights
+    from model.pretrained import load_checkpoint
     from model.pretrained import export_checkpoint, export_hf
 
     torch.manual_seed(0)
@@ -276,3 +277,63 @@ def test_rl_merge_averages_the_deltas_and_a_lora_teacher_scores_with_its_merged_
     with torch.no_grad():
         out = pool.forward("t", ids)
     assert torch.allclose(out.hidden.float() @ out.head_weight.float().T, want, atol=1e-4)
+
+
+def test_a_checkpoint_on_a_base_file_holds_the_adapters_alone_reads_with_the_base_and_refuses_another(tmp_path):
+    """Issue 44: a LoRA checkpoint holds the adapters and the base's identity (path, sha256 of its weight files), every
+    reader puts the base back (resume: the adapters over the base already loaded; eval, teachers, `rl merge`, `rl
+    export`: merged), and a base whose bytes changed is refused in one line."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from model.checkpoint import BASE_FILE, write_weights
+    from model.pretrained import load_checkpoint, load_weights_into, read_state
+    from model.config import ModelConfig
+    from model.formats import CheckpointFormatError
+    from model.lora import as_plain
+    from model.pretrained import build_decoder, export_checkpoint
+    from rl.cli.merge import read_source
+
+    torch.manual_seed(0)
+    base_dir, ckpt = tmp_path / "base", tmp_path / "ckpt"
+    base_dir.mkdir(), ckpt.mkdir()
+    write_weights(Decoder(debug_config(moe=False)), base_dir)
+    cfg = ModelConfig(init=str(base_dir), lora=LoraConfig(**LORA))
+    ours = build_decoder(cfg)
+    _randomise_b(ours)
+    write_weights(ours, ckpt, base=base_dir)
+    saved = load_file(str(ckpt / "model.safetensors"))
+    assert saved and all(k.endswith((".lora_A", ".lora_B")) for k in saved)
+    assert len(saved) == 2 * len(lora_layers(ours))
+    record = json.loads((ckpt / BASE_FILE).read_text())
+    assert record["path"] == str(base_dir.resolve()) and list(record["sha256"]) == ["model.safetensors"]
+    ids = torch.randint(0, 99, (2, 12))
+    want = _logits(ours, ids)
+    assert (want - _logits(build_decoder(cfg), ids)).abs().max() > 1e-2  # the adapters move the logits
+    # resume: a fresh LoRA model on the base takes the adapters alone, bit for bit
+    fresh = build_decoder(cfg)
+    load_weights_into(fresh, ckpt, base=base_dir)
+    assert torch.equal(_logits(fresh, ids), want)
+    # read as a plain model (rl eval --checkpoint, OPD teachers, rl merge, rl export): the base put back and merged
+    plain = load_checkpoint(ckpt)
+    assert plain.config.lora is None and torch.allclose(_logits(plain, ids), want, atol=1e-5)
+    q = "model.layers.0.self_attn.q_proj"
+    merged = merged_weight(lora_layers(ours)[q])
+    from model.pretrained import export_peft_adapter
+
+    adapter = json.loads((export_peft_adapter(ckpt, tmp_path / "adapter") / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(base_dir.resolve())  # from base.json
+    for state in (as_plain(*read_state(ckpt))[1], read_source(ckpt)[1],
+                  load_file(str(export_checkpoint(ckpt, tmp_path / "hf") / "model.safetensors"))):
+        assert not any("lora" in k for k in state) and torch.allclose(state[f"{q}.weight"], merged, atol=1e-6)
+    # the same bytes elsewhere are the same base; other bytes at the recorded path are not
+    import shutil
+
+    shutil.copytree(base_dir, tmp_path / "moved")
+    load_weights_into(build_decoder(cfg), ckpt, base=tmp_path / "moved")
+    write_weights(Decoder(debug_config(moe=False)), base_dir)  # another random base over the first one
+    for read in (lambda: load_checkpoint(ckpt), lambda: load_weights_into(build_decoder(cfg), ckpt, base=base_dir)):
+        with pytest.raises(CheckpointFormatError, match=r"trained on the base .*base \(sha256 [0-9a-f]{12}\.\.\.\), whose weight files changed since \(sha256") as e:
+            read()
+        assert "\n" not in str(e.value)

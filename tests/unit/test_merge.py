@@ -47,7 +47,7 @@ def test_runs_of_one_model_at_different_lengths_merge_at_the_longest(tmp_path):
     merge is the average, saved at the longest, and a checkpoint of either length loads into a model of the other."""
     import json
 
-    from model.checkpoint import read_weights
+    from model.pretrained import read_weights
     from model.config import ModelConfig
 
     a = _ckpt(tmp_path / "a", 0, max_position_embeddings=256)

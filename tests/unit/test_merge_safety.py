@@ -173,5 +173,5 @@ def test_a_source_whose_weights_are_not_finite_is_refused(tmp_path, capsys):
     state["model.embed_tokens.weight"][3, 5] = float("nan")
     save_file(state, str(b / "model.safetensors"))
     assert main(["merge", str(a), str(b), "--weights", "1", "0", "--out", str(tmp_path / "m")]) == 2
-    _one_line_refusal(capsys, str(b), "model.embed_tokens.weight", "not finite")
+    _one_line_refusal(capsys, str(b), "model.embed_tokens.weight", "non-finite")
     assert not (tmp_path / "m").exists()

@@ -2,7 +2,8 @@
 
 import torch
 
-from model.checkpoint import load_checkpoint, save_checkpoint
+from model.checkpoint import save_checkpoint
+from model.pretrained import load_checkpoint
 from model.decoder import Decoder
 from model.kv_cache import PagedBatch, PagedKVCache
 from tests.conftest import debug_config

@@ -180,7 +180,8 @@ def test_the_rollout_copy_shares_storage_and_needs_no_refresh(kernels):
 
 @pytest.mark.parametrize("share_storage", [False, True], ids=["copy", "views"])
 def test_a_checkpoint_load_reaches_the_rollout_path(tmp_path, share_storage):
-    from model.checkpoint import load_weights_into, write_weights
+    from model.checkpoint import write_weights
+    from model.pretrained import load_weights_into
 
     other = _model("qwen2")
     with torch.no_grad():

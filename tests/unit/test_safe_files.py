@@ -115,7 +115,8 @@ def test_publish_dir_never_replaces_a_directory_with_files(tmp_path):
 
 # -- the writers -------------------------------------------------------------------------------------------------
 def test_save_checkpoint_never_replaces_an_existing_directory_nor_a_tmp_sibling(tmp_path):
-    from model.checkpoint import load_checkpoint, save_checkpoint
+    from model.checkpoint import save_checkpoint
+    from model.pretrained import load_checkpoint
     from model.decoder import Decoder
     from tests.conftest import debug_config
 

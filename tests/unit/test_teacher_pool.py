@@ -12,7 +12,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from model.checkpoint import load_checkpoint, save_checkpoint
+from model.checkpoint import save_checkpoint
+from model.pretrained import load_checkpoint
 from model.config import DenseFFNConfig, ModelConfig, MoEFFNConfig
 from model.decoder import Decoder
 from model.tokenizer import CharTokenizer
