@@ -248,3 +248,21 @@ def test_a_gguf_tokenizer_writes_hf_files_that_transformers_and_asyncrl_read_ali
     conv = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     assert again.apply_chat_template(conv) == tok.apply_chat_template(conv) == hf.apply_chat_template(
         conv, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_padded_char_tokenizer_sizes_the_vocabulary_and_decodes_the_padding_to_nothing():
+    """`tokenizer: {type: char, vocab_size: N}`: a synthetic task at a real model's output-head size (bench/lora.py's
+    8B GRPO job, vocabulary 151,936); a random policy samples ids past the characters, which must decode to nothing."""
+    from tests.unit.test_worker import RECIPE
+
+    tok = CharTokenizer(1000)
+    text = "What is 7 + 5?\n"
+    assert tok.vocab_size == 1000 and tok.decode(tok.encode(text)) == text
+    assert tok.decode([*tok.encode("ab"), 99, 500, 999, *tok.encode("c")]) == "abc"
+    assert CharTokenizer().decode([500]) == ""  # a reader that builds the plain tokenizer decodes such ids too
+    with pytest.raises(ValueError, match="at least 99 ids"):
+        CharTokenizer(50)
+    padded = {**RECIPE, "tokenizer": {"type": "char", "vocab_size": 1000}, "model": {**RECIPE["model"], "vocab_size": 1000}}
+    assert Recipe.model_validate(padded).tokenizer.build().vocab_size == 1000
+    with pytest.raises(ValueError, match="model.vocab_size=99 but the char tokenizer has 1000 ids"):
+        Recipe.model_validate({**padded, "model": RECIPE["model"]})
