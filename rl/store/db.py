@@ -131,9 +131,17 @@ def reader_engine(url: URL) -> Engine:
         if not path.is_file():
             raise StoreError(f"no trajectory store at {path}")
         uri = path.absolute().as_uri() + "?mode=ro"  # as_uri percent-encodes the path
-        return create_engine(URL.create("sqlite"), poolclass=NullPool,
-                             creator=lambda: sqlite3.connect(uri, uri=True, check_same_thread=False,
-                                                             timeout=BUSY_TIMEOUT_S))
+        wal = path.with_name(path.name + "-wal")
+
+        def connect():
+            # No -wal file: no job has the store open (its last connection checkpointed and removed it), and a WAL
+            # reader would create -wal and -shm beside it: `immutable` reads the file alone and writes nothing
+            # (`rl ui` and `rl traj` on a finished run leave its directory byte for byte). With one, a job may be
+            # writing: the shared-memory index and locks of a normal read-only connection.
+            live = wal.exists()
+            return sqlite3.connect(uri if live else uri + "&immutable=1", uri=True, check_same_thread=False,
+                                   timeout=BUSY_TIMEOUT_S)
+        return create_engine(URL.create("sqlite"), poolclass=NullPool, creator=connect)
     engine = _engine(url)
     if url.get_backend_name() == "postgresql":
         engine = engine.execution_options(postgresql_readonly=True)

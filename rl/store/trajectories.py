@@ -459,6 +459,8 @@ class TrajectoryStore:
         ids = list(dict.fromkeys(sample_ids))
         if len(ids) != len(sample_ids):
             raise ValueError("mark_trained: the same sample id appears twice in one train step")
+        if not ids:  # an executemany of no rows is an INSERT of DEFAULT VALUES (NULL ids): nothing to stamp
+            return
         matched = 0
         with self._begin() as s:
             for i in range(0, len(ids), 500):  # stay under the backends' bound-parameter limits
@@ -614,6 +616,11 @@ class TrajectoryStore:
             turns=tuple(Turn(kind=t.kind, start=t.start, end=t.end, text=t.text, tool=t.tool, call=t.call, status=t.status,
                              exit_code=t.exit_code, truncated=t.truncated, wall_s=t.wall_s) for t in turns),
         )
+
+    def read_rows(self, statement) -> list:
+        """The rows of one SELECT in one short read transaction (rl/ui/data.py's pages of the samples table)."""
+        with self._session() as s:
+            return list(s.execute(statement))
 
     def sample_train_step(self, sample_id: str) -> int | None:
         """The step that consumed the sample; None if untrained (or unknown)."""

@@ -35,13 +35,15 @@ RL_ARROWS = {
     "rl.runtime": {"rl.config", "rl.faults", "rl.checkpoint", "rl.train"},
     "rl.algo": {"rl.types", "rl.faults", "rl.dispatch", "rl.store", "rl.checkpoint", "rl.config", "rl.reconfigure",
                 "rl.recipe_io", "rl.metrics", "rl.train", "rl.runtime"},
+    "rl.ui": {"rl.store", "rl.checkpoint", "rl.config"},
     "rl.cli": {"rl.types", "rl.store", "rl.checkpoint", "rl.config", "rl.reconfigure", "rl.recipe_io", "rl.runtime",
-               "rl.algo"},
+               "rl.algo", "rl.ui"},
 }
 """rl's parts (a top-level module, or a sub-package with everything under it) -> the parts it may import. Read
 bottom-up: records, fail points and dispatch import nothing; the store sits on the records; checkpoints on the
 store; the recipe on dispatch and checkpoints (a teacher may be `RUN_DIR:STEP`); one optimizer step (train) on
-the recipe; the runtime on train; the algorithms on all of it; the command line on top."""
+the recipe; the runtime on train; the algorithms on all of it; the dashboard (read-only) on the store, the
+checkpoints' run directories and the recipe; the command line on top."""
 
 PLUGIN_LOADERS = {"rewards.config", "rewards.verifiers", "rewards.reward_functions", "rewards.dataset_io"}
 """The modules that import a user's module by name (a custom task, a `python:` verifier, an optional reader)."""

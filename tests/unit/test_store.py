@@ -156,6 +156,13 @@ def test_mark_trained_rejects_unknown_ids_atomically(store):
     assert store.sample_train_step("a") is None
 
 
+def test_marking_no_samples_trained_is_a_no_op(store):
+    """An empty train step (every group filtered) stamps nothing; it used to insert a NULL row and raise."""
+    store.add_samples([make_sample("a")])
+    store.mark_trained([], step=3)
+    assert store.sample_train_step("a") is None
+
+
 def test_a_sample_is_trained_at_most_once(store):
     store.add_samples([make_sample("a"), make_sample("b")])
     store.mark_trained(["a"], step=1)

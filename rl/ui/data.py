@@ -1,0 +1,295 @@
+"""What the web dashboard shows (issue #45), read from run directories and never written: each run's recipe, identity
+and `metrics.jsonl`, and its trajectory store through a read-only engine (rl/store/db.py `reader_engine`: SQLite
+opened `mode=ro`, PostgreSQL in read-only transactions), one short transaction a request, so a live job's writer is
+never held up behind a long read.
+
+Every value goes out as JSON data; the page puts it into the document as text (rl/ui/static/app.js), never as markup.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rl.checkpoint.run_dir import LOCK_FILE
+from rl.store.identity import RECIPE_FILE, RUN_FILE
+
+METRICS_FILE = "metrics.jsonl"
+CURVE_POINTS = 2000
+"""Points a curve is downsampled to (min and max of each bucket kept, so a spike is never averaged away)."""
+PAGE_MAX = 200
+SORTS = {"seq": "seq", "reward": "reward", "step": "train_step", "length": "num_response_tokens", "lag": "lag"}
+FILTERS = ("dataset", "step", "min_reward", "max_reward", "finish_reason", "failure", "effort", "teacher", "status",
+           "correct", "min_lag")
+
+
+class UIError(ValueError):
+    """A request the data cannot answer (unknown run, bad filter): one line, sent back as a 400."""
+
+
+def _holder(run_dir: Path) -> str | None:
+    """"pid N on HOST since T" when a live process on this host holds the run's lock (read from the lock file, no
+    lock taken: a shared flock, even brief, would make a starting `rl resume` refuse); None otherwise."""
+    try:
+        text = (run_dir / LOCK_FILE).read_text(errors="replace").strip()
+    except OSError:
+        return None
+    parts = text.split()
+    if len(parts) >= 4 and parts[0] == "pid" and parts[1].isdigit() and parts[3] == socket.gethostname():
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return text
+    return None
+
+
+@dataclass
+class RunSource:
+    """One run directory: its name, recipe, metrics rows (read again when the file grows) and store."""
+
+    run_dir: Path
+    key: str
+    _rows: list[dict] = field(default_factory=list)
+    _offset: int = 0
+    _store: object = None
+    _tokenizer: object = None
+
+    @property
+    def name(self) -> str:
+        try:
+            return json.loads((self.run_dir / RUN_FILE).read_text()).get("name") or self.run_dir.name
+        except (OSError, ValueError, AttributeError):
+            return self.run_dir.name
+
+    def recipe_text(self) -> str:
+        try:
+            return (self.run_dir / RECIPE_FILE).read_text()
+        except OSError:
+            return ""
+
+    def rows(self) -> list[dict]:
+        """metrics.jsonl's rows; only the bytes appended since the last call are read (a live job's file grows)."""
+        path = self.run_dir / METRICS_FILE
+        try:
+            with path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return self._rows
+        end = data.rfind(b"\n") + 1  # a line the job is still writing waits for the next call
+        for line in data[:end].splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                self._rows.append(row)
+        self._offset += end
+        return self._rows
+
+    def tokenizer(self):
+        """The run's tokenizer from its recipe, or None when it cannot be built here (a checkpoint not on this host)."""
+        if self._tokenizer is None:
+            try:
+                import yaml
+
+                from rl.config import Recipe
+
+                self._tokenizer = Recipe.model_validate(yaml.safe_load(self.recipe_text())).tokenizer.build()
+            except Exception:
+                self._tokenizer = False
+        return self._tokenizer or None
+
+    def store(self):
+        if self._store is None:
+            from rl.store.trajectories import TrajectoryStore
+
+            self._store = TrajectoryStore.read_run(self.run_dir)
+        return self._store
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def summary(self) -> dict:
+        rows = self.rows()
+        steps = [r["step"] for r in rows if isinstance(r.get("step"), int | float)]
+        evals = [r for r in rows if isinstance(r.get("eval/accuracy"), int | float)]
+        stages = []
+        try:
+            import yaml
+
+            recipe = yaml.safe_load(self.recipe_text()) or {}
+            stages = [str(s.get("type", "?")) for s in recipe.get("stages", []) if isinstance(s, dict)]
+        except Exception:  # a recipe that does not parse still lists the run
+            recipe = {}
+        holder = _holder(self.run_dir)
+        return {"key": self.key, "name": self.name, "dir": str(self.run_dir), "stages": stages,
+                "status": "running" if holder else "stopped", "holder": holder, "steps": max(steps, default=0),
+                "heldout": evals[-1]["eval/accuracy"] if evals else None,
+                "heldout_step": evals[-1].get("step") if evals else None}
+
+
+class Dashboard:
+    """The runs the server was started with, by key (their position, as a string)."""
+
+    def __init__(self, run_dirs: list[str | Path]):
+        self.runs: dict[str, RunSource] = {}
+        for i, d in enumerate(run_dirs):
+            path = Path(d)
+            if not path.is_dir():
+                raise UIError(f"{path}: not a run directory")
+            self.runs[str(i)] = RunSource(path.resolve(), str(i))
+
+    def run(self, key: str) -> RunSource:
+        if key not in self.runs:
+            raise UIError(f"no run {key!r}")
+        return self.runs[key]
+
+    # -- pages ------------------------------------------------------------------------------------------------
+    def runs_page(self) -> dict:
+        return {"runs": [r.summary() for r in self.runs.values()]}
+
+    def run_page(self, key: str) -> dict:
+        r = self.run(key)
+        return {**r.summary(), "recipe": r.recipe_text(), "config_versions": self._config_versions(r)}
+
+    def _config_versions(self, r: RunSource) -> list[dict]:
+        try:
+            return [{k: v for k, v in c.items() if k in ("version", "status", "train_step", "reason", "patch")}
+                    for c in r.store().config_versions()]
+        except Exception:  # no store yet (a run that has not started writing): no versions to mark
+            return []
+
+    def keys(self, key: str) -> list[str]:
+        """The numeric series a run's metrics hold."""
+        seen: dict[str, None] = {}
+        for row in self.run(key).rows():
+            for k, v in row.items():
+                if k not in ("step", "time") and isinstance(v, int | float) and not isinstance(v, bool):
+                    seen.setdefault(k)
+        return sorted(seen)
+
+    def curve(self, key: str, metric: str, points: int = CURVE_POINTS) -> dict:
+        """(steps, values) of one metric, downsampled to about `points` by keeping each bucket's min and max."""
+        xs, ys = [], []
+        for row in self.run(key).rows():
+            v, s = row.get(metric), row.get("step")
+            if isinstance(v, int | float) and not isinstance(v, bool) and isinstance(s, int | float) and math.isfinite(v):
+                xs.append(s)
+                ys.append(v)
+        n = len(xs)
+        if n > points:
+            bucket = math.ceil(n / (points // 2))
+            keep: list[int] = []
+            for a in range(0, n, bucket):
+                idx = range(a, min(a + bucket, n))
+                lo, hi = min(idx, key=ys.__getitem__), max(idx, key=ys.__getitem__)
+                keep.extend(sorted({lo, hi}))
+            xs, ys = [xs[i] for i in keep], [ys[i] for i in keep]
+        return {"run": key, "metric": metric, "x": xs, "y": ys, "points": n}
+
+    def samples(self, key: str, params: dict[str, str]) -> dict:
+        """One page of the run's samples: filters (`FILTERS`), `sort` (`SORTS`, `-` first for descending), `offset`,
+        `limit` (at most `PAGE_MAX`)."""
+        from sqlalchemy import func, select
+
+        from rl.store.schema import SampleTable as t
+
+        store = self.run(key).store()
+        lag = (t.max_version - t.min_version).label("lag")
+        q = select(t.sample_id, t.dataset, t.train_step, t.reward, t.correct, t.finish_reason, t.failure, t.effort,
+                   t.teacher, t.status, t.num_response_tokens, t.min_version, t.max_version, lag,
+                   func.substr(t.response_text, 1, 120)).where(t.run_id == store.run_id)
+        conds = {
+            "dataset": lambda v: t.dataset == v, "finish_reason": lambda v: t.finish_reason == v,
+            "failure": lambda v: t.failure == v, "teacher": lambda v: t.teacher == v, "status": lambda v: t.status == v,
+            "step": lambda v: t.train_step == _int(v, "step"), "effort": lambda v: t.effort == _int(v, "effort"),
+            "min_reward": lambda v: t.reward >= _float(v, "min_reward"),
+            "max_reward": lambda v: t.reward <= _float(v, "max_reward"),
+            "correct": lambda v: t.correct == (v in ("1", "true", "yes")),
+            "min_lag": lambda v: (t.max_version - t.min_version) >= _int(v, "min_lag"),
+        }
+        for name, cond in conds.items():
+            if params.get(name) not in (None, ""):
+                q = q.where(cond(params[name]))
+        sort = params.get("sort") or "seq"
+        column = SORTS.get(sort.lstrip("-"))
+        if column is None:
+            raise UIError(f"sort {sort!r}: expected one of {', '.join(SORTS)} (a leading - for descending)")
+        col = lag if column == "lag" else getattr(t, column)
+        q = q.order_by(col.desc() if sort.startswith("-") else col.asc(), t.seq.desc() if sort.startswith("-") else t.seq)
+        offset, limit = _int(params.get("offset") or "0", "offset"), _int(params.get("limit") or "50", "limit")
+        if offset < 0 or not 0 < limit <= PAGE_MAX:
+            raise UIError(f"offset {offset}, limit {limit}: expected offset >= 0 and 0 < limit <= {PAGE_MAX}")
+        names = ("sample_id", "dataset", "step", "reward", "correct", "finish_reason", "failure", "effort", "teacher",
+                 "status", "tokens", "min_version", "max_version", "lag", "preview")
+        rows = [dict(zip(names, row)) for row in store.read_rows(q.offset(offset).limit(limit))]
+        return {"run": key, "offset": offset, "limit": limit, "sort": sort, "rows": rows}
+
+    def sample(self, key: str, sample_id: str) -> dict:
+        """One sample: prompt, response as tokens (text piece, behaviour log-prob, policy version, trained or not),
+        segments, tool turns, verdict, teacher, config version."""
+        store = self.run(key).store()
+        sample = store.get_sample(sample_id)
+        if sample is None:
+            raise UIError(f"no sample {sample_id!r} in run {key}")
+        pieces = self._pieces(key, sample.response_tokens, sample.response_text)
+        mask = sample.loss_mask_T()
+        tokens = [{"id": t, "text": p, "logprob": lp, "version": v, "trained": bool(m)}
+                  for t, p, lp, v, m in zip(sample.response_tokens, pieces, sample.behavior_logprobs_T,
+                                            sample.policy_versions_T, mask)]
+        return {
+            "run": key, "sample_id": sample.sample_id, "prompt_id": sample.prompt_id, "dataset": sample.dataset,
+            "status": sample.status, "finish_reason": sample.finish_reason, "failure": sample.failure,
+            "reward": sample.reward, "correct": sample.correct, "reason": sample.reason,
+            "train_step": store.sample_train_step(sample_id), "config_version": sample.config_version,
+            "effort": sample.effort, "teacher": sample.teacher, "prompt": sample.prompt_text,
+            "response": sample.response_text, "tokens": tokens,
+            "segments": [list(s) for s in store.segments(sample_id)],
+            "turns": [{"kind": t.kind, "start": t.start, "end": t.end, "text": t.text, "tool": t.tool, "call": t.call,
+                       "status": t.status, "exit_code": t.exit_code} for t in sample.turns],
+        }
+
+    def _pieces(self, key: str, tokens: tuple[int, ...], text: str) -> list[str]:
+        """Each response token's text, decoded alone by the run's own tokenizer (its recipe's); when that cannot be
+        built here (its checkpoint is on another host): the stored text's characters if there is one token a
+        character (the char tokenizer, plus an end token), else the ids."""
+        tok = self.run(key).tokenizer()
+        if tok is not None:
+            try:
+                return [tok.decode([t]) for t in tokens]
+            except Exception:  # an id the tokenizer does not know: the fallback below
+                pass
+        if len(tokens) - len(text) in (0, 1):
+            return list(text) + [f"#{t}" for t in tokens[len(text):]]
+        return [f"#{t}" for t in tokens]
+
+    def close(self) -> None:
+        for r in self.runs.values():
+            r.close()
+
+
+def _int(v: str, name: str) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise UIError(f"{name}={v!r}: expected an integer") from None
+
+
+def _float(v: str, name: str) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise UIError(f"{name}={v!r}: expected a number") from None
+    if not math.isfinite(x):
+        raise UIError(f"{name}={v!r}: expected a finite number")
+    return x

@@ -1,0 +1,121 @@
+"""`rl ui`'s server (rl/ui/server.py) over a real run directory and SQLite store, through HTTP: the token and the
+Host allow-list guard every route, the headers forbid inline script, the JSON carries values as they are (the page
+puts them in as text: tests/integration/test_ui_browser.py), filters, sorts and pages answer, and serving reads only:
+the run directory's bytes are the same after."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+
+from rl.ui.data import Dashboard
+from rl.ui.server import COOKIE, CSP, UIServer
+from tests.ui_run import XSS, make_run
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    run = make_run(tmp_path_factory.mktemp("ui") / "run")
+    before = _digests(run)
+    server = UIServer(Dashboard([run]), port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server, run, before
+    server.shutdown()
+    server.server_close()
+    server.dashboard.close()
+
+
+def _digests(d):
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _get(server, path, token=True, host=None, cookie=None, method="GET"):
+    port = server.server_address[1]
+    sep = "&" if "?" in path else "?"
+    url = f"http://127.0.0.1:{port}{path}" + (f"{sep}token={server.token}" if token else "")
+    req = urllib.request.Request(url, method=method)
+    if host:
+        req.add_header("Host", host)
+    if cookie:
+        req.add_header("Cookie", cookie)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_every_route_needs_the_token_or_its_cookie_and_an_allowed_host(served):
+    server, _, _ = served
+    for path in ("/", "/app.js", "/api/runs", "/api/samples?run=0"):
+        status, _, body = _get(server, path, token=False)
+        assert status == 403 and b"token" in body, path
+    status, headers, _ = _get(server, "/")  # the token in the URL: the page, and a cookie for what follows
+    assert status == 200 and headers["Set-Cookie"].startswith(f"{COOKIE}={server.token};")
+    assert "HttpOnly" in headers["Set-Cookie"] and "SameSite=Strict" in headers["Set-Cookie"]
+    status, _, _ = _get(server, "/api/runs", token=False, cookie=f"{COOKIE}={server.token}")
+    assert status == 200
+    assert _get(server, "/api/runs", token=False, cookie=f"{COOKIE}=guess")[0] == 403
+    port = server.server_address[1]
+    for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1:{port + 1}"):  # DNS rebinding: another name
+        status, _, body = _get(server, "/api/runs", host=host)
+        assert status == 403 and b"Host header" in body, host
+    assert _get(server, "/api/runs", host=f"localhost:{port}")[0] == 200
+    assert _get(server, "/api/runs", method="POST")[0] == 405  # read-only
+
+
+def test_pages_forbid_inline_script_and_the_json_carries_values_as_they_are(served):
+    server, _, _ = served
+    status, headers, body = _get(server, "/")
+    assert headers["Content-Security-Policy"] == CSP and "script-src 'self'" in CSP and "unsafe-inline" not in CSP
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    assert b"<script>" not in body and b"onerror" not in body and b"https://" not in body  # no inline code, no CDN
+    runs = json.loads(_get(server, "/api/runs")[2])["runs"]
+    assert runs[0]["name"] == f"run {XSS}" and runs[0]["stages"] == ["sft", "grpo"]
+    assert (runs[0]["steps"], runs[0]["heldout"], runs[0]["status"]) == (300, 0.625, "stopped")
+    s = json.loads(_get(server, "/api/sample?run=0&id=s009")[2])
+    assert s["reason"] == f"expected 42 {XSS}" and s["prompt"].endswith(XSS) and s["turns"][1]["text"] == f"42 {XSS}\n"
+    assert [t["trained"] for t in s["tokens"]][16:21] == [True, False, False, False, True]  # the tool's output: untrained
+    assert "".join(t["text"] for t in s["tokens"][:17]) == "call: print(6*7)\n"
+    two = json.loads(_get(server, "/api/sample?run=0&id=s003")[2])
+    assert [v for _, _, v in two["segments"]] == [1, 2] and {t["version"] for t in two["tokens"]} == {1, 2}
+    status, _, body = _get(server, "/api/sample?run=0&id=nope")
+    assert status == 400 and json.loads(body)["error"] == "no sample 'nope' in run 0"
+
+
+@pytest.mark.parametrize(("query", "expected"), [
+    ("limit=5", ["s000", "s001", "s002", "s003", "s004"]),
+    ("limit=3&offset=117", ["s117", "s118", "s119"]),
+    ("limit=4&sort=-seq", ["s119", "s118", "s117", "s116"]),
+    ("step=2&min_reward=1&limit=50", ["s062", "s067", "s072", "s077", "s082", "s087", "s092", "s097"]),
+    ("effort=50&dataset=arith&limit=50", []),  # i % 6 == 0 are gsm (i % 3 == 0)
+    ("min_lag=1", ["s003"]),
+])
+def test_the_samples_table_filters_sorts_and_pages(served, query, expected):
+    server, _, _ = served
+    rows = json.loads(_get(server, f"/api/samples?run=0&{query}")[2])["rows"]
+    assert [r["sample_id"] for r in rows] == expected
+
+
+def test_a_filter_the_data_cannot_answer_is_one_line_and_a_400(served):
+    server, _, _ = served
+    for query, message in (("step=two", "step='two': expected an integer"), ("sort=name", "sort 'name'"),
+                           ("limit=100000", "limit"), ("min_reward=nan", "finite")):
+        status, _, body = _get(server, f"/api/samples?run=0&{query}")
+        assert status == 400 and message in json.loads(body)["error"], query
+
+
+def test_a_curve_is_downsampled_keeping_its_extremes_and_serving_changes_nothing(served):
+    server, run, before = served
+    c = json.loads(_get(server, "/api/curve?run=0&metric=rollout/reward")[2])
+    assert c["points"] == 300 and c["x"][:3] == [1, 2, 3] and len(c["y"]) == 300
+    d = Dashboard([run])
+    small = d.curve("0", "rl/entropy", points=20)
+    assert len(small["x"]) <= 22 and max(small["y"]) == pytest.approx(2.0 - 1 / 300) and min(small["y"]) == 1.0
+    assert "rl/entropy" in d.keys("0") and "step" not in d.keys("0")
+    assert _digests(run) == before  # every request above read; none wrote
