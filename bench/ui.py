@@ -8,6 +8,8 @@ timed cold (a fresh `Dashboard`, so no Python-side cache) through rl/ui/data.py 
 The store is written once per (samples, tokens) under --dir and reused. `writes_to_store`: files of the run directory
 whose bytes changed while the dashboard read (must be 0). Last line:
 RESULT samples=<n> page_ms_p50=<x> page_ms_p95=<x> sample_ms_p50=<y> sample_ms_p95=<y> curve_ms=<z> writes_to_store=<n>
+live_commit_ms_p95_alone=<x> live_commit_ms_p95_polled=<x> live_wal_mib_polled=<x> (a live store: a job's writer with
+and without the dashboard polling it)
 """
 
 from __future__ import annotations
@@ -61,6 +63,63 @@ def build(run: Path, n: int, tokens: int, steps: int) -> None:
     print()
 
 
+def live(root: Path, seconds: float, poll: bool) -> dict:
+    """A job's writer adding 64 samples of 256 tokens every 50 ms to a live store for `seconds`, with the dashboard
+    polling a samples page and a sample page every 100 ms, or not: the writer's commit latencies (ms) and the WAL's
+    largest size (MiB)."""
+    import shutil
+    import threading
+
+    from rl.store.trajectories import TrajectoryStore
+    from rl.types import Sample
+
+    run = root / ("live-poll" if poll else "live-alone")
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    store = TrajectoryStore.for_run_dir(run, name="ui-live")
+    rng = random.Random(2)
+    lat, wal, stop, n = [], [0], threading.Event(), [0]
+
+    def batch(k: int) -> list:
+        return [Sample(sample_id=f"s{k:06d}-{j}", prompt_id=f"p{k}", dataset="wp", group_id=f"p{k}", prompt_tokens=(1, 5),
+                       response_tokens=tuple(rng.randrange(3, 99) for _ in range(256)), prompt_text="q",
+                       response_text="x" * 256, behavior_logprobs_T=(-0.5,) * 256, policy_versions_T=(k,) * 256,
+                       reward=1.0, correct=True, finish_reason="eos", status="finished", timings={"finished_at": float(k)})
+                for j in range(64)]
+
+    def reader() -> None:
+        d = Dashboard([run])
+        while not stop.is_set():
+            try:
+                page = d.samples("0", {"sort": "-seq", "limit": "50"})
+                if page["rows"]:
+                    d.sample("0", page["rows"][0]["sample_id"])
+            except Exception:
+                pass  # before the first commit: no store yet
+            time.sleep(0.1)
+        d.close()
+
+    t = threading.Thread(target=reader) if poll else None
+    if t:
+        t.start()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        b = batch(n[0])
+        t0 = time.perf_counter()
+        store.add_samples(b)
+        lat.append(1e3 * (time.perf_counter() - t0))
+        n[0] += 1
+        w = run / "trajectories.db-wal"
+        wal[0] = max(wal[0], w.stat().st_size if w.exists() else 0)
+        time.sleep(0.05)
+    stop.set()
+    if t:
+        t.join()
+    store.close()
+    return {"p50": pct(lat, 0.5), "p95": pct(lat, 0.95), "max": max(lat), "wal_mib": wal[0] / 2**20, "batches": len(lat)}
+
+
 def digests(d: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
 
@@ -77,6 +136,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--steps", type=int, default=100_000, help="rows of the curve's metrics.jsonl")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/asyncrl-ui-bench"))
+    ap.add_argument("--live-s", type=float, default=8.0, help="seconds of each live-store arm (writer alone, polled)")
     ap.add_argument("--requests", type=int, default=None, help="timed requests of each kind")
     a = ap.parse_args()
     n, tokens = a.samples or (20_000 if a.quick else 1_000_000), a.tokens or (256 if a.quick else 2048)
@@ -108,12 +168,18 @@ def main() -> None:
     curve_ms = 1e3 * (time.perf_counter() - t)
     d.close()
     writes = sum(1 for k, v in digests(run).items() if before.get(k) != v) + len(set(digests(run)) - set(before))
+    alone, polled = live(a.dir, a.live_s, poll=False), live(a.dir, a.live_s, poll=True)
+    print(f"live store, a writer adding 64 samples every 50 ms for {a.live_s:.0f} s: commit p50 / p95 / max "
+          f"{alone['p50']:.1f} / {alone['p95']:.1f} / {alone['max']:.1f} ms alone, {polled['p50']:.1f} / "
+          f"{polled['p95']:.1f} / {polled['max']:.1f} ms while the dashboard polls every 100 ms; WAL at most "
+          f"{alone['wal_mib']:.1f} / {polled['wal_mib']:.1f} MiB")
     print(f"samples table: p50 {pct(page_ms, 0.5):.1f} ms, p95 {pct(page_ms, 0.95):.1f} ms ({reqs} pages, random offsets "
           f"up to {n - 50:,}, {len(filters)} filters x {len(sorts)} sorts); sample page: p50 {pct(sample_ms, 0.5):.1f} ms, "
           f"p95 {pct(sample_ms, 0.95):.1f} ms; curve of {c['points']:,} steps -> {len(c['x']):,} points: {curve_ms:.0f} ms")
     print(f"RESULT samples={n} page_ms_p50={pct(page_ms, 0.5):.1f} page_ms_p95={pct(page_ms, 0.95):.1f} "
           f"sample_ms_p50={pct(sample_ms, 0.5):.1f} sample_ms_p95={pct(sample_ms, 0.95):.1f} curve_ms={curve_ms:.0f} "
-          f"writes_to_store={writes}")
+          f"writes_to_store={writes} live_commit_ms_p95_alone={alone['p95']:.1f} live_commit_ms_p95_polled={polled['p95']:.1f} "
+          f"live_wal_mib_polled={polled['wal_mib']:.1f}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ def make_run(d: Path, n: int = 120, name: str = f"run {XSS}") -> Path:
     store.mark_trained([s.sample_id for s in samples[:60]], step=1)
     store.mark_trained([s.sample_id for s in samples[60:100]], step=2)
     store.add_config_version(1, "applied", {"mixture": {"arith": 1.0}}, train_step=2)
+    store.add_config_version(None, "refused", {"mixture": {XSS: 1.0}}, train_step=2, reason=f"unknown dataset {XSS}")
     store.close()
     with (d / "metrics.jsonl").open("w") as f:
         for step in range(1, 301):

@@ -29,6 +29,7 @@ from rl.cli.merge import add_merge_parser
 from rl.cli.models import add_models_parser
 from rl.cli.export import add_export_parser
 from rl.cli.traj import add_traj_parser
+from rl.ui.plot import add_plot_parser
 from rl.ui.server import add_ui_parser
 
 EXIT_BAD_INPUT = 2
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sandbox)
     add_traj_parser(sub)
     add_ui_parser(sub)
+    add_plot_parser(sub)
     add_eval_parser(sub)
     add_db_parser(sub)
     add_merge_parser(sub)

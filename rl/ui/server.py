@@ -117,6 +117,8 @@ class Handler(BaseHTTPRequestHandler):
                 return d.runs_page()
             if route == "run":
                 return d.run_page(p.get("run", ""))
+            if route == "timeline":
+                return d.timeline(p.get("run", ""))
             if route == "keys":
                 return {"keys": d.keys(p.get("run", ""))}
             if route == "curve":

@@ -155,6 +155,18 @@ def test_one_sample_is_coloured_token_by_token_with_its_tool_turns_and_verdict(b
     assert by_version["1"] != by_version["2"]  # two segments, two colours
 
 
+def test_the_timeline_charts_steps_over_time_and_lists_every_config_version(browser, served, tmp_path):
+    server, _, _ = served
+    _open(browser, server, "/timeline?run=0", "/timeline")
+    assert browser.find_element("id", "timeline-chart").find_elements("tag name", "canvas")
+    assert int(browser.find_element("id", "timeline-chart").get_attribute("data-points")) == 300
+    rows = browser.find_elements("css selector", "#versions tbody tr")
+    assert [r.get_attribute("data-status") for r in rows] == ["applied", "refused"]
+    cells = [c.text for c in rows[1].find_elements("css selector", "td")]
+    assert cells[4] == f"unknown dataset {XSS}" and XSS.replace('"', '\\"') in cells[3]  # the patch's JSON, as text
+    _shot(browser, "timeline", tmp_path)
+
+
 def test_a_sample_the_live_job_just_wrote_opens(browser, served, tmp_path):
     from rl.store.trajectories import TrajectoryStore
 

@@ -102,6 +102,16 @@ def test_the_samples_table_filters_sorts_and_pages(served, query, expected):
     assert [r["sample_id"] for r in rows] == expected
 
 
+def test_the_timeline_has_each_steps_wall_time_and_every_config_version(served):
+    server, _, _ = served
+    t = json.loads(_get(server, "/api/timeline?run=0")[2])
+    assert t["steps"][:3] == [1, 2, 3] and t["minutes"][0] == 0 and t["minutes"][2] == pytest.approx(2 / 60)
+    assert len(t["steps"]) == 300  # the evaluation row is not a step
+    assert [(v["version"], v["status"], v["train_step"]) for v in t["config_versions"]] == [(1, "applied", 2),
+                                                                                           (None, "refused", 2)]
+    assert t["config_versions"][1]["reason"] == f"unknown dataset {XSS}" and t["restarts"] == []
+
+
 def test_a_filter_the_data_cannot_answer_is_one_line_and_a_400(served):
     server, _, _ = served
     for query, message in (("step=two", "step='two': expected an integer"), ("sort=name", "sort 'name'"),
@@ -119,3 +129,16 @@ def test_a_curve_is_downsampled_keeping_its_extremes_and_serving_changes_nothing
     assert len(small["x"]) <= 22 and max(small["y"]) == pytest.approx(2.0 - 1 / 300) and min(small["y"]) == 1.0
     assert "rl/entropy" in d.keys("0") and "step" not in d.keys("0")
     assert _digests(run) == before  # every request above read; none wrote
+
+
+def test_a_curve_reads_each_value_of_its_metric_and_only_its_own(tmp_path):
+    """The curve reader scans lines with a regex, not a JSON parse: it must agree with json.loads on every line
+    shape a metrics file holds (key order, exponents, negative values, NaN, a key that extends another, a line the
+    job is still writing)."""
+    run = make_run(tmp_path / "run", n=3)
+    rows = [{"step": 1, "rl/loss": 1e-05}, {"rl/loss": -0.5, "step": 2, "time": 3.0}, {"step": 3, "rl/loss_x": 9.0},
+            {"step": 4, "rl/loss": float("nan")}, {"step": 5, "rl/loss": 2}, {"step": 6.5, "rl/loss": 3.25e3},
+            {"step": 7, "note": "rl/loss"}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 8, "rl/loss": 4')
+    c = Dashboard([run]).curve("0", "rl/loss")
+    assert (c["x"], c["y"]) == ([1, 2, 5, 6.5], [1e-05, -0.5, 2.0, 3250.0])

@@ -247,6 +247,42 @@ async function samplePage(params) {
   renderTokens(box, s.tokens, "logprob");
 }
 
+// -- dispatch timeline -------------------------------------------------------------------------------------------
+async function timelinePage(params) {
+  const { runs } = await api("runs");
+  const run = params.get("run") || (runs[0] && runs[0].key);
+  if (run === undefined) return show(el("p", {}, "no runs"));
+  const t = await api("timeline", { run });
+  const applied = t.config_versions.filter((v) => v.status === "applied").map((v) => v.train_step);
+  const box = el("div", { class: "chart", id: "timeline-chart", "data-points": t.steps.length }, el("h3", {}, "train step over wall time (minutes)"));
+  const picker = el("select", { id: "timeline-run" }, runs.map((r) => el("option", r.key === run ? { value: r.key, selected: "" } : { value: r.key }, r.name)));
+  picker.addEventListener("change", () => { location.hash = `#/timeline?run=${picker.value}`; });
+  show(el("h2", {}, "Dispatch timeline"), picker, box,
+    el("h3", {}, "Config versions (live reconfigurations)"),
+    el("table", { id: "versions" },
+      el("thead", {}, el("tr", {}, ["version", "status", "train step", "patch", "reason"].map((h) => el("th", {}, h)))),
+      el("tbody", {}, t.config_versions.map((v) => el("tr", { "data-status": v.status },
+        el("td", { class: "num" }, fmt(v.version)), el("td", {}, v.status), el("td", { class: "num" }, fmt(v.train_step)),
+        el("td", {}, JSON.stringify(v.patch)), el("td", {}, v.reason || ""))))),
+    el("h3", {}, "Restarts"),
+    t.restarts.length ? el("table", { id: "restarts" },
+      el("thead", {}, el("tr", {}, ["checkpoint", "train step", "prompts redispatched", "samples regenerated", "steps rolled back"].map((h) => el("th", {}, h)))),
+      el("tbody", {}, t.restarts.map((r) => el("tr", {}, el("td", {}, r.checkpoint), el("td", { class: "num" }, fmt(r.train_step)),
+        el("td", { class: "num" }, fmt(r.prompts_redispatched)), el("td", { class: "num" }, fmt(r.samples_regenerated)),
+        el("td", { class: "num" }, fmt(r.train_steps_rolled_back))))))
+      : el("p", {}, "none"));
+  const marks = { hooks: { draw: [(u) => {
+    const ctx = u.ctx; ctx.save(); ctx.strokeStyle = "#999"; ctx.setLineDash([4, 4]);
+    for (const s of applied) {
+      const y = u.valToPos(s, "y", true);
+      ctx.beginPath(); ctx.moveTo(u.bbox.left, y); ctx.lineTo(u.bbox.left + u.bbox.width, y); ctx.stroke();
+    }
+    ctx.restore();
+  }] } };
+  new uPlot({ width: 900, height: 300, series: [{ label: "minutes" }, { label: "train step", stroke: COLORS[0] }],  // eslint-disable-line no-undef
+    scales: { x: { time: false } }, plugins: [marks] }, [t.minutes, t.steps], box);
+}
+
 // -- router -------------------------------------------------------------------------------------------------------
 async function render() {
   if (timer) { clearInterval(timer); timer = null; }
@@ -258,6 +294,7 @@ async function render() {
     else if (path === "/curves") await curvesPage(params);
     else if (path === "/samples") await samplesPage(params);
     else if (path === "/sample") await samplePage(params);
+    else if (path === "/timeline") await timelinePage(params);
     else show(el("p", {}, `no page ${path}`));
     main.setAttribute("data-ready", path);
   } catch (e) {
