@@ -145,6 +145,10 @@ def main() -> None:
     if not (run / "trajectories.db").is_file():
         print(f"writing {n:,} samples of {tokens} tokens to {run}", flush=True)
         build(run, n, tokens, a.steps)
+    else:  # the bench's own cached store, written by older code: to this code's schema (before the reads are watched)
+        from rl.store.db import sqlite_url, upgrade_store
+
+        upgrade_store(sqlite_url(run / "trajectories.db"))
     before = digests(run)
     rng = random.Random(1)
     filters = [{}, {"dataset": "compute"}, {"step": "3"}, {"min_reward": "1"}, {"finish_reason": "length"},

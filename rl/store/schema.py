@@ -10,7 +10,8 @@ one made from these classes are identical.
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, Float, ForeignKeyConstraint, LargeBinary, PrimaryKeyConstraint, String, Text
+from sqlalchemy import (Boolean, Float, ForeignKeyConstraint, Index, LargeBinary, PrimaryKeyConstraint, String, Text,
+                        text)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 _ID = String(255)
@@ -49,9 +50,26 @@ class PromptTable(Base):
     outcome_seq: Mapped[int | None]
 
 
+BROWSE_INDEXES = {
+    "ix_samples_run_seq": ("run_id", "seq"),
+    "ix_samples_run_reward_seq": ("run_id", "reward", "seq"),
+    "ix_samples_run_step_seq": ("run_id", "train_step", "seq"),
+    "ix_samples_run_length_seq": ("run_id", "num_response_tokens", "seq"),
+    "ix_samples_run_dataset_seq": ("run_id", "dataset", "seq"),
+    "ix_samples_run_teacher_seq": ("run_id", "teacher", "seq"),
+    "ix_samples_run_effort_seq": ("run_id", "effort", "seq"),
+    "ix_samples_run_failure_seq": ("run_id", "failure", "seq"),
+    "ix_samples_run_finish_seq": ("run_id", "finish_reason", "seq"),
+}
+"""Revision 0007's indexes: a page of a run's samples in a sort key's order, or filtered and in write order, is an index
+walk (rl/ui/data.py; rl/store/migrations/versions/0007_sample_browse_indexes.py)."""
+
+
 class SampleTable(Base):
     __tablename__ = "samples"
-    __table_args__ = (PrimaryKeyConstraint("run_id", "sample_id", name="pk_samples"),)
+    __table_args__ = (PrimaryKeyConstraint("run_id", "sample_id", name="pk_samples"),
+                      *(Index(name, *cols) for name, cols in BROWSE_INDEXES.items()),
+                      Index("ix_samples_run_lag_seq", "run_id", text("(max_version - min_version)"), "seq"))
     sample_id: Mapped[str] = mapped_column(_ID)
     run_id: Mapped[str] = mapped_column(_ID, index=True)
     prompt_id: Mapped[str] = mapped_column(_ID, index=True)

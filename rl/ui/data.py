@@ -28,6 +28,10 @@ FILTERS = ("dataset", "step", "min_reward", "max_reward", "finish_reason", "fail
            "correct", "min_lag")
 
 
+EQUALITY_FILTERS = ("dataset", "step", "finish_reason", "failure", "effort", "teacher", "status")
+"""Filters on one value of an indexed column (rl/store/schema.py `BROWSE_INDEXES`)."""
+
+
 class UIError(ValueError):
     """A request the data cannot answer (unknown run, bad filter): one line, sent back as a 400."""
 
@@ -274,8 +278,17 @@ class Dashboard:
         column = SORTS.get(sort.lstrip("-"))
         if column is None:
             raise UIError(f"sort {sort!r}: expected one of {', '.join(SORTS)} (a leading - for descending)")
-        col = lag if column == "lag" else getattr(t, column)
-        q = q.order_by(col.desc() if sort.startswith("-") else col.asc(), t.seq.desc() if sort.startswith("-") else t.seq)
+        desc = sort.startswith("-")
+        if column == "seq":
+            q = q.order_by(t.seq.desc() if desc else t.seq)
+        else:
+            key = (t.max_version - t.min_version) if column == "lag" else getattr(t, column)
+            if any(params.get(f) not in (None, "") for f in EQUALITY_FILTERS):
+                # the filter's index (run_id, col, seq) finds the few matching rows; sorting those beats walking the sort
+                # key's index and reading every row's filter column from past its token arrays (SQLite has no
+                # statistics to know): `key + 0` keeps the planner off the sort key's index
+                key = key + 0
+            q = q.order_by(key.desc() if desc else key.asc(), t.seq.desc() if desc else t.seq)
         offset, limit = _int(params.get("offset") or "0", "offset"), _int(params.get("limit") or "50", "limit")
         if offset < 0 or not 0 < limit <= PAGE_MAX:
             raise UIError(f"offset {offset}, limit {limit}: expected offset >= 0 and 0 < limit <= {PAGE_MAX}")
