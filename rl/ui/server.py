@@ -28,6 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
+from rl.store.trajectories import StoreError
 from rl.ui.data import Dashboard, UIError
 
 COOKIE = "asyncrl_ui_token"
@@ -107,8 +108,10 @@ class Handler(BaseHTTPRequestHandler):
         params = {k: v[-1] for k, v in query.items() if k != "token"}
         try:
             self._json(HTTPStatus.OK, self._api(url.path.removeprefix("/api/"), params))
-        except UIError as e:
-            self._error(HTTPStatus.BAD_REQUEST, str(e))
+        except (UIError, StoreError) as e:  # a bad filter, or a run without a (readable) store yet: one line
+            self._error(HTTPStatus.BAD_REQUEST, str(e).splitlines()[0] if str(e) else type(e).__name__)
+        except Exception as e:  # the page shows the line; the server goes on serving
+            self._error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
 
     def _api(self, route: str, p: dict[str, str]):
         d = self.server.dashboard

@@ -142,3 +142,31 @@ def test_a_curve_reads_each_value_of_its_metric_and_only_its_own(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 8, "rl/loss": 4')
     c = Dashboard([run]).curve("0", "rl/loss")
     assert (c["x"], c["y"]) == ([1, 2, 5, 6.5], [1e-05, -0.5, 2.0, 3250.0])
+
+
+def test_a_run_without_a_store_lists_and_its_samples_page_says_why_in_one_line(tmp_path):
+    """A run directory whose job has not written its store yet: the runs page lists it, the samples route answers 400
+    with the store's one line, and the server goes on serving."""
+    run = tmp_path / "new"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "time": 1.0, "rollout/reward": 0.5}\n')
+    server = UIServer(Dashboard([run]), port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        status, _, body = _get(server, "/api/samples?run=0")
+        assert status == 400 and "\n" not in json.loads(body)["error"] and "trajectories.db" in json.loads(body)["error"]
+        assert json.loads(_get(server, "/api/runs")[2])["runs"][0]["steps"] == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_rl_ui_refuses_a_missing_run_directory_or_a_taken_port_in_one_line(tmp_path, capsys, served):
+    from rl.cli.commands import main
+
+    assert main(["ui", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == f"rl ui: {tmp_path / 'nope'}: not a run directory"
+    server, run, _ = served
+    assert main(["ui", str(run), "--port", str(server.server_address[1])]) == 2  # the fixture's server holds it
+    err = capsys.readouterr().err
+    assert err.startswith("rl ui: ") and len(err.strip().splitlines()) == 1
