@@ -54,8 +54,9 @@ class MetricsLogger:
 
 def rollout_breakdown(samples) -> dict[str, float]:
     """Reward, accuracy and response length of a train batch's samples per dataset (when the batch mixes
-    datasets: OPD's domains, a multi-task mixture) and per effort level (effort control, seed §5.1.4):
-    `rollout/<metric>/<dataset>` and `rollout/<metric>/effort<b>`, beside the batch-wide `rollout/<metric>`."""
+    datasets: OPD's domains, a multi-task mixture), per effort level (effort control, seed §5.1.4) and per OPD teacher
+    (the one the sample was dispatched for, seed §5.2.4): `rollout/<metric>/<dataset>`, `rollout/<metric>/effort<b>`
+    and `rollout/<metric>/teacher_<name>`, beside the batch-wide `rollout/<metric>` (`rl ui` draws them with it)."""
     groups: dict[str, list] = {}
     if len({s.dataset for s in samples}) > 1:
         for s in samples:
@@ -63,6 +64,8 @@ def rollout_breakdown(samples) -> dict[str, float]:
     for s in samples:
         if s.effort is not None:
             groups.setdefault(f"effort{s.effort}", []).append(s)
+        if s.teacher is not None:
+            groups.setdefault(f"teacher_{s.teacher}", []).append(s)
     out = {}
     for name, group in sorted(groups.items()):
         n = len(group)

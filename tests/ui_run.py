@@ -62,7 +62,9 @@ def make_run(d: Path, n: int = 120, name: str = f"run {XSS}") -> Path:
     with (d / "metrics.jsonl").open("w") as f:
         for step in range(1, 301):
             f.write(json.dumps({"step": step, "time": 1000.0 + step, "rollout/reward": step / 300,
+                                "rollout/reward/arith": step / 250, "rollout/reward/effort50": step / 400,
                                 "rl/entropy": 2.0 - step / 300, "time/rollout_s": 0.5 * step,
                                 "time/train_s": 0.3 * step}) + "\n")
-        f.write(json.dumps({"step": 300, "time": 1400.0, "eval/accuracy": 0.625}) + "\n")
+        f.write(json.dumps({"step": 300, "time": 1400.0, "eval/accuracy": 0.625, "eval/arith/accuracy": 0.75,
+                            "eval/arith/response_len": 12.0}) + "\n")
     return d

@@ -22,6 +22,21 @@ CHARTS = (
 FORMATS = (".png", ".svg", ".pdf")
 
 
+def with_breakdown(metrics: tuple[str, ...], keys: set[str]) -> list[str]:
+    """A chart's metrics that the runs log, each followed by its breakdowns (rl/metrics.py `rollout_breakdown`:
+    `rollout/reward/<dataset>`, `.../effort<b>`, `.../teacher_<name>`; `eval/<dataset>/accuracy`): the curves page's
+    rule (rl/ui/static/app.js `withBreakdown`)."""
+    out = []
+    for m in metrics:
+        out += [m] if m in keys else []
+        if m.startswith("rollout/"):
+            out += sorted(k for k in keys if k.startswith(m + "/"))
+        if m.startswith("eval/"):
+            leaf = m.removeprefix("eval/")
+            out += sorted(k for k in keys if k.startswith("eval/") and k.endswith("/" + leaf) and k.count("/") == 2)
+    return out
+
+
 def plot_runs(run_dirs: list[str | Path], out: str | Path, extra: tuple[str, ...] = ()) -> list[str]:
     """Write the figure; returns the panels drawn. UIError (one line) for a bad output name or runs with no metrics."""
     out = Path(out)
@@ -37,7 +52,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path, extra: tuple[str, ...
     d = Dashboard(run_dirs)
     try:
         keys = {k: set(d.keys(k)) for k in d.runs}
-        panels = [(t, [m for m in ms if any(m in ks for ks in keys.values())]) for t, ms in CHARTS]
+        logged = set().union(*keys.values())
+        panels = [(t, with_breakdown(ms, logged)) for t, ms in CHARTS]
         panels += [(m, [m]) for m in extra if any(m in ks for ks in keys.values())]
         panels = [(t, ms) for t, ms in panels if ms]
         if not panels:

@@ -92,7 +92,10 @@ def test_curves_overlay_both_runs_mark_reconfigurations_and_follow_the_live_run(
     charts = {c.get_attribute("data-chart"): c for c in browser.find_elements("css selector", "#charts .chart")}
     assert {"reward", "entropy", "held-out", "time split (cumulative s)"} <= set(charts)
     assert charts["reward"].find_elements("tag name", "canvas")
-    assert int(charts["reward"].get_attribute("data-points")) == 600  # 300 steps of each run
+    # the batch-wide reward and its breakdowns (per dataset, per effort level), 300 steps of each run
+    assert charts["reward"].get_attribute("data-series") == "rollout/reward rollout/reward/arith rollout/reward/effort50"
+    assert int(charts["reward"].get_attribute("data-points")) == 1800
+    assert charts["held-out"].get_attribute("data-series") == "eval/accuracy eval/arith/accuracy"
     _shot(browser, "curves", tmp_path)
     with (live / "metrics.jsonl").open("a") as f:  # the live job writes 50 more steps
         for step in range(301, 351):
@@ -100,10 +103,10 @@ def test_curves_overlay_both_runs_mark_reconfigurations_and_follow_the_live_run(
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:  # the page redraws every 5 s
         box = browser.find_element("css selector", '#charts .chart[data-chart="reward"]')
-        if int(box.get_attribute("data-points")) == 650:
+        if int(box.get_attribute("data-points")) == 1850:
             break
         time.sleep(0.5)
-    assert int(browser.find_element("css selector", '#charts .chart[data-chart="reward"]').get_attribute("data-points")) == 650
+    assert int(browser.find_element("css selector", '#charts .chart[data-chart="reward"]').get_attribute("data-points")) == 1850
 
 
 def test_the_samples_table_filters_through_its_form_and_pages(browser, served, tmp_path):

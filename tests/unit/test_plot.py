@@ -35,3 +35,13 @@ def test_plot_refuses_a_bad_output_or_runs_without_metrics_in_one_line(tmp_path,
     assert main(["plot", str(run), "--out", str(tmp_path / "c.png")]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "no metrics to plot" in err and not (tmp_path / "c.png").exists()
+
+
+def test_a_chart_takes_its_breakdowns_per_dataset_effort_and_teacher():
+    from rl.ui.plot import with_breakdown
+
+    keys = {"rollout/reward", "rollout/reward/arith", "rollout/reward/teacher_t0", "rollout/rewardx", "eval/accuracy",
+            "eval/wp/accuracy", "eval/wp/response_len", "eval/a/b/accuracy"}
+    assert with_breakdown(("rollout/reward",), keys) == ["rollout/reward", "rollout/reward/arith", "rollout/reward/teacher_t0"]
+    assert with_breakdown(("eval/accuracy",), keys) == ["eval/accuracy", "eval/wp/accuracy"]
+    assert with_breakdown(("rl/entropy",), keys) == []

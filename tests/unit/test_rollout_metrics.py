@@ -25,3 +25,11 @@ def test_breakdown_per_effort_level():
     assert set(m) == {f"rollout/{k}/effort{b}" for k in ("reward", "accuracy", "response_len") for b in (25, 100)}
     assert m["rollout/response_len/effort25"] == pytest.approx(3.0) and m["rollout/response_len/effort100"] == 9.0
     assert m["rollout/accuracy/effort25"] == pytest.approx(0.5) and m["rollout/reward/effort100"] == 1.0
+
+
+def test_breakdown_per_teacher():
+    batch = [make_sample("a", teacher="t0", reward=0.0), make_sample("b", teacher="t0", reward=1.0),
+             make_sample("c", teacher="math-7b", reward=1.0, versions=(1,) * 3), make_sample("d", reward=1.0)]
+    m = rollout_breakdown(batch)
+    assert set(m) == {f"rollout/{k}/teacher_{t}" for k in ("reward", "accuracy", "response_len") for t in ("t0", "math-7b")}
+    assert m["rollout/reward/teacher_t0"] == pytest.approx(0.5) and m["rollout/response_len/teacher_math-7b"] == 3.0

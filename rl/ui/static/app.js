@@ -80,6 +80,22 @@ const CHARTS = [
 ];
 const COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"];
 
+function withBreakdown(metrics, keys) {
+  // a chart's metrics that the runs log, each followed by its breakdowns: rollout/reward/<dataset>, .../effort<b>,
+  // .../teacher_<name> (rl/metrics.py rollout_breakdown) and eval/<dataset>/accuracy for the held-out accuracy
+  const out = [];
+  const all = [...keys].sort();
+  for (const m of metrics) {
+    if (keys.has(m)) out.push(m);
+    if (m.startsWith("rollout/")) out.push(...all.filter((k) => k.startsWith(`${m}/`)));
+    if (m.startsWith("eval/")) {
+      const leaf = m.slice("eval/".length);
+      out.push(...all.filter((k) => k.startsWith("eval/") && k.endsWith(`/${leaf}`) && k.split("/").length === 3));
+    }
+  }
+  return out;
+}
+
 function mergeSeries(curves) {
   // uPlot wants one x array: the union of steps, each series null where it has no point
   const xs = Array.from(new Set(curves.flatMap((c) => c.x))).sort((a, b) => a - b);
@@ -118,7 +134,7 @@ async function drawCharts(container, runKeys, names, extra) {
     (await api("keys", { run: k })).keys.forEach((x) => keys.add(x));
     (await api("run", { run: k })).config_versions.forEach((v) => { if (v.status === "applied") versions.push(v.train_step); });
   }
-  const charts = CHARTS.map(([title, metrics]) => [title, metrics.filter((m) => keys.has(m))]);
+  const charts = CHARTS.map(([title, metrics]) => [title, withBreakdown(metrics, keys)]);
   for (const m of extra) if (keys.has(m)) charts.push([m, [m]]);
   const nodes = [];
   for (const [title, metrics] of charts) {
@@ -131,7 +147,8 @@ async function drawCharts(container, runKeys, names, extra) {
         series.push({ label: `${names[k]} ${m}`, stroke: COLORS[(series.length - 1) % COLORS.length], spanGaps: true });
       }
     }
-    const box = el("div", { class: "chart", "data-chart": title, "data-points": curves.reduce((n, c) => n + c.x.length, 0) },
+    const box = el("div", { class: "chart", "data-chart": title, "data-points": curves.reduce((n, c) => n + c.x.length, 0),
+      "data-series": metrics.join(" ") },
       el("h3", {}, title));
     nodes.push(box);
     const data = mergeSeries(curves);
