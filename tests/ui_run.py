@@ -35,13 +35,16 @@ def make_run(d: Path, n: int = 120, name: str = f"run {XSS}") -> Path:
     d.mkdir(parents=True, exist_ok=True)
     recipe = {"run": {"name": "ui-test", "device": "cpu"}, "model": {"vocab_size": 99, "hidden_size": 32, "num_layers": 1,
               "num_heads": 2, "num_kv_heads": 1, "head_dim": 16}, "datasets": [{"type": "arithmetic", "name": "arith"}],
-              "stages": [{"type": "sft", "max_steps": 2}, {"type": "grpo", "max_steps": 3, "prompts_per_step": 2}]}
+              "stages": [{"type": "sft", "max_steps": 2},
+                         {"type": "grpo", "max_steps": 3, "prompts_per_step": 2, "max_staleness": 0}]}
     (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     store = TrajectoryStore.for_run_dir(d, name=name)
     samples = []
     for i in range(n):
         response = f"6*7 = {40 + i % 5}" if i != 7 else XSS
         versions = None if i != 3 else (1,) * 5 + (2,) * (len(response) + 1 - 5)  # two segments
+        if i == 61:  # trained at step 2 (weights of version 1) with three tokens of version 0: stale at max_staleness 0
+            versions = (0,) * 3 + (1,) * (len(response) + 1 - 3)
         turns = ()
         if i == 9:
             response = "call: print(6*7)\n42\nanswer: 42"

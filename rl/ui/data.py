@@ -306,20 +306,51 @@ class Dashboard:
             raise UIError(f"no sample {sample_id!r} in run {key}")
         pieces = self._pieces(key, sample.response_tokens, sample.response_text)
         mask = sample.loss_mask_T()
-        tokens = [{"id": t, "text": p, "logprob": lp, "version": v, "trained": bool(m)}
-                  for t, p, lp, v, m in zip(sample.response_tokens, pieces, sample.behavior_logprobs_T,
-                                            sample.policy_versions_T, mask)]
+        train_step = store.sample_train_step(sample_id)
+        stale, stale_note = self._stale(key, train_step, sample.policy_versions_T, mask)
+        tokens = [{"id": t, "text": p, "logprob": lp, "version": v, "trained": bool(m), "stale": st}
+                  for t, p, lp, v, m, st in zip(sample.response_tokens, pieces, sample.behavior_logprobs_T,
+                                                sample.policy_versions_T, mask, stale)]
         return {
             "run": key, "sample_id": sample.sample_id, "prompt_id": sample.prompt_id, "dataset": sample.dataset,
             "status": sample.status, "finish_reason": sample.finish_reason, "failure": sample.failure,
             "reward": sample.reward, "correct": sample.correct, "reason": sample.reason,
-            "train_step": store.sample_train_step(sample_id), "config_version": sample.config_version,
+            "train_step": train_step, "stale_note": stale_note, "config_version": sample.config_version,
             "effort": sample.effort, "teacher": sample.teacher, "prompt": sample.prompt_text,
             "response": sample.response_text, "tokens": tokens,
             "segments": [list(s) for s in store.segments(sample_id)],
             "turns": [{"kind": t.kind, "start": t.start, "end": t.end, "text": t.text, "tool": t.tool, "call": t.call,
                        "status": t.status, "exit_code": t.exit_code} for t in sample.turns],
         }
+
+    def _stale(self, key: str, train_step: int | None, versions, mask) -> tuple[list, str]:
+        """Each token's staleness mask as the train step applied it (rl/train/losses.py `staleness_keep`: stale when
+        the trained weights' version - the token's version > max_staleness, every token when the sample's stale share
+        exceeded max_sample_stale_frac), and a note. The step trained the weights of version train_step - 1
+        (rl/algo/async_grpo.py marks samples with the version the step made). None a token where it cannot be told:
+        the sample untrained, or the recipe's RL stages differing in their bounds (a step's stage is not recorded)."""
+        unknown = [None] * len(versions)
+        if train_step is None:
+            return unknown, "not trained"
+        try:
+            import yaml
+
+            stages = (yaml.safe_load(self.run(key).recipe_text()) or {}).get("stages") or []
+            rules = {(s.get("max_staleness"), s.get("max_sample_stale_frac")) for s in stages
+                     if isinstance(s, dict) and s.get("type") in ("grpo", "opd")}
+        except Exception:  # a recipe that does not parse: nothing to tell
+            return unknown, "the run's recipe does not parse"
+        if len(rules) != 1:
+            return unknown, "the RL stages differ in max_staleness: not shown"
+        (bound, frac), = rules
+        if bound is None:
+            return [False] * len(versions), "no staleness bound in this run"
+        current = train_step - 1
+        stale = [bool(m) and current - v > bound for v, m in zip(versions, mask)]
+        trained = sum(map(bool, mask))
+        if frac is not None and trained and sum(stale) / trained > frac:
+            return [bool(m) for m in mask], f"dropped whole: stale share {sum(stale) / trained:.2f} > {frac}"
+        return stale, f"{sum(stale)} of {trained} trained tokens stale (weights v{current}, max_staleness {bound})"
 
     def _pieces(self, key: str, tokens: tuple[int, ...], text: str) -> list[str]:
         """Each response token's text, decoded alone by the run's own tokenizer (its recipe's); when that cannot be

@@ -156,6 +156,12 @@ def test_one_sample_is_coloured_token_by_token_with_its_tool_turns_and_verdict(b
         by_version.setdefault(s.get_attribute("data-version"), set()).add(s.value_of_css_property("background-color"))
     assert sorted(by_version) == ["1", "2"] and all(len(c) == 1 for c in by_version.values())
     assert by_version["1"] != by_version["2"]  # two segments, two colours
+    _open(browser, server, "/sample?run=0&id=s061", "/sample")
+    Select(browser.find_element("id", "color-mode")).select_by_value("stale")
+    spans = browser.find_elements("css selector", "#tokens span.tok")
+    assert [s.get_attribute("data-stale") for s in spans[:4]] == ["true", "true", "true", "false"]
+    assert spans[0].value_of_css_property("background-color") != spans[3].value_of_css_property("background-color")
+    assert browser.find_element("id", "stale-note").text.startswith("staleness: 3 of 9 trained tokens stale")
 
 
 def test_the_timeline_charts_steps_over_time_and_lists_every_config_version(browser, served, tmp_path):

@@ -94,7 +94,7 @@ def test_pages_forbid_inline_script_and_the_json_carries_values_as_they_are(serv
     ("limit=4&sort=-seq", ["s119", "s118", "s117", "s116"]),
     ("step=2&min_reward=1&limit=50", ["s062", "s067", "s072", "s077", "s082", "s087", "s092", "s097"]),
     ("effort=50&dataset=arith&limit=50", []),  # i % 6 == 0 are gsm (i % 3 == 0)
-    ("min_lag=1", ["s003"]),
+    ("min_lag=1", ["s003", "s061"]),
 ])
 def test_the_samples_table_filters_sorts_and_pages(served, query, expected):
     server, _, _ = served
@@ -110,6 +110,17 @@ def test_the_timeline_has_each_steps_wall_time_and_every_config_version(served):
     assert [(v["version"], v["status"], v["train_step"]) for v in t["config_versions"]] == [(1, "applied", 2),
                                                                                            (None, "refused", 2)]
     assert t["config_versions"][1]["reason"] == f"unknown dataset {XSS}" and t["restarts"] == []
+
+
+def test_each_token_carries_the_staleness_mask_its_train_step_applied(served):
+    server, _, _ = served
+    s = json.loads(_get(server, "/api/sample?run=0&id=s061")[2])  # step 2 trained version 1; max_staleness 0
+    assert [t["stale"] for t in s["tokens"]][:5] == [True, True, True, False, False] and s["train_step"] == 2
+    assert s["stale_note"] == "3 of 9 trained tokens stale (weights v1, max_staleness 0)"
+    fresh = json.loads(_get(server, "/api/sample?run=0&id=s003")[2])  # step 1: versions 1 and 2 are not behind v0
+    assert not any(t["stale"] for t in fresh["tokens"])
+    untrained = json.loads(_get(server, "/api/sample?run=0&id=s110")[2])
+    assert {t["stale"] for t in untrained["tokens"]} == {None} and untrained["stale_note"] == "not trained"
 
 
 def test_a_filter_the_data_cannot_answer_is_one_line_and_a_400(served):

@@ -224,6 +224,10 @@ function tokenColor(t, mode, vmin, vmax) {
     const p = Math.exp(Math.max(t.logprob, -20)); // 1: certain (white) .. 0: unlikely (red)
     return `rgb(255, ${Math.round(120 + 135 * p)}, ${Math.round(120 + 135 * p)})`;
   }
+  if (mode === "stale") {
+    if (t.stale === null || t.stale === undefined) return "#ffffff";
+    return t.stale ? "#ffb3b3" : t.trained ? "#d8f5d0" : "#e6e6e6";
+  }
   if (mode === "version") {
     const f = vmax > vmin ? (t.version - vmin) / (vmax - vmin) : 0;
     return `hsl(${Math.round(220 - 180 * f)}, 70%, 85%)`;
@@ -236,7 +240,8 @@ function renderTokens(box, tokens, mode) {
   const vmin = Math.min(...versions), vmax = Math.max(...versions);
   box.replaceChildren(...tokens.map((t, i) => el("span", {
     class: t.trained ? "tok" : "tok masked", "data-i": i, "data-version": t.version,
-    style: null, title: `#${t.id} logprob ${fmt(t.logprob)} version ${t.version}${t.trained ? "" : " (not trained: tool output)"}`,
+    "data-stale": t.stale === null ? "unknown" : String(t.stale),
+    title: `#${t.id} logprob ${fmt(t.logprob)} version ${t.version}${t.trained ? "" : " (not trained: tool output)"}${t.stale ? " (stale: masked)" : ""}`,
   }, t.text)));
   box.querySelectorAll("span.tok").forEach((s, i) => { s.style.background = tokenColor(tokens[i], mode, vmin, vmax); });
 }
@@ -248,14 +253,15 @@ async function samplePage(params) {
     ["train step", fmt(s.train_step)], ["config version", fmt(s.config_version)], ["effort", fmt(s.effort)],
     ["teacher", s.teacher], ["segments", s.segments.map(([a, b, v]) => `[${a},${b}) v${v}`).join("  ")]];
   const box = el("div", { class: "tokens", id: "tokens" });
-  const mode = el("select", { id: "color-mode" }, ["logprob", "version", "trained"].map((m) => el("option", { value: m }, m)));
+  const mode = el("select", { id: "color-mode" }, ["logprob", "version", "trained", "stale"].map((m) => el("option", { value: m }, m)));
   mode.addEventListener("change", () => renderTokens(box, s.tokens, mode.value));
   show(el("h2", {}, "Sample"),
     el("table", { class: "fields", id: "fields" }, fields.map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", { "data-field": k }, v ?? "-")))),
     el("h3", {}, "Prompt"), el("pre", { id: "prompt" }, s.prompt),
     el("h3", {}, "Response, token by token"),
     el("p", { class: "legend" }, "colour by ", mode,
-      " (logprob: white certain, red unlikely; version: blue oldest, red newest; dashed: not trained)"),
+      " (logprob: white certain, red unlikely; version: blue oldest, red newest; stale: red masked as stale, green kept; dashed: not trained)"),
+    el("p", { class: "legend", id: "stale-note" }, `staleness: ${s.stale_note}`),
     box,
     s.turns.length ? el("h3", {}, "Turns") : null,
     s.turns.map((t) => el("div", { class: "turn", "data-turn": t.kind },
