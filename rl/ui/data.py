@@ -271,6 +271,9 @@ class Dashboard:
             "correct": lambda v: t.correct == (v in ("1", "true", "yes")),
             "min_lag": lambda v: (t.max_version - t.min_version) >= _int(v, "min_lag"),
         }
+        unknown = sorted(set(params) - set(conds) - {"run", "sort", "offset", "limit"})
+        if unknown:  # a misspelt filter would otherwise show every sample as if filtered
+            raise UIError(f"unknown filter {unknown[0]!r}: expected one of {', '.join(FILTERS)}")
         for name, cond in conds.items():
             if params.get(name) not in (None, ""):
                 q = q.where(cond(params[name]))

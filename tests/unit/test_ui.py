@@ -126,7 +126,8 @@ def test_each_token_carries_the_staleness_mask_its_train_step_applied(served):
 def test_a_filter_the_data_cannot_answer_is_one_line_and_a_400(served):
     server, _, _ = served
     for query, message in (("step=two", "step='two': expected an integer"), ("sort=name", "sort 'name'"),
-                           ("limit=100000", "limit"), ("min_reward=nan", "finite")):
+                           ("limit=100000", "limit"), ("min_reward=nan", "finite"),
+                           ("datset=arith", "unknown filter 'datset'")):
         status, _, body = _get(server, f"/api/samples?run=0&{query}")
         assert status == 400 and message in json.loads(body)["error"], query
 
