@@ -28,6 +28,7 @@ from configbase.files import fsync_dir, output_dir, temp_dir_for
 from model.config import ModelConfig
 from model.decoder import Decoder
 from model.formats import CheckpointFormatError
+from model.lora import is_adapter
 
 MANIFEST = "MANIFEST.json"
 
@@ -106,7 +107,7 @@ def verify_files(path: Path, manifest: dict) -> str | None:
 BASE_FILE = "base.json"
 """A LoRA run's checkpoint (issue #44) holds its adapters alone in `model.safetensors` (every `lora_A` and `lora_B`,
 float32) when the frozen base is a file: `base.json` names that base, {"source": as the recipe gave it, "path":
-resolved, "sha256": {weight file: hex digest}}. An 8B base is 16 GB, its adapters at rank 32 about 0.2 GB; every
+resolved, "sha256": {weight file: hex digest}}. An 8B base is 16 GB, its adapters at rank 32 0.35 GB; every
 reader puts the base back (model/pretrained.py `read_weights`, `load_weights_into`), after checking its files still
 have those digests."""
 
@@ -177,11 +178,6 @@ def check_base(directory: str | Path, record: dict, against: str | Path | None =
                                     f"{recorded}...), {other} (sha256 {got}...): adapters on another base are another "
                                     "model; put that base back, or start a new run")
     return Path(now["path"])
-
-
-def is_adapter(name: str) -> bool:
-    """A LoRA adapter tensor of a state dict (model/lora.py: `<layer>.lora_A`, `<layer>.lora_B`)."""
-    return name.rsplit(".", 1)[-1] in ("lora_A", "lora_B")
 
 
 def write_weights(model: Decoder, directory: str | Path, state: dict[str, torch.Tensor] | None = None,

@@ -28,6 +28,11 @@ from model.config import LoraConfig, ModelConfig
 ADAPTERS = ("lora_A", "lora_B")
 
 
+def is_adapter(name: str) -> bool:
+    """A state-dict or parameter name of an adapter (`<layer>.lora_A`, `<layer>.lora_B`)."""
+    return name.rsplit(".", 1)[-1] in ADAPTERS
+
+
 class LoraLinear(nn.Linear):
     """An `nn.Linear` with adapters (made by `apply_lora` from an existing layer, never constructed)."""
 
@@ -75,7 +80,7 @@ def apply_lora(model: nn.Module, cfg: LoraConfig) -> int:
     if n == 0:
         raise ValueError(f"model.lora.targets {cfg.targets} name no linear layer of this model")
     for name, p in model.named_parameters():
-        p.requires_grad_(name.rsplit(".", 1)[-1] in ADAPTERS)
+        p.requires_grad_(is_adapter(name))
     return n
 
 
@@ -151,7 +156,7 @@ class adapters_off:
 def merge_lora_state(state: Mapping[str, torch.Tensor], cfg: LoraConfig) -> dict[str, torch.Tensor]:
     """A LoRA state dict as the plain model's: each adapted `<layer>.weight` merged with its `<layer>.lora_A` and
     `<layer>.lora_B` (float32 arithmetic or wider, cast back to the weight's dtype), the adapters dropped."""
-    out = {k: v for k, v in state.items() if k.rsplit(".", 1)[-1] not in ADAPTERS}
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
     for key in state:
         if key.endswith(".lora_A"):
             layer = key.removesuffix(".lora_A")

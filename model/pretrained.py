@@ -222,7 +222,9 @@ def load_pretrained_into(model, path: str | Path) -> int:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointFormatError(f"{path}: no tensor {missing[0]}{more}")
     # LoRA adapters (model/lora.py) that a base checkpoint does not hold keep their initialisation
-    short = [n for n, t in targets.items() if written[n] < t.numel() and n.rsplit(".", 1)[-1] not in ("lora_A", "lora_B")]
+    from model.lora import is_adapter
+
+    short = [n for n, t in targets.items() if written[n] < t.numel() and not is_adapter(n)]
     if short:
         raise CheckpointFormatError(f"{path}: no tensor for {short[0]}")
     return nbytes
@@ -232,7 +234,8 @@ def load_pretrained_into(model, path: str | Path) -> int:
 def base_state(directory: str | Path, saved: ModelConfig, record: dict, device="cpu") -> dict[str, torch.Tensor]:
     """The full state dict of a checkpoint of adapters alone: its base's weights (checked against `record`) under its
     adapters, as a LoRA model of the saved config holds them."""
-    from model.checkpoint import check_base, is_adapter, saved_tensors
+    from model.checkpoint import check_base, saved_tensors
+    from model.lora import is_adapter
 
     path = check_base(directory, record)
     model = build_decoder(saved.model_copy(update={"init": str(path)}), device=device)
@@ -281,7 +284,8 @@ def load_weights_into(model: Decoder, directory: str | Path, base: str | Path | 
     """Copy a checkpoint's weights into `model` in place (same config), keeping its device. `base`: the file `model`'s
     frozen weights were just read from (a LoRA run's resume): a checkpoint of adapters alone on that base (same
     digests, else one line) loads its adapters only, over the weights already there."""
-    from model.checkpoint import base_record, check_base, is_adapter, load_config, saved_tensors
+    from model.checkpoint import base_record, check_base, load_config, saved_tensors
+    from model.lora import is_adapter
     from model.config import same_weights
 
     device = next(model.parameters()).device

@@ -26,7 +26,7 @@ import msgpack
 
 from model.checkpoint import BASE_FILE, synced_entry, write_weights
 from model.decoder import Decoder, is_dtensor
-from model.lora import ADAPTERS, base_to, has_lora, lora_layers, merged_copy, merged_weight
+from model.lora import base_to, has_lora, lora_layers, merged_copy, merged_weight, is_adapter
 from model.pretrained import build_decoder, load_pretrained_into
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.faults import fault_point
@@ -128,7 +128,7 @@ def refresh_rollout_copy(twin: Decoder, model: Decoder, frozen: bool = True) -> 
     for name, src in model.named_parameters():
         if name in adapted:
             dst[name].copy_(merged_weight(adapted[name]))
-        elif name.rsplit(".", 1)[-1] not in ADAPTERS and (frozen or src.requires_grad):
+        elif not is_adapter(name) and (frozen or src.requires_grad):
             dst[name].copy_(src.full_tensor() if is_dtensor(src) else src)
     for d, b in zip(twin.buffers(), model.buffers()):
         d.copy_(b)

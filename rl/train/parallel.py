@@ -44,9 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from model.checkpoint import is_adapter, write_weights
+from model.checkpoint import write_weights
 from model.pretrained import load_weights_into
 from model.decoder import Decoder, is_dtensor
+from model.lora import is_adapter
 from model.pretrained import load_pretrained_into, shard_rows
 from rl.checkpoint.format import FileTensor, read_tree
 

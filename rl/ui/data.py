@@ -96,12 +96,9 @@ class RunSource:
         self._offset += end
         return self._lines
 
-    def rows(self, containing: bytes | None = None) -> list[dict]:
-        """metrics.jsonl's rows (dicts; a line that does not parse is skipped). `containing`: only the lines holding
-        these bytes, parsed afresh (a cold curve of one metric parses its own lines, not all of them)."""
+    def rows(self) -> list[dict]:
+        """metrics.jsonl's rows (dicts; a line that does not parse is skipped), parsed once each."""
         lines = self.lines()
-        if containing is not None:
-            return [r for r in map(_parse, (line for line in lines if containing in line)) if r is not None]
         self._rows.extend(r for r in map(_parse, lines[len(self._rows) + self._skipped:]) if r is not None)
         self._skipped = len(lines) - len(self._rows)
         return self._rows
