@@ -456,6 +456,11 @@ class Decoder(nn.Module):
         routing = []
         recompute = checkpoint_layers and batch is None and not sparse and torch.is_grad_enabled()
         compiled = self._compiled_layers if batch is None and torch.is_grad_enabled() else None
+        if compiled is not None and not h.requires_grad:
+            # A frozen embedding (LoRA) gives layer 0 an input without grad and every later layer one with it: two
+            # graphs, compiled twice, forward and backward. Asking for the input's gradient keeps it one graph (the
+            # first step's compile halves) for one layer's input-gradient matmuls a step.
+            h = h.requires_grad_()
         for i, layer in enumerate(self.model.layers):
             replay_i = None if routing_replay is None else routing_replay[:, :, i]
             if compiled is not None and compiled[i] is not None:
