@@ -28,6 +28,7 @@ from rl.ui.data import Dashboard  # noqa: E402
 
 
 def build(run: Path, n: int, tokens: int, steps: int) -> None:
+    import numpy as np
     import yaml
 
     from rl.store.trajectories import TrajectoryStore
@@ -36,25 +37,26 @@ def build(run: Path, n: int, tokens: int, steps: int) -> None:
     run.mkdir(parents=True, exist_ok=True)
     (run / "recipe.yaml").write_text(yaml.safe_dump({"run": {"name": "ui-bench"}, "datasets": [{"type": "arithmetic"}]}))
     store = TrajectoryStore.for_run_dir(run, name="ui-bench")
-    rng = random.Random(0)
+    rng, g = random.Random(0), np.random.default_rng(0)
     datasets, teachers = ["wp", "compute", "extract", "effort"], [None, "t0", "t1", "t2"]
-    done = 0
+    done, chunk = 0, 2000
     while done < n:
+        k = min(n, done + chunk) - done
+        toks, logps = g.integers(3, 99, size=(k, tokens)).tolist(), (-g.random((k, tokens))).tolist()
         batch = []
-        for i in range(done, min(n, done + 2000)):
-            toks = tuple(rng.randrange(3, 99) for _ in range(tokens))
+        for j, i in enumerate(range(done, done + k)):
             v = i // 256
             batch.append(Sample(
                 sample_id=f"s{i:08d}", prompt_id=f"p{i // 8:08d}", dataset=datasets[i % 4], group_id=f"p{i // 8:08d}",
-                prompt_tokens=(1, 20, 21, 22), response_tokens=toks, prompt_text="What is 6*7?", response_text="x" * tokens,
-                behavior_logprobs_T=tuple(-rng.random() for _ in range(tokens)),
+                prompt_tokens=(1, 20, 21, 22), response_tokens=tuple(toks[j]), prompt_text="What is 6*7?",
+                response_text="x" * tokens, behavior_logprobs_T=tuple(logps[j]),
                 policy_versions_T=(v,) * (tokens // 2) + (v + rng.randrange(0, 3),) * (tokens - tokens // 2),
                 reward=float(rng.random() < 0.4), correct=False, finish_reason=rng.choice(["eos", "length"]),
                 status="finished", timings={"finished_at": float(i)}, teacher=teachers[i % 4],
                 effort=rng.choice([None, 25, 50, 100]), reason="checked"))
         store.add_samples(batch)
-        store.mark_trained([s.sample_id for s in batch], step=done // 2000 + 1)
-        done += len(batch)
+        store.mark_trained([s.sample_id for s in batch], step=done // chunk + 1)
+        done += k
         print(f"  wrote {done:,} samples", end="\r", flush=True)
     store.close()
     with (run / "metrics.jsonl").open("w") as f:
@@ -120,8 +122,16 @@ def live(root: Path, seconds: float, poll: bool) -> dict:
     return {"p50": pct(lat, 0.5), "p95": pct(lat, 0.95), "max": max(lat), "wal_mib": wal[0] / 2**20, "batches": len(lat)}
 
 
-def digests(d: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+def digests(d: Path) -> dict[str, tuple]:
+    """Each file's size and modification time, and its sha256 up to 1 GiB (a write moves the time; a 30 GB store is
+    not read whole)."""
+    out = {}
+    for p in sorted(d.iterdir()):
+        if p.is_file():
+            st = p.stat()
+            out[p.name] = (st.st_size, st.st_mtime_ns,
+                           hashlib.sha256(p.read_bytes()).hexdigest() if st.st_size <= 2**30 else None)
+    return out
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -31,14 +31,17 @@ def sample(i: int, *, dataset: str, reward: float, response: str, versions=None,
         teacher=teacher, effort=effort, reason=reason, turns=tuple(turns))
 
 
-def make_run(d: Path, n: int = 120, name: str = f"run {XSS}") -> Path:
+def make_run(d: Path, n: int = 120, name: str = f"run {XSS}", url: str | None = None) -> Path:
+    """`url`: a shared store the recipe names (`store.url`) instead of the directory's own SQLite file."""
     d.mkdir(parents=True, exist_ok=True)
     recipe = {"run": {"name": "ui-test", "device": "cpu"}, "model": {"vocab_size": 99, "hidden_size": 32, "num_layers": 1,
               "num_heads": 2, "num_kv_heads": 1, "head_dim": 16}, "datasets": [{"type": "arithmetic", "name": "arith"}],
               "stages": [{"type": "sft", "max_steps": 2},
-                         {"type": "grpo", "max_steps": 3, "prompts_per_step": 2, "max_staleness": 0}]}
+                         {"type": "grpo", "max_steps": 3, "prompts_per_step": 2, "max_staleness": 0}],
+              **({"store": {"url": url}} if url else {})}
     (d / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    store = TrajectoryStore.for_run_dir(d, name=name)
+    store = TrajectoryStore.for_run_dir(d, name=name, url=url)
+    store.add_run(name, json.dumps(recipe))
     samples = []
     for i in range(n):
         response = f"6*7 = {40 + i % 5}" if i != 7 else XSS
@@ -59,6 +62,9 @@ def make_run(d: Path, n: int = 120, name: str = f"run {XSS}") -> Path:
     store.add_samples(samples)
     store.mark_trained([s.sample_id for s in samples[:60]], step=1)
     store.mark_trained([s.sample_id for s in samples[60:100]], step=2)
+    for step in (1, 2, 3):  # what an RL step records in the store (rl/algo/job.py record_train_step)
+        store.add_train_step(step, {"rollout/reward": step / 4, "rl/entropy": 1.0 / step,
+                                    **({"eval/accuracy": 0.5} if step == 3 else {})})
     store.add_config_version(1, "applied", {"mixture": {"arith": 1.0}}, train_step=2)
     store.add_config_version(None, "refused", {"mixture": {XSS: 1.0}}, train_step=2, reason=f"unknown dataset {XSS}")
     store.close()

@@ -28,10 +28,6 @@ FILTERS = ("dataset", "step", "min_reward", "max_reward", "finish_reason", "fail
            "correct", "min_lag")
 
 
-EQUALITY_FILTERS = ("dataset", "step", "finish_reason", "failure", "effort", "teacher", "status")
-"""Filters on one value of an indexed column (rl/store/schema.py `BROWSE_INDEXES`)."""
-
-
 class UIError(ValueError):
     """A request the data cannot answer (unknown run, bad filter): one line, sent back as a 400."""
 
@@ -116,6 +112,13 @@ class RunSource:
                 self._tokenizer = False
         return self._tokenizer or None
 
+    @property
+    def where(self) -> str:
+        return str(self.run_dir)
+
+    def holder(self) -> str | None:
+        return _holder(self.run_dir)
+
     def store(self):
         if self._store is None:
             from rl.store.trajectories import TrajectoryStore
@@ -140,11 +143,82 @@ class RunSource:
             stages = [str(s.get("type", "?")) for s in recipe.get("stages", []) if isinstance(s, dict)]
         except Exception:  # a recipe that does not parse still lists the run
             recipe = {}
-        holder = _holder(self.run_dir)
-        return {"key": self.key, "name": self.name, "dir": str(self.run_dir), "stages": stages,
+        holder = self.holder()
+        return {"key": self.key, "name": self.name, "dir": self.where, "stages": stages,
                 "status": "running" if holder else "stopped", "holder": holder, "steps": max(steps, default=0),
                 "heldout": evals[-1]["eval/accuracy"] if evals else None,
                 "heldout_step": evals[-1].get("step") if evals else None}
+
+
+@dataclass
+class StoreRunSource(RunSource):
+    """One run of a trajectory store given by URL (`rl ui sqlite:///PATH` or `postgresql://...`), without its run
+    directory: the name and recipe from the store's `runs` row, the curves from the metrics each RL train step
+    recorded in `train_steps` (SFT steps are not recorded there), the samples as for a directory. Whether a job
+    runs is not known from the store alone."""
+
+    url: object = None
+    run_id: str = ""
+    _last_step: int = -1
+
+    @property
+    def name(self) -> str:
+        return self._run_row()[0] or self.run_id
+
+    @property
+    def where(self) -> str:
+        from rl.store.db import redacted
+
+        return f"{redacted(self.url)} run {self.run_id}"
+
+    def holder(self) -> str | None:
+        return None
+
+    def _run_row(self) -> tuple[str | None, str | None]:
+        from sqlalchemy import select
+
+        from rl.store.schema import RunTable
+
+        row = self.store().read(lambda s: s.execute(select(RunTable.name, RunTable.recipe_json)
+                                                    .where(RunTable.run_id == self.run_id)).first())
+        return (row[0], row[1]) if row else (None, None)
+
+    def recipe_text(self) -> str:
+        import yaml
+
+        try:
+            return yaml.safe_dump(json.loads(self._run_row()[1] or "{}"), sort_keys=False)
+        except ValueError:
+            return ""
+
+    def lines(self) -> list[bytes]:
+        """The train steps recorded since the last call, as metrics.jsonl's lines (step, time, the step's metrics)."""
+        from sqlalchemy import select
+
+        from rl.store.schema import TrainStepTable as t
+
+        new = self.store().read(lambda s: list(s.execute(
+            select(t.step, t.created_at, t.metrics_json).where(t.run_id == self.run_id, t.step > self._last_step)
+            .order_by(t.step))))
+        for step, created, metrics in new:
+            try:
+                row = {**json.loads(metrics), "step": step, "time": created}
+            except ValueError:
+                continue
+            self._lines.append(json.dumps(row).encode())
+            self._last_step = step
+        return self._lines
+
+    def store(self):
+        if self._store is None:
+            from rl.store.trajectories import TrajectoryStore
+
+            self._store = TrajectoryStore(self.url, self.run_id, readonly=True)
+        return self._store
+
+
+def _is_url(source: str) -> bool:
+    return "://" in str(source)
 
 
 NUMBER = rb"-?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|Infinity|NaN)"
@@ -167,13 +241,20 @@ def _parse(line: bytes) -> dict | None:
 class Dashboard:
     """The runs the server was started with, by key (their position, as a string)."""
 
-    def __init__(self, run_dirs: list[str | Path]):
+    def __init__(self, sources: list[str | Path]):
+        """`sources`: run directories, or store URLs (every run of the store)."""
         self.runs: dict[str, RunSource] = {}
-        for i, d in enumerate(run_dirs):
+        for d in sources:
+            if _is_url(d):
+                for run_id in _store_runs(str(d)):
+                    key = str(len(self.runs))
+                    self.runs[key] = StoreRunSource(Path(), key, url=_parse_store_url(str(d)), run_id=run_id)
+                continue
             path = Path(d)
             if not path.is_dir():
                 raise UIError(f"{path}: not a run directory")
-            self.runs[str(i)] = RunSource(path.resolve(), str(i))
+            key = str(len(self.runs))
+            self.runs[key] = RunSource(path.resolve(), key)
 
     def run(self, key: str) -> RunSource:
         if key not in self.runs:
@@ -249,53 +330,57 @@ class Dashboard:
 
     def samples(self, key: str, params: dict[str, str]) -> dict:
         """One page of the run's samples: filters (`FILTERS`), `sort` (`SORTS`, `-` first for descending), `offset`,
-        `limit` (at most `PAGE_MAX`)."""
+        `limit` (at most `PAGE_MAX`).
+
+        Two reads in one transaction. The page's write positions (`seq`) come from a walk of a covering index
+        (rl/store/schema.py `BROWSE_INDEXES`: run_id, key, seq and every filter column; the sort key's, or one whose
+        key an equality filter fixes), which orders the page and answers every filter without reading a row of the
+        table or sorting the matches (tests/unit/test_ui.py checks SQLite's plan for every filter and sort); then the
+        page's rows, by (run_id, seq)."""
         from sqlalchemy import func, select
 
         from rl.store.schema import SampleTable as t
 
         store = self.run(key).store()
-        lag = (t.max_version - t.min_version).label("lag")
-        q = select(t.sample_id, t.dataset, t.train_step, t.reward, t.correct, t.finish_reason, t.failure, t.effort,
-                   t.teacher, t.status, t.num_response_tokens, t.min_version, t.max_version, lag,
-                   func.substr(t.response_text, 1, 120)).where(t.run_id == store.run_id)
+        lag = t.max_version - t.min_version
         conds = {
             "dataset": lambda v: t.dataset == v, "finish_reason": lambda v: t.finish_reason == v,
-            "failure": lambda v: t.failure == v, "teacher": lambda v: t.teacher == v, "status": lambda v: t.status == v,
-            "step": lambda v: t.train_step == _int(v, "step"), "effort": lambda v: t.effort == _int(v, "effort"),
+            "failure": lambda v: t.failure == v, "teacher": lambda v: t.teacher == v,
+            "status": lambda v: t.status == v, "step": lambda v: t.train_step == _int(v, "step"),
+            "effort": lambda v: t.effort == _int(v, "effort"),
             "min_reward": lambda v: t.reward >= _float(v, "min_reward"),
             "max_reward": lambda v: t.reward <= _float(v, "max_reward"),
             "correct": lambda v: t.correct == (v in ("1", "true", "yes")),
-            "min_lag": lambda v: (t.max_version - t.min_version) >= _int(v, "min_lag"),
+            "min_lag": lambda v: lag >= _int(v, "min_lag"),
         }
         unknown = sorted(set(params) - set(conds) - {"run", "sort", "offset", "limit"})
         if unknown:  # a misspelt filter would otherwise show every sample as if filtered
             raise UIError(f"unknown filter {unknown[0]!r}: expected one of {', '.join(FILTERS)}")
-        for name, cond in conds.items():
-            if params.get(name) not in (None, ""):
-                q = q.where(cond(params[name]))
         sort = params.get("sort") or "seq"
         column = SORTS.get(sort.lstrip("-"))
         if column is None:
             raise UIError(f"sort {sort!r}: expected one of {', '.join(SORTS)} (a leading - for descending)")
-        desc = sort.startswith("-")
-        if column == "seq":
-            q = q.order_by(t.seq.desc() if desc else t.seq)
-        else:
-            key = (t.max_version - t.min_version) if column == "lag" else getattr(t, column)
-            if any(params.get(f) not in (None, "") for f in EQUALITY_FILTERS):
-                # the filter's index (run_id, col, seq) finds the few matching rows; sorting those beats walking the sort
-                # key's index and reading every row's filter column from past its token arrays (SQLite has no
-                # statistics to know): `key + 0` keeps the planner off the sort key's index
-                key = key + 0
-            q = q.order_by(key.desc() if desc else key.asc(), t.seq.desc() if desc else t.seq)
         offset, limit = _int(params.get("offset") or "0", "offset"), _int(params.get("limit") or "50", "limit")
         if offset < 0 or not 0 < limit <= PAGE_MAX:
             raise UIError(f"offset {offset}, limit {limit}: expected offset >= 0 and 0 < limit <= {PAGE_MAX}")
+        desc = sort.startswith("-")
+        order = [t.seq] if column == "seq" else [lag if column == "lag" else getattr(t, column), t.seq]
+        page = (select(t.seq).where(t.run_id == store.run_id,
+                                    *(cond(params[n]) for n, cond in conds.items() if params.get(n) not in (None, "")))
+                .order_by(*(o.desc() if desc else o for o in order)).offset(offset).limit(limit))
         names = ("sample_id", "dataset", "step", "reward", "correct", "finish_reason", "failure", "effort", "teacher",
                  "status", "tokens", "min_version", "max_version", "lag", "preview")
-        rows = [dict(zip(names, row)) for row in store.read_rows(q.offset(offset).limit(limit))]
-        return {"run": key, "offset": offset, "limit": limit, "sort": sort, "rows": rows}
+
+        def read(session) -> list:
+            seqs = list(session.scalars(page))
+            got = {r[0]: r[1:] for r in session.execute(
+                select(t.seq, t.sample_id, t.dataset, t.train_step, t.reward, t.correct, t.finish_reason, t.failure,
+                       t.effort, t.teacher, t.status, t.num_response_tokens, t.min_version, t.max_version, lag,
+                       func.substr(t.response_text, 1, 120))
+                .where(t.run_id == store.run_id, t.seq.in_(seqs)))} if seqs else {}
+            return [dict(zip(names, got[q])) for q in seqs if q in got]
+
+        return {"run": key, "offset": offset, "limit": limit, "sort": sort, "rows": store.read(read)}
 
     def sample(self, key: str, sample_id: str) -> dict:
         """One sample: prompt, response as tokens (text piece, behaviour log-prob, policy version, trained or not),
@@ -366,6 +451,35 @@ class Dashboard:
             return list(text) + [f"#{t}" for t in tokens[len(text):]]
         return [f"#{t}" for t in tokens]
 
+    def warm(self, lock=None) -> float:
+        """Read each run's browse indexes once (SQLite stores; `rl ui` does it in the background as it starts): a
+        store written by a job has its index pages spread through the file among the token arrays, so the first walk
+        of each index from disk takes ~1 s at 1M samples, later ones ~0.1 s from the page cache (BENCHMARKS.md,
+        issue 45). `lock`: the server's, held a walk at a time (requests go between). Returns the seconds it took; a
+        run it cannot read is skipped (its pages say why)."""
+        import contextlib
+        import time
+
+        from sqlalchemy import text
+
+        from rl.store.db import sqlite_file
+        from rl.store.schema import BROWSE_INDEXES, LAG_INDEX
+
+        t0 = time.perf_counter()
+        held = lock if lock is not None else contextlib.nullcontext()
+        for r in list(self.runs.values()):
+            for ix in (*BROWSE_INDEXES, LAG_INDEX):
+                try:
+                    with held:
+                        store = r.store()
+                        if sqlite_file(store.url) is None:
+                            break  # PostgreSQL keeps its own buffers, on its own host
+                        store.read(lambda s, ix=ix: s.execute(
+                            text(f"SELECT count(*) FROM samples INDEXED BY {ix} WHERE run_id = :r"), {"r": store.run_id}))
+                except Exception:
+                    break
+        return time.perf_counter() - t0
+
     def close(self) -> None:
         for r in self.runs.values():
             r.close()
@@ -386,3 +500,32 @@ def _float(v: str, name: str) -> float:
     if not math.isfinite(x):
         raise UIError(f"{name}={v!r}: expected a finite number")
     return x
+
+
+def _parse_store_url(url: str):
+    from rl.store.db import StoreError, parse_url
+
+    try:
+        return parse_url(url)
+    except StoreError as e:
+        raise UIError(str(e)) from None
+
+
+def _store_runs(url: str) -> list[str]:
+    """The run ids of the store at `url`, read-only; UIError (one line) when it cannot be read or holds no run."""
+    from rl.store.db import StoreError, redacted
+    from rl.store.trajectories import TrajectoryStore
+
+    parsed = _parse_store_url(url)
+    try:
+        store = TrajectoryStore(parsed, "", readonly=True)
+    except StoreError as e:
+        raise UIError(str(e)) from None
+    try:
+        ids = store.run_ids()
+    finally:
+        store.close()
+    if not ids:
+        raise UIError(f"{redacted(parsed)}: no run in this store")
+    return ids
+

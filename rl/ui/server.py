@@ -160,7 +160,9 @@ class UIServer(ThreadingHTTPServer):
 
 def add_ui_parser(subparsers) -> None:
     p = subparsers.add_parser("ui", help="serve a local web dashboard of runs: curves, samples token by token")
-    p.add_argument("run_dirs", nargs="+", help="run directories (each holds metrics.jsonl and trajectories.db)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR_OR_STORE_URL",
+                   help="run directories (each holds metrics.jsonl and trajectories.db), or store URLs "
+                        "(sqlite:///PATH, postgresql://...: every run of the store, curves from its RL train steps)")
     p.add_argument("--port", type=int, default=8765, help="port on the host (0: any free one); default 8765")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only; "
                    "reach it from elsewhere through an SSH port forward)")
@@ -179,6 +181,7 @@ def cmd_ui(args) -> int:
         print(f"rl ui: {e}", file=sys.stderr)
         return 2
     print(f"rl ui: serving {len(dashboard.runs)} run(s) at {server.url}", flush=True)
+    threading.Thread(target=dashboard.warm, args=(server.lock,), name="rl-ui-warm", daemon=True).start()
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -105,7 +105,7 @@ def test_awkward_directory_names_keep_the_store_inside_the_run(tmp_path, capsys,
     assert (run_dir / "trajectories.db").is_file()
     assert recorded_train_steps(run_dir) == 1
     assert main(["traj", "ls", str(run_dir)]) == 0 and "1 samples shown" in capsys.readouterr().out
-    assert main(["db", "upgrade", str(run_dir)]) == 0 and "already at 0007" in capsys.readouterr().out
+    assert main(["db", "upgrade", str(run_dir)]) == 0 and "already at 0008" in capsys.readouterr().out
 
 
 def test_recorded_train_steps_counts_this_run_only(tmp_path):

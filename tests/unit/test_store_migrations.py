@@ -18,7 +18,7 @@ from rl.store.trajectories import StoreError, TrajectoryStore, decode_array
 from rl.store.db import alembic_config, head_revision, schema_state, sqlite_url, upgrade_store
 from tests.unit.test_store import make_sample
 
-HEAD = "0007"
+HEAD = "0008"
 """The newest schema revision (rl/store/migrations/versions)."""
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -68,7 +68,7 @@ def legacy_run(tmp_path: Path, which: str) -> Path:
     return run_dir
 
 
-def test_head_is_0007_and_the_baseline_is_d07e8ae_exactly(tmp_path):
+def test_head_is_0008_and_the_baseline_is_d07e8ae_exactly(tmp_path):
     from alembic import command
 
     assert head_revision() == HEAD
@@ -92,7 +92,7 @@ def test_a_migrated_store_equals_a_new_one(tmp_path):
     expected = schema_of(sqlite_url(tmp_path / "fresh.db"))
     assert expected["samples"]["pk"] == ("pk_samples", ["run_id", "sample_id"])
     assert expected["segments"]["fks"] == [("fk_segments_samples", ("run_id", "sample_id"), "samples", ("run_id", "sample_id"))]
-    from rl.store.schema import BROWSE_INDEXES  # the models declare revision 0007's indexes as it made them
+    from rl.store.schema import BROWSE_INDEXES  # the models declare revision 0008's indexes as it made them
 
     assert {(n, tuple(c)) for n, c in BROWSE_INDEXES.items()} <= {(n, c) for n, c, _ in expected["samples"]["indexes"]}
     for which in LEGACY:
@@ -101,7 +101,7 @@ def test_a_migrated_store_equals_a_new_one(tmp_path):
         assert schema_of(sqlite_url(tmp_path / f"{which}.db")) == expected, which
         for db in (tmp_path / "fresh.db", tmp_path / f"{which}.db"):  # the inspector skips expression indexes
             with sqlite3.connect(db) as c:
-                sql = c.execute("select sql from sqlite_master where name = 'ix_samples_run_lag_seq'").fetchone()
+                sql = c.execute("select sql from sqlite_master where name = 'ix_samples_browse_lag'").fetchone()
             assert sql and "(max_version - min_version)" in sql[0], (db, sql)
 
 

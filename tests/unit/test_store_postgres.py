@@ -205,7 +205,7 @@ def test_an_unversioned_postgres_store_upgrades_with_every_row(postgres_server, 
     engine.dispose()
 
     assert main(["db", "upgrade", url.render_as_string(hide_password=False)]) == 0
-    assert capsys.readouterr().out == f"{url.render_as_string()}: unversioned-{which} -> 0007\n"
+    assert capsys.readouterr().out == f"{url.render_as_string()}: unversioned-{which} -> 0008\n"
     fresh = postgres_server.create_database()
     upgrade_store(fresh)
     assert schema_of(url) == schema_of(fresh)
@@ -236,7 +236,7 @@ def test_concurrent_jobs_create_one_postgres_store(postgres_url):
         t.start()
     for t in threads:
         t.join()
-    assert errors == [] and sorted(results) == [("0007", "0007")] * 3 + [("empty", "0007")]
+    assert errors == [] and sorted(results) == [("0008", "0008")] * 3 + [("empty", "0008")]
 
 
 def test_postgres_readers_cannot_write_and_refuse_an_older_store(postgres_url):
@@ -252,5 +252,5 @@ def test_postgres_readers_cannot_write_and_refuse_an_older_store(postgres_url):
     with engine.begin() as conn:
         conn.execute(text("UPDATE alembic_version SET version_num = '0001'"))
     engine.dispose()
-    with pytest.raises(StoreError, match="schema 0001, older than this code's 0007; upgrade it with: rl db upgrade"):
+    with pytest.raises(StoreError, match="schema 0001, older than this code's 0008; upgrade it with: rl db upgrade"):
         TrajectoryStore(postgres_url, "r", readonly=True)

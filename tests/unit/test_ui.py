@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sqlite3
 import threading
 import urllib.error
 import urllib.request
 
 import pytest
 
-from rl.ui.data import Dashboard
+from rl.ui.data import Dashboard, UIError
 from rl.ui.server import COOKIE, CSP, UIServer
 from tests.ui_run import XSS, make_run
 
@@ -100,6 +101,117 @@ def test_the_samples_table_filters_sorts_and_pages(served, query, expected):
     server, _, _ = served
     rows = json.loads(_get(server, f"/api/samples?run=0&{query}")[2])["rows"]
     assert [r["sample_id"] for r in rows] == expected
+
+
+FILTER_CASES = [{}, {"dataset": "arith"}, {"step": "2"}, {"min_reward": "1"}, {"max_reward": "0"}, {"effort": "50"},
+                {"teacher": f"t0 {XSS}"}, {"finish_reason": "eos"}, {"status": "finished"}, {"correct": "1"},
+                {"min_lag": "1"}, {"dataset": "arith", "min_reward": "1", "step": "1"}]
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_every_filter_and_sort_pages_as_python_orders_the_rows_walking_only_a_covering_index(request, tmp_path, backend):
+    """Each page equals the run's rows filtered and ordered in Python (by the key, NULL where the database puts it,
+    then seq), on SQLite and PostgreSQL. On SQLite the page's query is one walk of a covering browse index
+    (rl/store/schema.py BROWSE_INDEXES) in the page's order: no temporary B-tree (a sort of every match) and no read
+    of the table, whatever the filter (BENCHMARKS.md, issue 45: a sort of the matches costs ~320 ms at 1M samples, a
+    walk of the whole run ~100 ms)."""
+    from sqlalchemy import create_engine, event, text
+
+    url = None if backend == "sqlite" else str(request.getfixturevalue("postgres_url"))
+    run = make_run(tmp_path / "run", url=url)
+    engine = create_engine(url or f"sqlite:///{run / 'trajectories.db'}")
+    with engine.connect() as c:
+        rows = [dict(r._mapping) for r in c.execute(text("select * from samples"))]
+    engine.dispose()
+    keys = {"seq": "seq", "reward": "reward", "step": "train_step", "length": "num_response_tokens", "lag": None}
+    tests = {"dataset": lambda r, v: r["dataset"] == v, "step": lambda r, v: r["train_step"] == int(v),
+             "min_reward": lambda r, v: r["reward"] >= float(v), "max_reward": lambda r, v: r["reward"] <= float(v),
+             "effort": lambda r, v: r["effort"] == int(v), "teacher": lambda r, v: r["teacher"] == v,
+             "finish_reason": lambda r, v: r["finish_reason"] == v, "status": lambda r, v: r["status"] == v,
+             "correct": lambda r, v: bool(r["correct"]) == (v == "1"),
+             "min_lag": lambda r, v: r["max_version"] - r["min_version"] >= int(v)}
+    null_first = backend == "sqlite"  # ascending; PostgreSQL puts NULL last
+    d = Dashboard([run])
+    statements: list[tuple[str, tuple]] = []
+    event.listen(d.run("0").store()._engine, "before_cursor_execute",
+                 lambda conn, cursor, sql, params, context, many: statements.append((sql, params)))
+    plans = sqlite3.connect(f"file:{run / 'trajectories.db'}?immutable=1", uri=True) if backend == "sqlite" else None
+    try:
+        for f in FILTER_CASES:
+            matching = [r for r in rows if all(tests[k](r, v) for k, v in f.items())]
+            assert matching, f
+            for sort, col in keys.items():
+                def key(r, col=col):
+                    v = r["max_version"] - r["min_version"] if col is None else r[col]
+                    return ((v is not None) == null_first, v if v is not None else 0, r["seq"])
+
+                for desc in (False, True):
+                    expected = [r["sample_id"] for r in sorted(matching, key=key, reverse=desc)]
+                    for offset in (0, 7):
+                        statements.clear()
+                        page = d.samples("0", {**f, "sort": ("-" if desc else "") + sort, "offset": str(offset), "limit": "9"})
+                        assert [r["sample_id"] for r in page["rows"]] == expected[offset:offset + 9], (f, sort, desc)
+                        if plans is None:
+                            continue
+                        sql, params = next((s, p) for s, p in statements if "OFFSET" in s)
+                        plan = " | ".join(r[3] for r in plans.execute("EXPLAIN QUERY PLAN " + sql, params))
+                        # one covering index walk, in the page's order: no temporary B-tree
+                        assert plan.startswith("SEARCH samples USING COVERING INDEX ix_samples_browse_"), (f, sort, plan)
+                        assert " | " not in plan and "TEMP B-TREE" not in plan, (f, sort, plan)
+    finally:
+        if plans is not None:
+            plans.close()
+        d.close()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_store_url_serves_each_of_its_runs_from_the_store_alone(request, tmp_path, backend):
+    """`rl ui URL`: every run of a shared store (two here), named and described from its `runs` row, curves from the
+    train steps it recorded, samples as for a run directory; nothing of a run directory is read (it is gone)."""
+    import shutil
+
+    url = (f"sqlite:///{tmp_path / 'shared.db'}" if backend == "sqlite"
+           else str(request.getfixturevalue("postgres_url")))
+    make_run(tmp_path / "a", url=url, name="first")
+    make_run(tmp_path / "b", n=5, url=url, name="second")
+    shutil.rmtree(tmp_path / "a")
+    shutil.rmtree(tmp_path / "b")
+    d = Dashboard([url])
+    try:
+        runs = sorted(d.runs_page()["runs"], key=lambda r: r["name"])
+        assert [(r["name"], r["stages"], r["steps"], r["heldout"]) for r in runs] == [
+            ("first", ["sft", "grpo"], 3, 0.5), ("second", ["sft", "grpo"], 3, 0.5)]
+        first = runs[0]["key"]
+        curve = d.curve(first, "rollout/reward")
+        assert (curve["x"], curve["y"]) == ([1, 2, 3], [0.25, 0.5, 0.75])
+        assert len(d.samples(first, {"limit": "200"})["rows"]) == 120
+        assert d.sample(first, "s009")["turns"][1]["text"] == f"42 {XSS}\n"
+        assert "grpo" in d.run_page(first)["recipe"]
+    finally:
+        d.close()
+    with pytest.raises(UIError, match="no trajectory store at"):
+        Dashboard([f"sqlite:///{tmp_path / 'nope.db'}"])
+
+
+def test_warming_walks_every_browse_index_of_each_run_and_writes_nothing(tmp_path):
+    """`rl ui` reads each SQLite run's browse indexes once as it starts (`Dashboard.warm`): from a disk-cold page
+    cache the first walk of each costs ~1 s at 1M samples (BENCHMARKS.md, issue 45)."""
+    from sqlalchemy import event
+
+    from rl.store.schema import BROWSE_INDEXES, LAG_INDEX
+
+    runs = [make_run(tmp_path / "a", n=5), make_run(tmp_path / "b", n=5)]
+    before = [_digests(r) for r in runs]
+    d = Dashboard(runs)
+    walked = []
+    for key in d.runs:
+        event.listen(d.run(key).store()._engine, "before_cursor_execute",
+                     lambda conn, cursor, sql, params, context, many, key=key: walked.append((key, sql.split()[6])))
+    lock = threading.Lock()
+    assert d.warm(lock) >= 0 and not lock.locked()
+    d.close()
+    assert sorted(walked) == sorted((k, ix) for k in ("0", "1") for ix in (*BROWSE_INDEXES, LAG_INDEX))
+    assert [_digests(r) for r in runs] == before
 
 
 def test_the_timeline_has_each_steps_wall_time_and_every_config_version(served):
