@@ -3,8 +3,9 @@ chromium and chromium-driver, through Selenium: the browser tests' setup, tests/
 
     python tools/ui_screenshots.py RUN_DIR... --out docs/ui [--prefix smollm2-] [--sample-with turns|segments]
 
-Per run: the curves, the samples table, the timeline and one sample page (the first sample with tool turns, or the
-first with more than one policy version, else the first); the runs table once. The files are PNGs named
+Per run: the curves, the samples table, the timeline and one sample page (the newest sample with tool turns, coloured
+by trained mask, or the newest with more than one policy version, coloured by version; else the newest); the runs
+table once. The files are PNGs named
 `<prefix><page>.png`.
 """
 
@@ -65,12 +66,16 @@ def main() -> int:
     a.out.mkdir(parents=True, exist_ok=True)
     base = f"http://127.0.0.1:{server.server_address[1]}/?token={server.token}"
 
-    def shot(hash_: str, ready: str, name: str) -> None:
+    def shot(hash_: str, ready: str, name: str, colour: str | None = None) -> None:
         browser.get(f"{base}#{hash_}")
         WebDriverWait(browser, 60).until(lambda d: d.find_element("id", "main").get_attribute("data-ready") == ready
                                          or d.find_elements("id", "error"))
         if browser.find_elements("id", "error"):
             raise SystemExit(f"ui_screenshots: {hash_}: {browser.find_element('id', 'error').text}")
+        if colour is not None:  # the sample page's "colour by"
+            from selenium.webdriver.support.ui import Select
+
+            Select(browser.find_element("id", "color-mode")).select_by_value(colour)
         path = a.out / f"{a.prefix}{name}.png"
         browser.save_screenshot(str(path))
         print(path)
@@ -85,7 +90,8 @@ def main() -> int:
             shot(f"/timeline?run={key}", "/timeline", f"timeline{suffix}")
             sid = pick_sample(dashboard, key, a.sample_with)
             if sid is not None:
-                shot(f"/sample?run={key}&id={sid}", "/sample", f"sample{suffix}")
+                shot(f"/sample?run={key}&id={sid}", "/sample", f"sample{suffix}",
+                     colour="version" if a.sample_with == "segments" else "trained")
     finally:
         browser.quit()
         server.shutdown()
