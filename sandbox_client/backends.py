@@ -62,9 +62,11 @@ class Backend:
         """Where the sandboxed command sees its work directory."""
         raise NotImplementedError
 
-    def command(self, argv: list[str], *, work: Path, uid: int | None, limits: Limits, procs_files: list[Path]
-                ) -> tuple[list[str], str, dict[str, str]]:
-        """(host argv, host cwd, environment) that run `argv` in the sandbox whose work directory is `work`."""
+    def command(self, argv: list[str], *, work: Path, uid: int | None, limits: Limits, procs_files: list[Path],
+                as_init: bool = False) -> tuple[list[str], str, dict[str, str]]:
+        """(host argv, host cwd, environment) that run `argv` in the sandbox whose work directory is `work`.
+        `as_init`: `argv` is the sandbox's warm interpreter (warm.py), the init of its pid namespace where the
+        backend makes one (bwrap `--as-pid-1`)."""
         raise NotImplementedError
 
     @staticmethod
@@ -125,9 +127,10 @@ class BwrapBackend(Backend):
     def workdir_inside(self, work: Path) -> str:
         return WORK_INSIDE
 
-    def command(self, argv, *, work, uid, limits, procs_files):
+    def command(self, argv, *, work, uid, limits, procs_files, as_init=False):
         host = [*self._launcher(uid=uid, limits=limits, procs_files=procs_files), self.bwrap,
-                *self._static, "--bind", str(work), WORK_INSIDE, "--chdir", WORK_INSIDE, "--", *argv]
+                *self._static, *(["--as-pid-1"] if as_init else []), "--bind", str(work), WORK_INSIDE,
+                "--chdir", WORK_INSIDE, "--", *argv]
         return host, "/", {"PATH": PATH}
 
 
@@ -140,7 +143,7 @@ class ProcessBackend(Backend):
     def workdir_inside(self, work: Path) -> str:
         return str(work)
 
-    def command(self, argv, *, work, uid, limits, procs_files):
+    def command(self, argv, *, work, uid, limits, procs_files, as_init=False):
         host = [*self._launcher(uid=uid, limits=limits, procs_files=procs_files), *argv]
         return host, str(work), {"PATH": PATH, "HOME": str(work), "TMPDIR": str(work), "LANG": "C.UTF-8"}
 

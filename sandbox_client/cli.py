@@ -32,6 +32,8 @@ def serve_parser(prog: str = "python -m sandbox_client serve") -> argparse.Argum
                     help="bwrap: namespaces + cgroups (strong); process: rlimits only (weak)")
     ap.add_argument("--uid-base", type=int, default=None,
                     help="first host uid of the sandboxes under a root server (default: derived from the state dir)")
+    ap.add_argument("--warm-interpreter", action=argparse.BooleanOptionalAction, default=True,
+                    help="a sandbox's python3 -c calls fork from a warm interpreter of its own (default: on)")
     return ap
 
 
@@ -41,7 +43,8 @@ def serve(argv: list[str], prog: str = "python -m sandbox_client serve") -> int:
 
     async def run() -> None:
         server = SandboxServer(a.state_dir or f"{a.socket}.state", a.socket, backend=a.backend,
-                               max_sandboxes=a.max_sandboxes, uid_base=a.uid_base)
+                               max_sandboxes=a.max_sandboxes, uid_base=a.uid_base,
+                               warm_interpreter=a.warm_interpreter)
         await server.start()
         await server.serve_forever()
 

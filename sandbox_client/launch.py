@@ -29,8 +29,10 @@ class LocalServer:
     `kill()` kills it with SIGKILL (its sandboxes left for the next server on the state directory to reap)."""
 
     def __init__(self, socket_path: str | Path, state_dir: str | Path, *, backend: str = "bwrap",
-                 max_sandboxes: int = 32, start_timeout_s: float = 30.0, die_with_parent: bool = False):
-        """`die_with_parent`: the server gets SIGTERM (and closes its sandboxes) when the process that started it
+                 max_sandboxes: int = 32, start_timeout_s: float = 30.0, die_with_parent: bool = False,
+                 warm_interpreter: bool = True):
+        """`warm_interpreter`: the server forks a sandbox's `python3 -c` calls from a warm interpreter (warm.py).
+        `die_with_parent`: the server gets SIGTERM (and closes its sandboxes) when the process that started it
         dies, even by SIGKILL (Linux PR_SET_PDEATHSIG; start it from a thread that lives as long as the process)."""
         self.socket_path, self.state_dir = Path(socket_path), Path(state_dir)
         self.log_path = self.state_dir.parent / f"{self.state_dir.name}.server.log"
@@ -38,7 +40,8 @@ class LocalServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "sandbox_client", "serve", "--socket", str(self.socket_path), "--state-dir",
-                 str(self.state_dir), "--backend", backend, "--max-sandboxes", str(max_sandboxes)],
+                 str(self.state_dir), "--backend", backend, "--max-sandboxes", str(max_sandboxes),
+                 "--warm-interpreter" if warm_interpreter else "--no-warm-interpreter"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_die_with(os.getpid()) if die_with_parent else None)
         deadline = time.monotonic() + start_timeout_s

@@ -125,8 +125,9 @@ def default_uid_base(state_dir: Path) -> int:
 class SandboxServer:
     def __init__(self, state_dir: str | Path, socket_path: str | Path, *, backend: str = "bwrap",
                  max_sandboxes: int = 32, uid_base: int | None = None, say: Callable[[str], None] | None = None,
-                 frame_budget: int = FRAME_BUDGET):
-        """`frame_budget`: bytes all connections' partly received frames may hold together."""
+                 frame_budget: int = FRAME_BUDGET, warm_interpreter: bool = True):
+        """`frame_budget`: bytes all connections' partly received frames may hold together. `warm_interpreter`: a
+        sandbox's `python3 -c` execs fork from a warm interpreter of its own (warm.py) instead of spawning each."""
         if backend not in BACKENDS:
             raise ServerError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
         if not 1 <= max_sandboxes <= 65536:
@@ -134,6 +135,9 @@ class SandboxServer:
         self.state = Path(state_dir).resolve()
         self.socket_path = Path(socket_path)
         self.max_sandboxes = max_sandboxes
+        self.warm_interpreter = warm_interpreter
+        self.warm_totals = {"starts": 0, "calls": 0, "retired": 0}
+        """Warm interpreters started, calls they ran and interpreters retired, over the sandboxes closed so far."""
         self.say = say or (lambda m: print(f"sandbox server: {m}", file=sys.stderr, flush=True))
         self.root = os.geteuid() == 0
         self.uid_base = (uid_base if uid_base is not None else default_uid_base(self.state)) if self.root else None
@@ -195,7 +199,7 @@ class SandboxServer:
         self.say(f"listening on {self.socket_path} (backend {self.backend.name}, at most {self.max_sandboxes} "
                  f"sandboxes, state {self.state}, pid {os.getpid()})")
         self._record({"op": "start", "backend": self.backend.name, "max_sandboxes": self.max_sandboxes,
-                      "pid": os.getpid()})
+                      "pid": os.getpid(), "warm_interpreter": self.warm_interpreter})
 
     def _make_state_dirs(self) -> None:
         """The state directory and its live/, work/ and etc/: real directories of this server's uid, never a link
@@ -411,7 +415,17 @@ class SandboxServer:
     async def _op_info(self, msg, owned) -> dict[str, Any]:
         return {"backend": self.backend.name, "strong": self.backend.strong, "max_sandboxes": self.max_sandboxes,
                 "active": len(self.sandboxes), "pid": os.getpid(), "cgroups": self.cgroups is not None,
-                "disk_quota": self.disk_quota}
+                "disk_quota": self.disk_quota, "warm_interpreter": self.warm_interpreter, "warm": self._warm_stats()}
+
+    def _warm_stats(self) -> dict[str, int]:
+        """Warm interpreters started, calls run in them and interpreters retired (killed, dead, stray, spent), all
+        sandboxes so far."""
+        stats = dict(self.warm_totals)
+        for sb in self.sandboxes.values():
+            stats["starts"] += sb.warm_starts
+            stats["calls"] += sb.warm_calls
+            stats["retired"] += sb.warm_retired
+        return stats
 
     async def _op_create(self, msg, owned) -> dict[str, Any]:
         limits = Limits.model_validate(msg.get("limits") or {})
@@ -460,8 +474,13 @@ class SandboxServer:
         timeout = msg.get("timeout_s")
         if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout <= 24 * 3600):
             raise ValueError(f"timeout_s must be in (0, 86400], not {timeout!r}")
-        result = await run_exec(sb, self.backend, self.children, argv, stdin, float(timeout or sb.limits.timeout_s))
-        self._record_exec("exec", result)
+        warm_before = sb.warm_calls
+        result = await run_exec(sb, self.backend, self.children, argv, stdin, float(timeout or sb.limits.timeout_s),
+                                warm=self.warm_interpreter)
+        if sb.warm_off and not sb.warm_off_logged:
+            sb.warm_off_logged = True
+            self._record({"op": "warm_off", "sandbox": sb.id, "why": sb.warm_off})
+        self._record_exec("exec", result, warm=sb.warm_calls > warm_before)
         return result.to_wire()
 
     async def _op_write_file(self, msg, owned) -> dict[str, Any]:
@@ -534,6 +553,9 @@ class SandboxServer:
         sb.closed = True
         for proc in list(sb.procs):
             kill_group(proc.pid)
+        if sb.warm is not None:
+            await sb.warm.retire()
+            sb.warm = None
         if sb.cgroup is not None:
             await sb.cgroup.kill_all()
         elif sb.uid is not None:
@@ -542,6 +564,8 @@ class SandboxServer:
         if sb.cgroup is not None:
             sb.cgroup.remove()
         (self.state / "live" / f"{sb.id}.json").unlink(missing_ok=True)
+        for key, n in (("starts", sb.warm_starts), ("calls", sb.warm_calls), ("retired", sb.warm_retired)):
+            self.warm_totals[key] += n
         del self.sandboxes[sb.id]
         self.free_slots.append(sb.slot)
         self._record({"op": "close", "sandbox": sb.id})
@@ -554,8 +578,8 @@ class SandboxServer:
             # why a request goes unanswered
             self._log.write(json.dumps({"ts": round(time.time(), 6), **entry}, default=lambda v: repr(v)[:200]) + "\n")
 
-    def _record_exec(self, op: str, r: ExecResult, keep_stdout: bool = True) -> None:
-        self._record({"op": op, "sandbox": r.sandbox_id, "command": list(r.command), "reason": r.reason,
+    def _record_exec(self, op: str, r: ExecResult, keep_stdout: bool = True, warm: bool = False) -> None:
+        self._record({"op": op, "sandbox": r.sandbox_id, **({"warm": True} if warm else {}), "command": list(r.command), "reason": r.reason,
                       "exit_code": r.exit_code, "signal": r.signal, "duration_s": r.duration_s, "cpu_s": r.cpu_s,
                       "stdout_bytes": len(r.stdout), "stderr_bytes": len(r.stderr), "stdout_truncated": r.stdout_truncated,
                       "stderr_truncated": r.stderr_truncated, "stdout": r.stdout[:LOG_HEAD].decode(errors="replace") if keep_stdout else "",
