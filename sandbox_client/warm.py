@@ -11,8 +11,8 @@ command, `python3 FILE`, `python3 -u ...`, the server's own cat/tar) takes the c
   `sys.path_importer_cache` and `__main__`'s namespace first thing, and a child puts all four back before it
   runs the call (what the interpreter imported for itself, `_socket` and `ctypes`, is gone from the child's
   `sys.modules`). The child also gets fresh `sys.stdin/stdout/stderr` built the way the interpreter's start-up
-  builds them, over the call's own pipes, `sys.argv == ['-c', ARG...]`, its own session (`setsid`, as bwrap's
-  `--new-session` gives a cold call) and Python's SIGINT handler.
+  builds them, over the call's own pipes, `sys.argv == ['-c', ARG...]`, the session a cold call has (bwrap:
+  init's, the one `--new-session` made; the process backend: a session of its own) and Python's SIGINT handler.
 - Pipes: per call the server makes pipes for stdout and stderr (stdin too when the call has input, else the
   child opens /dev/null, as a cold call gets) and one for the request (the argv, NUL-separated), and passes their
   far ends to the interpreter with SCM_RIGHTS over a SOCK_SEQPACKET socket pair whose one end the interpreter
@@ -144,7 +144,8 @@ def std_stream(fd, old):
 
 def become_call(fds):
     CTL.close()
-    os.setsid()
+    if not NS_INIT:  # a cold call heads its own session there; under bwrap it is in init's, as here
+        os.setsid()
     request, out, err = fds[0], fds[-2], fds[-1]
     stdin = fds[1] if len(fds) == 4 else os.open(os.devnull, os.O_RDONLY)
     for target, fd in ((0, stdin), (1, out), (2, err)):

@@ -1,0 +1,228 @@
+"""The warm interpreter (sandbox_client/warm.py) against the cold path, real processes and real servers: a server
+with it and one without, same backend, run the same snippets; every observable of a call (stdout, stderr, exit
+code, signal, reason, truncation) must be equal, and state must not cross calls on the warm one. Each check is
+shown to fail on an interpreter that runs calls without forking (`test_a_reused_interpreter_is_caught`).
+
+Both backends; bwrap skips where bubblewrap is missing (and fails under CI=true, as the hostile tests do)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from sandbox_client import ExecResult, Limits, LocalServer, SandboxClient
+from sandbox_client.hostile import CHECKOUT
+from sandbox_client.launch import server_pid
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+LIMITS = Limits(memory_mib=256, cpu_s=1.0, max_processes=32, timeout_s=5.0, output_bytes=64 << 10)
+ENVIRONMENT = ("import sys\nprint(sorted(sys.modules))\nprint(sorted(globals()), __name__, __doc__, __spec__)\n"
+               "print(sys.argv, sys.orig_argv, sys.path)\n"
+               "print([(s.name, s.mode, s.seekable(), s.line_buffering, s.write_through, s.encoding, s.errors)"
+               " for s in (sys.stdin, sys.stdout, sys.stderr)])\n"
+               "print(sys.stdin is sys.__stdin__, sys.stdout is sys.__stdout__, sys.stderr is sys.__stderr__)\n")
+BWRAP_ONLY = "import os\nprint(os.getppid(), os.getcwd(), os.getsid(0) == os.getpid(), os.getpgid(0) == os.getpid())\n"
+DAEMON = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+          "        for fd in (0, 1, 2):\n            os.close(fd)\n        time.sleep(0.5)\n"
+          "        open('daemon-was-here', 'w').write('x')\n        time.sleep(300)\n    os._exit(0)\n"
+          "print('daemon started')\n")
+AFTER_DAEMON = ("import os, time\ntime.sleep(1.0)\nprint(os.path.exists('daemon-was-here'),"
+                " len([p for p in os.listdir('/proc') if p.isdigit()]))\n")
+LEAVE_STATE = ("import sys, json\nX = 1\njson.leaked = 1\nsys.leaked = 1\nimport collections\n"
+               "open('left.txt', 'w').write('kept')\nprint('set')\n")
+READ_STATE = ("import sys\nprint('X' in globals(), hasattr(sys, 'leaked'), 'json' in sys.modules,"
+              " 'collections' in sys.modules, open('left.txt').read())\n")
+CLEAN_STATE = "False False False False kept\n"
+
+# name -> (exec arguments, on which backends)
+CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
+    "print": ({"code": "print('hi')"}, ("bwrap", "process")),
+    "stdin_echo": ({"code": "import sys; sys.stdout.write(sys.stdin.read().upper())", "stdin": b"echo me\n"},
+                   ("bwrap", "process")),
+    "exit_3": ({"code": "import sys; sys.exit(3)"}, ("bwrap", "process")),
+    "exit_message": ({"code": "import sys; print('out'); sys.exit('bye')"}, ("bwrap", "process")),
+    "raise": ({"code": "def f():\n    raise ValueError('boom')\nf()"}, ("bwrap", "process")),
+    "syntax_error": ({"code": "def f(:"}, ("bwrap", "process")),
+    "killed_by_signal": ({"code": "import os, signal; print('x', flush=True); os.kill(os.getpid(), signal.SIGTERM)"},
+                         ("bwrap", "process")),
+    "argv": ({"command": ["python3", "-c", "import sys; print(sys.argv)", "a", "b c"]}, ("bwrap", "process")),
+    "atexit_and_threads": ({"code": "import atexit, threading, time\natexit.register(print, 'atexit ran')\n"
+                                    "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()"},
+                           ("bwrap", "process")),
+    "environment": ({"code": ENVIRONMENT}, ("bwrap", "process")),
+    "environment_stdin": ({"code": ENVIRONMENT, "stdin": b"x"}, ("bwrap", "process")),
+    "process_tree": ({"code": BWRAP_ONLY}, ("bwrap",)),
+    "infinite_loop_timeout": ({"code": "import time\nwhile True:\n    time.sleep(0.01)", "timeout": 1.0},
+                              ("bwrap", "process")),
+    "cpu_burner": ({"code": "print('burn', flush=True)\nwhile True:\n    pass", "timeout": 4.0}, ("bwrap", "process")),
+    "huge_output": ({"code": "import sys\nfor _ in range(1000):\n    sys.stdout.write('x' * 65536)"},
+                    ("bwrap", "process")),
+}
+
+
+def _observed(r: ExecResult) -> tuple:
+    return r.stdout, r.stderr, r.exit_code, r.signal, r.reason, r.stdout_truncated, r.stderr_truncated
+
+
+@pytest.fixture(scope="module", params=["bwrap", "process"])
+def servers(request):
+    """(backend, cold server, warm server)."""
+    backend = request.param
+    if backend == "bwrap" and shutil.which("bwrap") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI=true but bubblewrap is missing")
+        pytest.skip("bubblewrap is not installed")
+    scratch = Path(tempfile.mkdtemp(prefix="asyncrl-sbx-warm-"))  # sandbox uids traverse it
+    scratch.chmod(0o711)
+    cold = LocalServer(scratch / "cold.sock", scratch / "cold.state", backend=backend, warm_interpreter=False)
+    try:
+        warm = LocalServer(scratch / "warm.sock", scratch / "warm.state", backend=backend)
+    except BaseException:
+        cold.stop()
+        raise
+    yield backend, cold, warm
+    warm.stop()
+    cold.stop()
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def _one(socket_path: Path, args: dict) -> tuple[ExecResult, dict]:
+    async with await SandboxClient.connect(socket_path) as client:
+        async with await client.create(LIMITS) as sb:
+            await sb.exec(code="pass")  # the sandbox's first Python call starts its warm interpreter
+            r = await sb.exec(**args)
+            follow = await sb.exec(code="print('next')")
+        return r, {"follow": _observed(follow), "warm": (await client.info())["warm"]}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_warm_and_cold_calls_are_alike(servers, case):
+    backend, cold, warm = servers
+    args, backends = CASES[case]
+    if backend not in backends:
+        pytest.skip(f"{case}: the {backend} backend's processes see the host's pids and paths")
+    (c, c_more), (w, w_more) = asyncio.run(_one(cold.socket_path, args)), asyncio.run(_one(warm.socket_path, args))
+    if case == "huge_output":  # where the cap cut the stream is the only freedom
+        assert len(c.stdout) == len(w.stdout) == LIMITS.output_bytes
+    assert _observed(c) == _observed(w), f"cold {c}\nwarm {w}"
+    assert c_more["follow"] == w_more["follow"] == (b"next\n", b"", 0, None, "ok", False, False)
+    assert c_more["warm"]["calls"] == 0 and w_more["warm"]["calls"] >= 3  # the warm server did run them warm
+    expected = {"infinite_loop_timeout": "timeout", "cpu_burner": "cpu", "huge_output": "output_truncated",
+                "killed_by_signal": "crashed"}.get(case, "ok")
+    assert w.reason == expected, w
+
+
+async def _session(socket_path: Path, codes: list[str]) -> tuple[list[ExecResult], dict]:
+    async with await SandboxClient.connect(socket_path) as client:
+        async with await client.create(LIMITS) as sb:
+            results = [await sb.exec(code=code) for code in codes]
+        return results, (await client.info())["warm"]
+
+
+def test_files_persist_and_interpreter_state_does_not(servers):
+    """A file written in the work directory is there for the next call; a module-level global, an attribute set on
+    an imported module, a module imported, are not (each call forks from the pristine interpreter)."""
+    backend, cold, warm = servers
+    for server in (cold, warm):
+        results, _ = asyncio.run(_session(server.socket_path, [LEAVE_STATE, READ_STATE, READ_STATE]))
+        assert [r.stdout_text for r in results] == ["set\n", CLEAN_STATE, CLEAN_STATE], results
+
+
+def test_a_daemon_does_not_survive_its_call(servers):
+    """A double-forked daemon that closed its output: gone with its call (cold: its pid namespace dies; warm: the
+    interpreter, the namespace's init, kills everything else after each call), so it never writes its file, and
+    the next call sees two processes (init and itself). The interpreter's own sweep does it: the server's cgroup
+    check behind it (strays retire the interpreter) has nothing to do. The weak backend has no namespace: skipped."""
+    backend, cold, warm = servers
+    if backend != "bwrap":
+        pytest.skip("the process backend's setsid daemons outlive their call, cold or warm (as always)")
+    outs, retired = {}, {}
+    for name, server in (("cold", cold), ("warm", warm)):
+        before = asyncio.run(_session(server.socket_path, []))[1]
+        results, after = asyncio.run(_session(server.socket_path, [DAEMON, AFTER_DAEMON]))
+        outs[name] = [(r.stdout_text, r.reason) for r in results]
+        retired[name] = after["retired"] - before["retired"]
+    assert outs["cold"] == outs["warm"] == [("daemon started\n", "ok"), ("False 2\n", "ok")], outs
+    assert retired == {"cold": 0, "warm": 0}
+
+
+def test_a_killed_call_retires_the_interpreter_and_the_next_starts_fresh(servers):
+    backend, cold, warm = servers
+    codes = ["X = 1\nimport time\ntime.sleep(60)", "print('X' in globals())", "print('again')"]
+
+    async def run():
+        async with await SandboxClient.connect(warm.socket_path) as client:
+            before = (await client.info())["warm"]
+            async with await client.create(LIMITS) as sb:
+                results = [await sb.exec(code=codes[0], timeout=0.5), await sb.exec(code=codes[1]),
+                           await sb.exec(code=codes[2])]
+            after = (await client.info())["warm"]
+        return results, {k: after[k] - before[k] for k in after}
+
+    results, delta = asyncio.run(run())
+    assert [r.reason for r in results] == ["timeout", "ok", "ok"]
+    assert [r.stdout_text for r in results[1:]] == ["False\n", "again\n"]
+    assert delta == {"starts": 2, "calls": 3, "retired": 1}, delta
+
+
+def test_warm_calls_in_one_sandbox_run_concurrently(servers):
+    """A Python call that comes while the interpreter serves another runs cold beside it: both finish, right."""
+    backend, cold, warm = servers
+
+    async def run():
+        async with await SandboxClient.connect(warm.socket_path) as client:
+            async with await client.create(LIMITS) as sb:
+                await sb.exec(code="pass")
+                return await asyncio.gather(*(sb.exec(code=f"import time; time.sleep(0.3); print({i})") for i in range(3)))
+
+    assert [r.stdout_text for r in asyncio.run(run())] == ["0\n", "1\n", "2\n"]
+
+
+SABOTAGE = '''
+CTL.send(b"ready")
+while True:  # every call in this one process, in one namespace: what forking each call prevents
+    msg, ancdata, _, _ = CTL.recvmsg(16, FDS_SPACE)
+    fds = received_fds(ancdata)
+    argv = b"".join(iter(lambda: os.read(fds[0], 65536), b"")).split(b"\\0")
+    saved = os.dup(1)
+    os.dup2(fds[-2], 1)
+    exec(argv[2].decode(), FRESH_MAIN)
+    sys.stdout.flush()
+    os.dup2(saved, 1)
+    for fd in (*fds, saved):
+        os.close(fd)
+    CTL.send(b"exit 0 0")
+'''
+
+
+def test_a_reused_interpreter_is_caught(servers):
+    """The state check above, against a server whose interpreter runs every call itself without forking: it must
+    see the leaked state (this test fails if the check could not)."""
+    backend, cold, warm = servers
+    scratch = warm.state_dir.parent
+    sock = scratch / "reused.sock"
+    patch = ("import sys, sandbox_client.warm as w; w.ZYGOTE = w.ZYGOTE.replace('become_call(serve())', sys.argv[1]); "
+             "from sandbox_client.cli import main; raise SystemExit(main(sys.argv[2:]))")
+    proc = subprocess.Popen([sys.executable, "-c", patch, SABOTAGE, "serve", "--socket", str(sock), "--state-dir",
+                             str(scratch / "reused.state"), "--backend", backend], cwd=CHECKOUT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while server_pid(sock) != proc.pid:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        results, stats = asyncio.run(_session(sock, [LEAVE_STATE, READ_STATE]))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert stats["calls"] == 2
+    assert results[1].stdout_text.startswith("True True True True"), results
