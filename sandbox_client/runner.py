@@ -210,7 +210,7 @@ class _WarmRun:
 async def _retire(sb: SandboxState, warm: WarmInterpreter) -> None:
     if sb.warm is warm:
         sb.warm = None
-    sb.warm_retired += 1
+        sb.warm_retired += 1
     await warm.retire()
 
 

@@ -283,9 +283,12 @@ class WarmInterpreter:
         kill_group(self.proc.pid)
 
     async def retire(self) -> None:
-        """Kill it (if it still runs) and wait for its launcher."""
+        """Kill it (if it still runs) and wait for its launcher. The socket is closed only while no call reads it: a
+        call that runs reads EOF (its interpreter is dead) and retires it again when it ends (closing an fd the
+        event loop still watches would let a later socket or pipe with the same number take its reads)."""
         self.kill()
-        self.ctl.close()
+        if not self.busy and self.ctl.fileno() != -1:
+            self.ctl.close()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.proc.wait(), 5.0)
         if self.proc.returncode is not None:

@@ -8,6 +8,7 @@ Both backends; bwrap skips where bubblewrap is missing (and fails under CI=true,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_client import ExecResult, Limits, LocalServer, SandboxClient
+from sandbox_client import ExecResult, Limits, LocalServer, SandboxClient, SandboxError
 from sandbox_client.hostile import CHECKOUT
 from sandbox_client.launch import server_pid
 
@@ -185,6 +186,37 @@ def test_warm_calls_in_one_sandbox_run_concurrently(servers):
                 return await asyncio.gather(*(sb.exec(code=f"import time; time.sleep(0.3); print({i})") for i in range(3)))
 
     assert [r.stdout_text for r in asyncio.run(run())] == ["0\n", "1\n", "2\n"]
+
+
+def test_closing_a_sandbox_during_a_warm_call_disturbs_no_other(servers):
+    """A client that goes away while its sandbox runs a warm call: the server kills that interpreter at once (its
+    connection's requests end within a second, not at the call's timeout), and another sandbox's calls, whose new
+    pipes and sockets reuse the freed descriptor numbers, run right."""
+    backend, cold, warm = servers
+
+    async def run():
+        async with await SandboxClient.connect(warm.socket_path) as b:
+            other = await b.create(LIMITS)
+            await other.exec(code="pass")
+            for _ in range(3):
+                a = await SandboxClient.connect(warm.socket_path)
+                doomed = await a.create(LIMITS)
+                await doomed.exec(code="pass")
+                running = asyncio.create_task(doomed.exec(code="import time; time.sleep(30)", timeout=30))
+                await asyncio.sleep(0.3)
+                await a.close()
+                with contextlib.suppress(SandboxError):
+                    await running
+                results = [await other.exec(code=f"print({i})", timeout=3) for i in range(5)]
+                yield [(r.stdout_text, r.reason) for r in results]
+
+    async def collect():
+        return [rounds async for rounds in run()]
+
+    t0 = time.monotonic()
+    rounds = asyncio.run(collect())
+    assert rounds == [[(f"{i}\n", "ok") for i in range(5)]] * 3
+    assert time.monotonic() - t0 < 15
 
 
 SABOTAGE = '''
