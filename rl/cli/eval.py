@@ -158,7 +158,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         # one server (and state directory) per evaluation process: evaluations of one run side by side (the
         # pipeline bench scores several models against one run's recipe at once) must not share one
         servers = NodeSandboxes(f"{run_key(run_dir)}#eval-{os.getpid()}", recipe.sandbox.backend,
-                                recipe.sandbox_slots(), remote=False, say=lambda _: None)
+                                recipe.sandbox_slots(), remote=False, say=lambda _: None,
+                                warm_interpreter=recipe.sandbox.warm_interpreter)
         try:
             tools.use_server(servers.start([""], driver_node="")[""])
         except SandboxStartError as e:

@@ -341,7 +341,7 @@ class Runtime:
         """`sandbox.socket: auto`: a sandbox server on each node a worker runs on (rl/runtime/sandbox_nodes.py); each worker
         gets its node's socket."""
         self.sandboxes = NodeSandboxes(run_key(run_dir), recipe.sandbox.backend, recipe.sandbox_slots(),
-                                       remote=self.remote, say=say)
+                                       remote=self.remote, say=say, warm_interpreter=recipe.sandbox.warm_interpreter)
         policy, rewards = self.policy.group, self.rewards.group
         if not self.remote:
             socket = self.sandboxes.start([""], driver_node="")[""]

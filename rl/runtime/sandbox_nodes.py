@@ -71,17 +71,18 @@ class NodeSandbox:
     """The sandbox server of one node, a child process of this object's process (a thin Ray actor shell over
     `LocalServer`; also used in-process)."""
 
-    def __init__(self, run_key: str, node: str, backend: str, max_sandboxes: int):
-        self.args = (run_key, node, backend, max_sandboxes)
+    def __init__(self, run_key: str, node: str, backend: str, max_sandboxes: int, warm_interpreter: bool = True):
+        self.args = (run_key, node, backend, max_sandboxes, warm_interpreter)
         self.server: LocalServer | None = None
 
     def start(self) -> dict[str, str]:
         """{"socket": path, "state": its state directory} once the server answers, or {"error": one line} (a value,
         so that the line crosses Ray as is)."""
-        key, node, backend, max_sandboxes = self.args
+        key, node, backend, max_sandboxes, warm_interpreter = self.args
         try:
             sock, state = server_paths(key, node)
-            self.server = LocalServer(sock, state, backend=backend, max_sandboxes=max_sandboxes, die_with_parent=True)
+            self.server = LocalServer(sock, state, backend=backend, max_sandboxes=max_sandboxes, die_with_parent=True,
+                                      warm_interpreter=warm_interpreter)
         except (RuntimeError, OSError) as e:
             line = str(e).splitlines()[0] if str(e) else type(e).__name__
             return {"error": line.removeprefix("the sandbox server did not start: ")}
@@ -98,9 +99,12 @@ class NodeSandbox:
 class NodeSandboxes:
     """The job's sandbox servers, one per node: `start` where the workers are, `stop` them all."""
 
-    def __init__(self, key: str, backend: str, max_sandboxes: int, *, remote: bool, say=print):
-        """`key`: what names the servers' state directories (`run_key`)."""
+    def __init__(self, key: str, backend: str, max_sandboxes: int, *, remote: bool, say=print,
+                 warm_interpreter: bool = True):
+        """`key`: what names the servers' state directories (`run_key`); `warm_interpreter`: recipe
+        `sandbox.warm_interpreter`."""
         self.key, self.backend, self.max_sandboxes, self.remote, self.say = key, backend, max_sandboxes, remote, say
+        self.warm_interpreter = warm_interpreter
         self.owners: dict[str, object] = {}  # node address -> NodeSandbox (in-process) or its Ray actor handle
         self.sockets: dict[str, str] = {}
 
@@ -116,10 +120,10 @@ class NodeSandboxes:
             label = labels[node] = "" if node == driver_node else node
             if actor is not None:  # pinned to the node by its `node:<address>` resource
                 owner = actor.options(resources={f"node:{node}": 0.001}).remote(self.key, label, self.backend,
-                                                                                self.max_sandboxes)
+                                                                                self.max_sandboxes, self.warm_interpreter)
                 pending[node] = owner.start.remote()
             else:
-                owner = NodeSandbox(self.key, label, self.backend, self.max_sandboxes)
+                owner = NodeSandbox(self.key, label, self.backend, self.max_sandboxes, self.warm_interpreter)
                 pending[node] = owner.start()
             self.owners[node] = owner
         for node, answer in pending.items():
