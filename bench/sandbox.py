@@ -10,9 +10,13 @@ client connection, as `run_batch` does), after a warm-up; executions per second 
 level. Then the hostile suite (sandbox_client/hostile.py) runs against the same backend.
 Multi-turn samples (`turns`): 3 calls each with the tool turns' snapshot before every call after the first, 32 at
 a time, with calls that only print (an empty work directory: its snapshot runs no exec) and calls that write a file
-(tar at every snapshot). Last line: RESULT backend=<name> p50_ms=<create+exec+close p50 at concurrency 1>
-p99_ms=<its p99> execs_per_s=<best level> turn_calls_per_s=<printing calls> turn_calls_per_s_tar=<writing calls>
-hostile_contained=<n>/<total>
+(tar at every snapshot). Every arm runs on two servers of the same backend side by side, cold (every call a spawn)
+and warm (Python calls forked from a warm interpreter per sandbox, sandbox_client/warm.py), alternating arm by arm.
+Last line: RESULT backend=<name> p50_ms=<create+exec+close p50 at concurrency 1, cold> p99_ms=<its p99>
+execs_per_s=<best level, cold> execs_per_s_warm=<best level, warm> turn_calls_per_s=<printing calls, cold>
+turn_calls_per_s_warm=<printing calls, warm> turn_calls_per_s_tar=<writing calls, cold>
+turn_calls_per_s_tar_warm=<writing calls, warm> warm_over_cold=<printing calls, warm / cold>
+hostile_contained=<n>/<total> (the hostile suite against the warm server)
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sandbox_client import Limits, SandboxClient  # noqa: E402
+from sandbox_client import Limits, LocalServer, SandboxClient  # noqa: E402
 from sandbox_client.hostile import CASES, HostWorld, run_case  # noqa: E402
 
 SNIPPET = "import sys; print(sum(i * i for i in range(1000)), sys.version_info[0])"
@@ -107,35 +111,55 @@ def main() -> None:
     a = ap.parse_args()
     items = a.items or (64 if a.quick else 400)
     scratch = Path(tempfile.mkdtemp(prefix="asyncrl-sbx-bench-"))
+    samples = 64 if a.quick else 256
     try:
         with HostWorld(scratch, backend=a.backend, max_sandboxes=64) as world:
-            levels = [asyncio.run(level(world.socket_path, c, max(items, 2 * c))) for c in (1, 8, 32)]
-            print(f"backend {a.backend}: fresh sandbox + python3 -c + close, ms (p50 unless marked)")
-            print(f"{'conc':>5s} {'items':>6s} {'create':>7s} {'exec':>7s} {'close':>7s} {'first_out':>10s} {'total':>7s} "
-                  f"{'total_p99':>10s} {'execs/s':>8s} {'wrong':>6s}")
-            for r in levels:
-                print(f"{r['concurrency']:5d} {r['items']:6d} {r['create_p50']:7.1f} {r['exec_p50']:7.1f} {r['close_p50']:7.1f} "
-                      f"{r['first_output_p50']:10.1f} {r['total_p50']:7.1f} {r['total_p99']:10.1f} {r['execs_per_s']:8.1f} "
-                      f"{r['wrong_output']:6d}")
-            multi = [asyncio.run(turns(world.socket_path, 32, 64 if a.quick else 256, 3, w)) for w in (False, True)]
-            print("multi-turn samples, 32 at a time, 3 calls each, a snapshot before each call after the first:")
-            for r in multi:
-                print(f"  calls {'writing a file (tar at every snapshot)' if r['write'] else 'that only print (empty: no tar)':40s} "
-                      f"{r['calls_per_s']:7.1f} calls/s")
+            cold_server = LocalServer(scratch / "cold.sock", scratch / "cold.state", backend=a.backend, max_sandboxes=64,
+                                      warm_interpreter=False)
+            try:
+                paths = {"cold": cold_server.socket_path, "warm": world.socket_path}
+                levels = {k: [] for k in paths}
+                for c in (1, 8, 32):
+                    for k, path in paths.items():
+                        levels[k].append(asyncio.run(level(path, c, max(items, 2 * c))))
+                multi = {k: [] for k in paths}
+                for w in (False, True):
+                    for k, path in paths.items():
+                        multi[k].append(asyncio.run(turns(path, 32, samples, 3, w)))
+            finally:
+                cold_server.stop()
+            for k in paths:
+                print(f"backend {a.backend}, {k}: fresh sandbox + python3 -c + close, ms (p50 unless marked)")
+                print(f"{'conc':>5s} {'items':>6s} {'create':>7s} {'exec':>7s} {'close':>7s} {'first_out':>10s} {'total':>7s} "
+                      f"{'total_p99':>10s} {'execs/s':>8s} {'wrong':>6s}")
+                for r in levels[k]:
+                    print(f"{r['concurrency']:5d} {r['items']:6d} {r['create_p50']:7.1f} {r['exec_p50']:7.1f} {r['close_p50']:7.1f} "
+                          f"{r['first_output_p50']:10.1f} {r['total_p50']:7.1f} {r['total_p99']:10.1f} {r['execs_per_s']:8.1f} "
+                          f"{r['wrong_output']:6d}")
+            print("multi-turn samples, 32 at a time, 3 calls each, a snapshot before each call after the first (calls/s):")
+            print(f"  {'':40s} {'cold':>7s} {'warm':>7s} {'warm/cold':>9s}")
+            for cold, warm in zip(multi["cold"], multi["warm"]):
+                print(f"  {'calls writing a file (tar at every snapshot)' if cold['write'] else 'calls that only print (empty: no tar)':40s} "
+                      f"{cold['calls_per_s']:7.1f} {warm['calls_per_s']:7.1f} {warm['calls_per_s'] / cold['calls_per_s']:8.2f}x")
             outcomes = [run_case(name, world) for name in CASES]
-        print(f"\nhostile suite ({a.backend}):")
+        print(f"\nhostile suite ({a.backend}, warm interpreter on):")
         for o in outcomes:
             print(f"  {o.case:22s} {'contained' if o.contained else 'NOT CONTAINED':14s} {o.reason or '-':17s} {o.detail}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     contained = sum(o.contained for o in outcomes)
-    solo = levels[0]
+    solo = levels["cold"][0]
     if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "levels": levels, "hostile": [o.__dict__ for o in outcomes]},
-                                           indent=1))
+        Path(a.json).write_text(json.dumps({"args": vars(a), "levels": levels, "turns": multi,
+                                            "hostile": [o.__dict__ for o in outcomes]}, indent=1))
     print(f"RESULT backend={a.backend} p50_ms={solo['total_p50']:.1f} p99_ms={solo['total_p99']:.1f} "
-          f"execs_per_s={max(r['execs_per_s'] for r in levels):.1f} turn_calls_per_s={multi[0]['calls_per_s']:.1f} "
-          f"turn_calls_per_s_tar={multi[1]['calls_per_s']:.1f} hostile_contained={contained}/{len(outcomes)}")
+          f"execs_per_s={max(r['execs_per_s'] for r in levels['cold']):.1f} "
+          f"execs_per_s_warm={max(r['execs_per_s'] for r in levels['warm']):.1f} "
+          f"turn_calls_per_s={multi['cold'][0]['calls_per_s']:.1f} turn_calls_per_s_warm={multi['warm'][0]['calls_per_s']:.1f} "
+          f"turn_calls_per_s_tar={multi['cold'][1]['calls_per_s']:.1f} "
+          f"turn_calls_per_s_tar_warm={multi['warm'][1]['calls_per_s']:.1f} "
+          f"warm_over_cold={multi['warm'][0]['calls_per_s'] / multi['cold'][0]['calls_per_s']:.2f} "
+          f"hostile_contained={contained}/{len(outcomes)}")
 
 
 if __name__ == "__main__":

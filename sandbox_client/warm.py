@@ -9,8 +9,8 @@ command, `python3 FILE`, `python3 -u ...`, the server's own cat/tar) takes the c
   call runs in the interpreter itself, so no call sees another's globals, imports or files open. The
   interpreter pre-imports nothing that user code can see: it notes `sys.modules`, `sys.path`,
   `sys.path_importer_cache` and `__main__`'s namespace first thing, and a child puts all four back before it
-  runs the call (what the interpreter imported for itself, `_socket` and `ctypes`, is gone from the child's
-  `sys.modules`). The child also gets fresh `sys.stdin/stdout/stderr` built the way the interpreter's start-up
+  runs the call (what the interpreter imported for itself, `_socket`, `ctypes`, `gc`, `atexit`, is gone from the
+  child's `sys.modules`). The child also gets fresh `sys.stdin/stdout/stderr` built the way the interpreter's start-up
   builds them, over the call's own pipes, `sys.argv == ['-c', ARG...]`, the session a cold call has (bwrap:
   init's, the one `--new-session` made; the process backend: a session of its own) and Python's SIGINT handler.
 - Pipes: per call the server makes pipes for stdout and stderr (stdin too when the call has input, else the
@@ -21,9 +21,14 @@ command, `python3 FILE`, `python3 -u ...`, the server's own cat/tar) takes the c
   started) has ended.
 - Exit status: the interpreter waits for the child (`waitpid`) and sends the wait status back over the socket
   (`exit STATUS CPU_MS`); the server turns it into what a cold spawn would have reported (bwrap: 128 + N for a
-  signal N). An uncaught exception is printed by `sys.excepthook` without the interpreter's own frame (the
-  traceback a fresh `python3 -c` prints) and the child exits 1; `SystemExit` unwinds to the top level, so exit
-  codes, messages, atexit, thread joins and stream flushes are the interpreter's own shutdown, as in a fresh one.
+  signal N). The child ends as a fresh interpreter does: an uncaught exception printed by `sys.excepthook`
+  without the interpreter's own frame (the traceback a fresh `python3 -c` prints) and exit 1, `SystemExit`'s
+  code or message as Python handles it, an uncaught KeyboardInterrupt dies of SIGINT; then what Py_FinalizeEx
+  does that a call can see, in its order: non-daemon threads joined, atexit run, std streams flushed (exit 120
+  if that fails), `__main__`'s names dropped (an unclosed file flushes, `__del__` runs) and cycles collected,
+  streams flushed again, `_exit`. Tearing every module down is skipped (~4 ms a call, most of it copying the
+  interpreter's pages on write): an object only that teardown would finalize is not. The interpreter
+  `gc.freeze()`s its own objects, so a child's collections neither scan nor copy them.
 - Strays: with bwrap the interpreter is the pid namespace's init (`--as-pid-1`), so every orphan of a call,
   double-forked daemons included, becomes its child, and after each call it `kill(-1, SIGKILL)`s (an init's
   kill(-1) reaches every other process of its namespace and only those) and reaps until it has no child left:
@@ -44,8 +49,8 @@ command, `python3 FILE`, `python3 -u ...`, the server's own cat/tar) takes the c
 - What differs from a cold call: string hashing (PYTHONHASHSEED: drawn once per interpreter, shared by its
   calls) and the address-space layout (ASLR, also once per interpreter); `os.getpid()` counts up across calls
   instead of being 2 every time; the interpreter's ~10 MB stay resident in the sandbox's memory cgroup between
-  calls; an uncaught KeyboardInterrupt exits 1 instead of dying of SIGINT; with the process backend a call that
-  kills the interpreter (its parent there) ends as `crashed`. A sandbox runs one warm call at a time; a Python
+  calls; module teardown at exit (above); `gc.get_freeze_count()` is not 0; with the process backend a call
+  that kills the interpreter (its parent there) ends as `crashed`. A sandbox runs one warm call at a time; a Python
   call that comes while one runs takes the cold path.
 - Off: `SandboxServer(warm_interpreter=False)`, `serve --no-warm-interpreter`, recipe `sandbox.warm_interpreter:
   false`. An interpreter that does not start (no ctypes in the sandbox's Python, say) turns the warm path off for
@@ -73,7 +78,7 @@ import sys
 BASE_MODULES = dict(sys.modules)
 BASE_FINDERS = dict(sys.path_importer_cache)
 BASE_PATH = list(sys.path)
-import io, os, _signal, _socket, ctypes
+import atexit, ctypes, gc, io, os, _signal, _socket
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 if LIBC.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: no ptrace of this process by a call
@@ -110,6 +115,7 @@ def sweep(pid):
 
 
 def serve():
+    gc.freeze()  # what is here now stays out of every child's collections: no copy-on-write of it by the collector
     CTL.send(b"ready")
     _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
     while True:
@@ -172,14 +178,58 @@ def become_call(fds):
     main = sys.modules["__main__"].__dict__
     main.clear()
     main.update(FRESH_MAIN)
+    code, interrupted = 0, False
     try:
         exec(compile(argv[2], "<string>", "exec", dont_inherit=True), main)
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        code = exit_status(e.code)
     except BaseException as e:
         tb = e.__traceback__.tb_next  # the traceback from the call's code on, as a fresh interpreter prints it
         sys.excepthook(type(e), e.with_traceback(tb), tb)
-        raise SystemExit(1) from None
+        code, interrupted = 1, isinstance(e, KeyboardInterrupt)
+    finalize(main, code, interrupted)
+
+
+def exit_status(value):
+    """What a fresh interpreter exits with for SystemExit(value) (Python/pythonrun.c _Py_HandleSystemExit)."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value if -2**63 <= value < 2**63 else -1
+    print(value, file=sys.stderr)
+    return 1
+
+
+def finalize(main, code, interrupted):
+    """What Py_FinalizeEx does that a call can observe, in its order: join non-daemon threads, run atexit, flush the
+    std streams, drop __main__'s names (files it holds close and flush, __del__ runs) and collect cycles, flush
+    again; then _exit. The rest (tearing every module down, ~4 ms that COW-copies the interpreter's pages) is
+    skipped: an object that only module teardown would finalize is not."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        threading._shutdown()
+    atexit._run_exitfuncs()
+    if not flush_std():
+        code = 120
+    main.clear()
+    gc.collect()
+    if not flush_std():
+        code = 120
+    if interrupted:  # as Python's exit after an uncaught KeyboardInterrupt: die of SIGINT
+        _signal.signal(_signal.SIGINT, _signal.SIG_DFL)
+        os.kill(os.getpid(), _signal.SIGINT)
+    os._exit(code & 0xFF)
+
+
+def flush_std():
+    ok = True
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None and not stream.closed:
+                stream.flush()
+        except Exception:
+            ok = False
+    return ok
 
 
 become_call(serve())

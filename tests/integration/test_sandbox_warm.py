@@ -59,6 +59,11 @@ CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
     "atexit_and_threads": ({"code": "import atexit, threading, time\natexit.register(print, 'atexit ran')\n"
                                     "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()"},
                            ("bwrap", "process")),
+    "exit_status_wraps": ({"code": "import sys; sys.exit(-1)"}, ("bwrap", "process")),
+    "keyboard_interrupt": ({"code": "print('before', flush=True)\nraise KeyboardInterrupt"}, ("bwrap", "process")),
+    "finalizers_at_exit": ({"code": "import sys\nclass A:\n    def __del__(self):\n        print('del', self.n)\n"
+                                    "a = A(); a.n = 1\nb = A(); b.n = 2; b.me = b\nf = open('unclosed.txt', 'w')\n"
+                                    "f.write('flushed at exit')\nsys.stdout.write('no newline')"}, ("bwrap", "process")),
     "environment": ({"code": ENVIRONMENT}, ("bwrap", "process")),
     "environment_stdin": ({"code": ENVIRONMENT, "stdin": b"x"}, ("bwrap", "process")),
     "process_tree": ({"code": BWRAP_ONLY}, ("bwrap",)),
@@ -101,7 +106,7 @@ async def _one(socket_path: Path, args: dict) -> tuple[ExecResult, dict]:
         async with await client.create(LIMITS) as sb:
             await sb.exec(code="pass")  # the sandbox's first Python call starts its warm interpreter
             r = await sb.exec(**args)
-            follow = await sb.exec(code="print('next')")
+            follow = await sb.exec(code="import os; print('next', os.path.exists('unclosed.txt') and open('unclosed.txt').read())")
         return r, {"follow": _observed(follow), "warm": (await client.info())["warm"]}
 
 
@@ -115,11 +120,14 @@ def test_warm_and_cold_calls_are_alike(servers, case):
     if case == "huge_output":  # where the cap cut the stream is the only freedom
         assert len(c.stdout) == len(w.stdout) == LIMITS.output_bytes
     assert _observed(c) == _observed(w), f"cold {c}\nwarm {w}"
-    assert c_more["follow"] == w_more["follow"] == (b"next\n", b"", 0, None, "ok", False, False)
+    left = b"flushed at exit" if case == "finalizers_at_exit" else b"False"
+    assert c_more["follow"] == w_more["follow"] == (b"next " + left + b"\n", b"", 0, None, "ok", False, False)
     assert c_more["warm"]["calls"] == 0 and w_more["warm"]["calls"] >= 3  # the warm server did run them warm
     expected = {"infinite_loop_timeout": "timeout", "cpu_burner": "cpu", "huge_output": "output_truncated",
-                "killed_by_signal": "crashed"}.get(case, "ok")
+                "killed_by_signal": "crashed", "keyboard_interrupt": "crashed"}.get(case, "ok")
     assert w.reason == expected, w
+    if case == "finalizers_at_exit":  # not merely equal: both ran every finalizer
+        assert w.stdout == b"no newlinedel 1\ndel 2\n", w
 
 
 async def _session(socket_path: Path, codes: list[str]) -> tuple[list[ExecResult], dict]:
