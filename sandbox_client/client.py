@@ -90,11 +90,14 @@ class SandboxClient:
         it has cgroups and capped work directories (`disk_quota`)."""
         return await self.call("info", wait_s=ANSWER_SLACK_S)
 
-    async def create(self, limits: Limits | None = None) -> "Sandbox":
+    async def create(self, limits: Limits | None = None, *, warm: bool = True) -> "Sandbox":
         """A new sandbox; `AdmissionRefused` at once when the node is full. Cancelled while the server answers, the
-        sandbox it then creates is closed at once (never left holding an admission slot until the connection ends)."""
+        sandbox it then creates is closed at once (never left holding an admission slot until the connection ends).
+        `warm`: its Python calls may fork from a warm interpreter (sandbox_client/warm.py, where the server has it on);
+        False for a sandbox of one call, which a spawn serves for less than an interpreter started to fork once."""
         limits = limits or Limits()
-        request = asyncio.ensure_future(self.call("create", wait_s=ANSWER_SLACK_S, limits=limits.model_dump()))
+        request = asyncio.ensure_future(self.call("create", wait_s=ANSWER_SLACK_S, limits=limits.model_dump(),
+                                                  warm=warm))
         try:
             info = await asyncio.shield(request)
         except asyncio.CancelledError:
@@ -109,13 +112,13 @@ class SandboxClient:
         orphan = asyncio.ensure_future(self.call("close", wait_s=ANSWER_SLACK_S, sandbox_id=request.result()["sandbox_id"]))
         orphan.add_done_callback(lambda f: f.cancelled() or f.exception())  # nothing to report to anyone
 
-    async def create_waiting(self, limits: Limits | None = None, *, wait_s: float = 60.0) -> "Sandbox":
+    async def create_waiting(self, limits: Limits | None = None, *, wait_s: float = 60.0, warm: bool = True) -> "Sandbox":
         """`create`, retried with jittered exponential backoff while the node is full, up to `wait_s`."""
         loop = asyncio.get_running_loop()
         deadline, delay = loop.time() + wait_s, 0.01
         while True:
             try:
-                return await self.create(limits)
+                return await self.create(limits, warm=warm)
             except AdmissionRefused:
                 if loop.time() + delay > deadline:
                     raise
@@ -132,7 +135,8 @@ class SandboxClient:
             argv = command_argv(spec.command, spec.code)
             async with gate:
                 try:
-                    sb = await self.create_waiting(limits, wait_s=admission_wait_s)
+                    # one command per sandbox: a spawn costs less than a warm interpreter started to fork once
+                    sb = await self.create_waiting(limits, wait_s=admission_wait_s, warm=False)
                 except AdmissionRefused as e:
                     return ExecResult(sandbox_id="", command=tuple(argv), stdout=b"", stderr=str(e).encode(),
                                       exit_code=None, signal=None, reason="refused", duration_s=0.0)

@@ -43,6 +43,8 @@ class SandboxState:
     closed: bool = False
     snapshot_cache: tuple | None = None
     """(the work directory's fingerprint, its archive) of the last snapshot (server.py `_op_snapshot`), small ones."""
+    warm_wanted: bool = True
+    """Whether its creator wants its Python calls forked from a warm interpreter (client `create(warm=...)`)."""
     warm: WarmInterpreter | None = None
     """Its warm interpreter (warm.py), once a Python call started one."""
     warm_starting: bool = False
@@ -174,6 +176,7 @@ async def _warm_call(sb: SandboxState, backend: Backend, children: Children, arg
     try:
         call = await warm.call(argv, stdin, backend.strong)
     except OSError:  # it died since its last call: this one runs cold, the next starts a fresh interpreter
+        warm.busy = False
         await _retire(sb, warm)
         return None
     sb.warm_calls += 1

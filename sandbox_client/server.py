@@ -7,7 +7,9 @@ them through one isolation backend (backends.py).
 - A sandbox is a private work directory (`STATE/work/<id>`, owned by its uid: a tmpfs capped at
   `Limits.disk_mib` and `disk_inodes` where the server may mount, quota.py) and, with the strong backend, a
   cgroup; each exec is a fresh bwrap over them, so nothing an exec starts outlives it, while files persist
-  between execs. `write_file`/`read_file` run `cat` inside the sandbox, so a symlink the sandbox planted
+  between execs. Python calls (`python3 -c`) are the exception where `warm_interpreter` is on (default) and the
+  creator did not say `warm: false`: they fork from one warm interpreter per sandbox, inside one bwrap whose init it
+  is and which kills whatever a call leaves (warm.py). `write_file`/`read_file` run `cat` inside the sandbox, so a symlink the sandbox planted
   resolves in the sandbox's view of the filesystem, never the server's.
 - `snapshot` / `restore` move a work directory's whole content as a gzip'd tar (`tar` inside the sandbox, like
   the file operations): a multi-turn rollout keeps its sample's files across a preemption this way (seed
@@ -429,6 +431,9 @@ class SandboxServer:
 
     async def _op_create(self, msg, owned) -> dict[str, Any]:
         limits = Limits.model_validate(msg.get("limits") or {})
+        warm = msg.get("warm", True)
+        if not isinstance(warm, bool):
+            raise TypeError("warm must be a boolean")
         if not self.free_slots:
             raise AdmissionRefused(f"this node already runs its maximum of {self.max_sandboxes} sandboxes; retry later")
         slot = self.free_slots.pop()
@@ -436,7 +441,7 @@ class SandboxServer:
         uid = self._uid(slot)
         work = self.state / "work" / sid
         cgroup_dirs = [p / sid for p in self.cgroups.parents] if self.cgroups is not None else []
-        sb = SandboxState(sid, slot, uid, work, limits, None)
+        sb = SandboxState(sid, slot, uid, work, limits, None, warm_wanted=warm)
         self.sandboxes[sid] = sb
         try:
             write_atomic(self.state / "live" / f"{sid}.json", json.dumps(
@@ -453,7 +458,7 @@ class SandboxServer:
             await self._close(sb)
             raise SandboxError(f"cannot set up a sandbox ({e})") from None
         owned.add(sid)
-        self._record({"op": "create", "sandbox": sid, "uid": uid, "limits": limits.model_dump()})
+        self._record({"op": "create", "sandbox": sid, "uid": uid, "limits": limits.model_dump(), "warm": warm})
         return {"sandbox_id": sid, "backend": self.backend.name, "strong": self.backend.strong, "host_uid": uid,
                 "work_dir": str(work), "workdir_inside": self.backend.workdir_inside(work), "limits": limits.model_dump()}
 
@@ -476,7 +481,7 @@ class SandboxServer:
             raise ValueError(f"timeout_s must be in (0, 86400], not {timeout!r}")
         warm_before = sb.warm_calls
         result = await run_exec(sb, self.backend, self.children, argv, stdin, float(timeout or sb.limits.timeout_s),
-                                warm=self.warm_interpreter)
+                                warm=self.warm_interpreter and sb.warm_wanted)
         if sb.warm_off and not sb.warm_off_logged:
             sb.warm_off_logged = True
             self._record({"op": "warm_off", "sandbox": sb.id, "why": sb.warm_off})

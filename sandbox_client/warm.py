@@ -53,7 +53,8 @@ command, `python3 FILE`, `python3 -u ...`, the server's own cat/tar) takes the c
   that kills the interpreter (its parent there) ends as `crashed`. A sandbox runs one warm call at a time; a Python
   call that comes while one runs takes the cold path.
 - Off: `SandboxServer(warm_interpreter=False)`, `serve --no-warm-interpreter`, recipe `sandbox.warm_interpreter:
-  false`. An interpreter that does not start (no ctypes in the sandbox's Python, say) turns the warm path off for
+  false`; per sandbox, `client.create(warm=False)`, which `run_batch` (the verifiers' one command per sandbox) says:
+  a sandbox of one call pays a spawn either way, and the interpreter's fork and ctypes on top (~5 ms of CPU). An interpreter that does not start (no ctypes in the sandbox's Python, say) turns the warm path off for
   that sandbox, with a line in the command log.
 """
 

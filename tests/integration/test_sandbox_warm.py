@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox_client import ExecResult, Limits, LocalServer, SandboxClient, SandboxError
+from sandbox_client import ExecResult, ExecSpec, Limits, LocalServer, SandboxClient, SandboxError
 from sandbox_client.hostile import CHECKOUT
 from sandbox_client.launch import server_pid
 
@@ -225,6 +225,22 @@ def test_closing_a_sandbox_during_a_warm_call_disturbs_no_other(servers):
     rounds = asyncio.run(collect())
     assert rounds == [[(f"{i}\n", "ok") for i in range(5)]] * 3
     assert time.monotonic() - t0 < 15
+
+
+def test_one_call_sandboxes_of_a_batch_start_no_interpreter(servers):
+    """`run_batch` gives each command a sandbox of its own (`create(warm=False)`): a spawn serves one call for less
+    than an interpreter started to fork once, so none starts; the commands' results are those of the cold server."""
+    backend, cold, warm = servers
+
+    async def batch(path):
+        async with await SandboxClient.connect(path) as client:
+            before = (await client.info())["warm"]
+            results = await client.run_batch([ExecSpec(code=f"print({i} ** 2)") for i in range(4)], LIMITS)
+            return [_observed(r) for r in results], (await client.info())["warm"]["starts"] - before["starts"]
+
+    (c, _), (w, starts) = asyncio.run(batch(cold.socket_path)), asyncio.run(batch(warm.socket_path))
+    assert c == w and [r[0] for r in w] == [b"0\n", b"1\n", b"4\n", b"9\n"]
+    assert starts == 0
 
 
 SABOTAGE = '''
