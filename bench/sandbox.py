@@ -10,12 +10,15 @@ client connection, as `run_batch` does), after a warm-up; executions per second 
 level. Then the hostile suite (sandbox_client/hostile.py) runs against the same backend.
 Multi-turn samples (`turns`): 3 calls each with the tool turns' snapshot before every call after the first, 32 at
 a time, with calls that only print (an empty work directory: its snapshot runs no exec) and calls that write a file
-(tar at every snapshot). Every arm runs on two servers of the same backend side by side, cold (every call a spawn)
+(tar at every snapshot). Then samples of 8 printing calls (`long`: a warm interpreter's start spread over more calls). Every arm runs on
+two servers of the same backend side by side, cold (every call a spawn)
 and warm (Python calls forked from a warm interpreter per sandbox, sandbox_client/warm.py), alternating arm by arm.
 Last line: RESULT backend=<name> p50_ms=<create+exec+close p50 at concurrency 1, cold> p99_ms=<its p99>
 execs_per_s=<best level, cold> execs_per_s_warm=<best level, warm> turn_calls_per_s=<printing calls, cold>
 turn_calls_per_s_warm=<printing calls, warm> turn_calls_per_s_tar=<writing calls, cold>
 turn_calls_per_s_tar_warm=<writing calls, warm> warm_over_cold=<printing calls, warm / cold>
+long_turn_calls_per_s=<8-call samples, cold> long_turn_calls_per_s_warm=<8-call samples, warm>
+long_warm_over_cold=<their ratio>
 hostile_contained=<n>/<total> (the hostile suite against the warm server)
 """
 
@@ -126,6 +129,8 @@ def main() -> None:
                 for w in (False, True):
                     for k, path in paths.items():
                         multi[k].append(asyncio.run(turns(path, 32, samples, 3, w)))
+                for k, path in paths.items():
+                    multi[k].append(asyncio.run(turns(path, 32, samples // 2, 8, False)))
             finally:
                 cold_server.stop()
             for k in paths:
@@ -136,10 +141,13 @@ def main() -> None:
                     print(f"{r['concurrency']:5d} {r['items']:6d} {r['create_p50']:7.1f} {r['exec_p50']:7.1f} {r['close_p50']:7.1f} "
                           f"{r['first_output_p50']:10.1f} {r['total_p50']:7.1f} {r['total_p99']:10.1f} {r['execs_per_s']:8.1f} "
                           f"{r['wrong_output']:6d}")
-            print("multi-turn samples, 32 at a time, 3 calls each, a snapshot before each call after the first (calls/s):")
-            print(f"  {'':40s} {'cold':>7s} {'warm':>7s} {'warm/cold':>9s}")
-            for cold, warm in zip(multi["cold"], multi["warm"]):
-                print(f"  {'calls writing a file (tar at every snapshot)' if cold['write'] else 'calls that only print (empty: no tar)':40s} "
+            print("multi-turn samples, 32 at a time, 3 calls each (8 in the last arm), a snapshot before each call after the "
+                  "first (calls/s):")
+            print(f"  {'':44s} {'cold':>7s} {'warm':>7s} {'warm/cold':>9s}")
+            arms = ("calls that only print (empty: no tar)", "calls writing a file (tar at every snapshot)",
+                    "8 calls a sample, printing")
+            for arm, cold, warm in zip(arms, multi["cold"], multi["warm"]):
+                print(f"  {arm:44s} "
                       f"{cold['calls_per_s']:7.1f} {warm['calls_per_s']:7.1f} {warm['calls_per_s'] / cold['calls_per_s']:8.2f}x")
             outcomes = [run_case(name, world) for name in CASES]
         print(f"\nhostile suite ({a.backend}, warm interpreter on):")
@@ -159,6 +167,8 @@ def main() -> None:
           f"turn_calls_per_s_tar={multi['cold'][1]['calls_per_s']:.1f} "
           f"turn_calls_per_s_tar_warm={multi['warm'][1]['calls_per_s']:.1f} "
           f"warm_over_cold={multi['warm'][0]['calls_per_s'] / multi['cold'][0]['calls_per_s']:.2f} "
+          f"long_turn_calls_per_s={multi['cold'][2]['calls_per_s']:.1f} long_turn_calls_per_s_warm={multi['warm'][2]['calls_per_s']:.1f} "
+          f"long_warm_over_cold={multi['warm'][2]['calls_per_s'] / multi['cold'][2]['calls_per_s']:.2f} "
           f"hostile_contained={contained}/{len(outcomes)}")
 
 
