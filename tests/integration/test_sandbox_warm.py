@@ -30,7 +30,10 @@ ENVIRONMENT = ("import sys\nprint(sorted(sys.modules))\nprint(sorted(globals()),
                "print(sys.argv, sys.orig_argv, sys.path)\n"
                "print([(s.name, s.mode, s.seekable(), s.line_buffering, s.write_through, s.encoding, s.errors)"
                " for s in (sys.stdin, sys.stdout, sys.stderr)])\n"
-               "print(sys.stdin is sys.__stdin__, sys.stdout is sys.__stdout__, sys.stderr is sys.__stderr__)\n")
+               "print(sys.stdin is sys.__stdin__, sys.stdout is sys.__stdout__, sys.stderr is sys.__stderr__)\n"
+               "import os, stat, signal\nprint(sorted(os.listdir('/proc/self/fd')), [(os.get_blocking(f),"
+               " stat.S_IFMT(os.fstat(f).st_mode)) for f in (0, 1, 2)], signal.getsignal(signal.SIGINT),"
+               " signal.getsignal(signal.SIGPIPE), signal.pthread_sigmask(signal.SIG_BLOCK, []))\n")
 BWRAP_ONLY = "import os\nprint(os.getppid(), os.getcwd(), os.getsid(0) == os.getpid(), os.getpgid(0) == os.getpid())\n"
 DAEMON = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
           "        for fd in (0, 1, 2):\n            os.close(fd)\n        time.sleep(0.5)\n"
