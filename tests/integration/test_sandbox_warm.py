@@ -22,6 +22,7 @@ import pytest
 from sandbox_client import ExecResult, ExecSpec, Limits, LocalServer, SandboxClient, SandboxError
 from sandbox_client.hostile import CHECKOUT
 from sandbox_client.launch import server_pid
+from sandbox_client.processes import uid_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -76,6 +77,15 @@ CASES: dict[str, tuple[dict, tuple[str, ...]]] = {
     "huge_output": ({"code": "import sys\nfor _ in range(1000):\n    sys.stdout.write('x' * 65536)"},
                     ("bwrap", "process")),
 }
+
+
+def _settled(uid: int | None, within_s: float = 2.0) -> list[int]:
+    """The uid's live processes once SIGKILLed ones had `within_s` to go (a pid namespace ends a moment after its
+    init)."""
+    end = time.monotonic() + within_s
+    while (left := uid_processes(uid)) and time.monotonic() < end:
+        time.sleep(0.01)
+    return left
 
 
 def _observed(r: ExecResult) -> tuple:
@@ -175,12 +185,14 @@ def test_a_killed_call_retires_the_interpreter_and_the_next_starts_fresh(servers
         async with await SandboxClient.connect(warm.socket_path) as client:
             before = (await client.info())["warm"]
             async with await client.create(LIMITS) as sb:
-                results = [await sb.exec(code=codes[0], timeout=0.5), await sb.exec(code=codes[1]),
-                           await sb.exec(code=codes[2])]
+                results = [await sb.exec(code=codes[0], timeout=0.5)]
+                left = _settled(sb.host_uid)  # the interpreter's tree died with the call
+                results += [await sb.exec(code=codes[1]), await sb.exec(code=codes[2])]
             after = (await client.info())["warm"]
-        return results, {k: after[k] - before[k] for k in after}
+        return results, {k: after[k] - before[k] for k in after}, left
 
-    results, delta = asyncio.run(run())
+    results, delta, left = asyncio.run(run())
+    assert left == []
     assert [r.reason for r in results] == ["timeout", "ok", "ok"]
     assert [r.stdout_text for r in results[1:]] == ["False\n", "again\n"]
     assert delta == {"starts": 2, "calls": 3, "retired": 1}, delta
