@@ -25,7 +25,8 @@ command, `python3 FILE`, `python3 -u ...`, the server's own cat/tar) takes the c
   without the interpreter's own frame (the traceback a fresh `python3 -c` prints) and exit 1, `SystemExit`'s
   code or message as Python handles it, an uncaught KeyboardInterrupt dies of SIGINT; then what Py_FinalizeEx
   does that a call can see, in its order: non-daemon threads joined, atexit run, std streams flushed (exit 120
-  if that fails), `__main__`'s names dropped (an unclosed file flushes, `__del__` runs) and cycles collected,
+  if that fails), `__main__`'s names set to None as module teardown does (an unclosed file flushes, `__del__`
+  runs) and cycles collected,
   streams flushed again, `_exit`. Tearing every module down is skipped (~4 ms a call, most of it copying the
   interpreter's pages on write): an object only that teardown would finalize is not. The interpreter
   `gc.freeze()`s its own objects, so a child's collections neither scan nor copy them.
@@ -71,7 +72,9 @@ from sandbox_client.processes import Children, kill_group
 
 ZYGOTE_START_S = 30.0
 """How long an interpreter may take to say it is ready before the call runs cold instead."""
-WRAPPER = "exec(__import__('sys').argv[1], {'FRESH_MAIN': dict(globals())})"
+ZYGOTE_NAME = "<warm interpreter>"
+WRAPPER = (f"exec(compile(__import__('sys').argv[1], {ZYGOTE_NAME!r}, 'exec'), {{'FRESH_MAIN': dict(globals()), "
+           f"'ZYGOTE_NAME': {ZYGOTE_NAME!r}}})")
 """The `-c` code of the interpreter: keeps `__main__`'s namespace as a fresh `python3 -c` has it (no name bound
 first) and runs ZYGOTE in a namespace of its own."""
 ZYGOTE = r'''
@@ -175,20 +178,37 @@ def become_call(fds):
     sys.path_importer_cache.clear()
     sys.path_importer_cache.update(BASE_FINDERS)
     sys.path[:] = BASE_PATH
-    sys.argv, sys.orig_argv = ["-c", *argv[3:]], argv
+    sys.argv = ["-c", *argv[3:]]
+    if hasattr(sys, "orig_argv"):  # Python 3.10+
+        sys.orig_argv = argv
     main = sys.modules["__main__"].__dict__
     main.clear()
     main.update(FRESH_MAIN)
     code, interrupted = 0, False
     try:
-        exec(compile(argv[2], "<string>", "exec", dont_inherit=True), main)
+        exec(command_code(argv[2]), main)
     except SystemExit as e:
         code = exit_status(e.code)
     except BaseException as e:
-        tb = e.__traceback__.tb_next  # the traceback from the call's code on, as a fresh interpreter prints it
+        tb = e.__traceback__  # from the call's code on, as a fresh interpreter prints it
+        while tb is not None and tb.tb_frame.f_code.co_filename == ZYGOTE_NAME:
+            tb = tb.tb_next
         sys.excepthook(type(e), e.with_traceback(tb), tb)
         code, interrupted = 1, isinstance(e, KeyboardInterrupt)
     finalize(main, code, interrupted)
+
+
+def command_code(command):
+    """`python3 -c`'s code object (Modules/main.c pymain_run_command: the command and a newline, named "<string>");
+    from Python 3.13 on, its source registered with linecache as the interpreter does for -c (Python/pythonrun.c
+    run_mod), so that tracebacks show its lines."""
+    source = command + "\n"
+    code = compile(source, "<string>", "exec", dont_inherit=True)
+    linecache = sys.modules.get("linecache")
+    register = getattr(linecache, "_register_code", None)
+    if sys.version_info >= (3, 13) and register is not None:  # keyed as this interpreter's own -c was
+        register("<string>" if "<string>" in linecache.cache else code, source, "<string>")
+    return code
 
 
 def exit_status(value):
@@ -203,16 +223,20 @@ def exit_status(value):
 
 def finalize(main, code, interrupted):
     """What Py_FinalizeEx does that a call can observe, in its order: join non-daemon threads, run atexit, flush the
-    std streams, drop __main__'s names (files it holds close and flush, __del__ runs) and collect cycles, flush
+    std streams, clear __main__'s names (files it holds close and flush, __del__ runs) and collect cycles, flush
     again; then _exit. The rest (tearing every module down, ~4 ms that COW-copies the interpreter's pages) is
     skipped: an object that only module teardown would finalize is not."""
     threading = sys.modules.get("threading")
     if threading is not None:
         threading._shutdown()
-    atexit._run_exitfuncs()
+    (sys.modules.get("atexit") or atexit)._run_exitfuncs()  # the call's own import of it (Python < 3.10: its own list)
     if not flush_std():
         code = 120
-    main.clear()
+    for pass_ in (1, 2):  # as Objects/moduleobject.c _PyModule_ClearDict: _names first, __builtins__ kept
+        for name in list(main):
+            if (isinstance(name, str) and name != "__builtins__"
+                    and (name.startswith("_") and not name.startswith("__")) == (pass_ == 1)):
+                main[name] = None
     gc.collect()
     if not flush_std():
         code = 120

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import os
 import shutil
 import subprocess
@@ -22,7 +23,8 @@ import pytest
 from sandbox_client import ExecResult, ExecSpec, Limits, LocalServer, SandboxClient, SandboxError
 from sandbox_client.hostile import CHECKOUT
 from sandbox_client.launch import server_pid
-from sandbox_client.processes import uid_processes
+from sandbox_client.processes import Children, uid_processes
+from sandbox_client.warm import WarmInterpreter
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -256,6 +258,61 @@ def test_one_call_sandboxes_of_a_batch_start_no_interpreter(servers):
     (c, _), (w, starts) = asyncio.run(batch(cold.socket_path)), asyncio.run(batch(warm.socket_path))
     assert c == w and [r[0] for r in w] == [b"0\n", b"1\n", b"4\n", b"9\n"]
     assert starts == 0
+
+
+def _interpreters() -> list[str]:
+    """The CPython 3.8+ interpreters of this machine (system ones and pyenv's), one per version."""
+    found = {}
+    for pattern in ("/usr/bin/python3.*", "/usr/local/bin/python3.*", str(Path.home() / ".pyenv/versions/3.*/bin/python3")):
+        for path in sorted(glob.glob(pattern)):
+            if not os.access(path, os.X_OK) or path.endswith("-config"):
+                continue
+            probe = subprocess.run([path, "-c", "import sys; print(sys.version_info >= (3, 8), sys.version[:4])"],
+                                   capture_output=True, text=True, timeout=30)
+            ok, _, version = probe.stdout.strip().partition(" ")
+            if probe.returncode == 0 and ok == "True":
+                found.setdefault(version, path)
+    return sorted(found.values())
+
+
+class _NoNamespaces:
+    strong = False
+
+
+@pytest.mark.parametrize("python", _interpreters() or [pytest.param(None, marks=pytest.mark.skip(reason="no CPython 3.8+"))])
+def test_the_interpreter_matches_a_fresh_one_on_every_python_here(python, tmp_path):
+    """The warm interpreter's code (warm.py ZYGOTE) against `python -c` of the same interpreter, outside any sandbox
+    (no server, no backend: the interpreter run directly), on the snippet table: what the child rebuilds
+    (std streams, sys.modules, linecache's -c source from 3.13 on, finalisation) differs across versions."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}
+    skip = {"infinite_loop_timeout", "cpu_burner", "huge_output", "process_tree"}  # the server's kills: above
+
+    async def run():
+        children = Children()
+        warm = await WarmInterpreter.start(lambda argv: ([python, *argv[1:]], str(tmp_path), env), _NoNamespaces,
+                                           children, None)
+        differing = {}
+        try:
+            for name, (args, _) in CASES.items():
+                if name in skip:
+                    continue
+                argv = [python, *(args.get("command") or ["python3", "-c", args["code"]])[1:]]
+                stdin = args.get("stdin", b"")
+                cold = subprocess.run(argv, input=stdin or None, stdin=None if stdin else subprocess.DEVNULL,
+                                      capture_output=True, cwd=tmp_path, env=env, timeout=60)
+                warm.busy = True
+                call = await warm.call(argv, stdin, strong=False)
+                out, err = await asyncio.gather(call.stdout.read(), call.stderr.read())
+                rc = await call.wait()
+                call.close()
+                warm.busy = False
+                if (cold.stdout, cold.stderr, cold.returncode) != (out, err, rc):
+                    differing[name] = ((cold.stdout, cold.stderr, cold.returncode), (out, err, rc))
+        finally:
+            await warm.retire()
+        return differing
+
+    assert asyncio.run(run()) == {}
 
 
 SABOTAGE = '''
