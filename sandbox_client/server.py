@@ -81,6 +81,8 @@ EMPTY_ARGV = ("find", ".", "-mindepth", "1", "-delete")
 """Run in the work directory: empty it (the restore of an empty directory's snapshot, b"")."""
 FINGERPRINT_ENTRIES = 4096
 """A work directory with more entries than this is archived at every snapshot (`work_fingerprint`)."""
+WARM_GIVE_UP = 3
+"""Warm interpreters that fail to start, with none started yet, before the server turns the warm path off."""
 CACHED_SNAPSHOT_BYTES = 256 << 10
 """Archives up to this size are kept for the next snapshot of an unchanged work directory (at most 64 MiB over a
 server of 256 sandboxes)."""
@@ -139,6 +141,7 @@ class SandboxServer:
         self.max_sandboxes = max_sandboxes
         self.warm_interpreter = warm_interpreter
         self.warm_totals = {"starts": 0, "calls": 0, "retired": 0}
+        self._warm_failures = 0
         """Warm interpreters started, calls they ran and interpreters retired, over the sandboxes closed so far."""
         self.say = say or (lambda m: print(f"sandbox server: {m}", file=sys.stderr, flush=True))
         self.root = os.geteuid() == 0
@@ -485,6 +488,11 @@ class SandboxServer:
         if sb.warm_off and not sb.warm_off_logged:
             sb.warm_off_logged = True
             self._record({"op": "warm_off", "sandbox": sb.id, "why": sb.warm_off})
+            self._warm_failures += 1
+            if self.warm_interpreter and self._warm_failures >= WARM_GIVE_UP and not self._warm_stats()["starts"]:
+                self.warm_interpreter = False  # a host where it cannot start (an old bwrap, no ctypes): stop paying
+                self.say(f"warm interpreters do not start here ({sb.warm_off}): every call spawns")
+                self._record({"op": "warm_off", "why": sb.warm_off})
         self._record_exec("exec", result, warm=sb.warm_calls > warm_before)
         return result.to_wire()
 

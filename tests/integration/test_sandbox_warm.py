@@ -332,25 +332,56 @@ while True:  # every call in this one process, in one namespace: what forking ea
 '''
 
 
+class _PatchedServer:
+    """A server whose warm interpreter's code has `old` replaced by `new` (a sabotage no option offers)."""
+
+    def __init__(self, scratch: Path, name: str, backend: str, old: str, new: str):
+        self.socket_path = scratch / f"{name}.sock"
+        patch = ("import sys, sandbox_client.warm as w; w.ZYGOTE = w.ZYGOTE.replace(sys.argv[1], sys.argv[2]); "
+                 "from sandbox_client.cli import main; raise SystemExit(main(sys.argv[3:]))")
+        self.proc = subprocess.Popen([sys.executable, "-c", patch, old, new, "serve", "--socket", str(self.socket_path),
+                                      "--state-dir", str(scratch / f"{name}.state"), "--backend", backend],
+                                     cwd=CHECKOUT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while server_pid(self.socket_path) != self.proc.pid:
+            assert self.proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
 def test_a_reused_interpreter_is_caught(servers):
     """The state check above, against a server whose interpreter runs every call itself without forking: it must
     see the leaked state (this test fails if the check could not)."""
     backend, cold, warm = servers
-    scratch = warm.state_dir.parent
-    sock = scratch / "reused.sock"
-    patch = ("import sys, sandbox_client.warm as w; w.ZYGOTE = w.ZYGOTE.replace('become_call(serve())', sys.argv[1]); "
-             "from sandbox_client.cli import main; raise SystemExit(main(sys.argv[2:]))")
-    proc = subprocess.Popen([sys.executable, "-c", patch, SABOTAGE, "serve", "--socket", str(sock), "--state-dir",
-                             str(scratch / "reused.state"), "--backend", backend], cwd=CHECKOUT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = _PatchedServer(warm.state_dir.parent, "reused", backend, "become_call(serve())", SABOTAGE)
     try:
-        deadline = time.monotonic() + 30
-        while server_pid(sock) != proc.pid:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        results, stats = asyncio.run(_session(sock, [LEAVE_STATE, READ_STATE]))
+        results, stats = asyncio.run(_session(server.socket_path, [LEAVE_STATE, READ_STATE]))
     finally:
-        proc.terminate()
-        proc.wait(30)
+        server.stop()
     assert stats["calls"] == 2
     assert results[1].stdout_text.startswith("True True True True"), results
+
+
+def test_an_interpreter_that_cannot_start_leaves_calls_cold(servers):
+    """Where the interpreter cannot start (here: it exits at once), each call runs cold, right; after three such
+    sandboxes with none started, the server stops trying."""
+    backend, cold, warm = servers
+    server = _PatchedServer(warm.state_dir.parent, "nostart", backend, "import sys\n", "raise SystemExit(3)\n")
+
+    async def run():
+        async with await SandboxClient.connect(server.socket_path) as client:
+            outs = []
+            for i in range(4):
+                async with await client.create(LIMITS) as sb:
+                    outs += [(await sb.exec(code=f"print({i})")).stdout_text, (await sb.exec(code="print('b')")).stdout_text]
+            return outs, await client.info()
+
+    try:
+        outs, info = asyncio.run(run())
+    finally:
+        server.stop()
+    assert outs == ["0\n", "b\n", "1\n", "b\n", "2\n", "b\n", "3\n", "b\n"]
+    assert info["warm"] == {"starts": 0, "calls": 0, "retired": 0} and info["warm_interpreter"] is False
