@@ -89,7 +89,7 @@ if LIBC.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: no ptrace of this proce
     raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
 CTL = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET, 0, int(sys.argv[2]))
 NS_INIT = os.getpid() == 1
-BUFFERED_NOT = sys.__stdout__.write_through  # -u or PYTHONUNBUFFERED (sys.flags does not say)
+UNBUFFERED = sys.__stdout__.write_through  # -u or PYTHONUNBUFFERED (sys.flags does not say)
 FDS_SPACE = _socket.CMSG_SPACE(4 * 4)
 
 
@@ -141,7 +141,7 @@ def serve():
 
 def std_stream(fd, old):
     """A std stream over `fd` as the interpreter's start-up makes one (Python/pylifecycle.c create_stdio)."""
-    write, buffered = fd != 0, not BUFFERED_NOT
+    write, buffered = fd != 0, not UNBUFFERED
     buffering = 0 if write and not buffered else -1
     buf = io.open(fd, "wb" if write else "rb", buffering, None, None, None, False)
     raw = buf.raw if buffering else buf
@@ -257,7 +257,11 @@ def flush_std():
     return ok
 
 
-become_call(serve())
+try:
+    become_call(serve())
+except BaseException:  # a failure of this code itself (never the call's): said, and no interpreter shutdown after it
+    sys.excepthook(*sys.exc_info())
+os._exit(70)
 '''
 
 

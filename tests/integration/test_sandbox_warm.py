@@ -356,7 +356,8 @@ def test_a_reused_interpreter_is_caught(servers):
     """The state check above, against a server whose interpreter runs every call itself without forking: it must
     see the leaked state (this test fails if the check could not)."""
     backend, cold, warm = servers
-    server = _PatchedServer(warm.state_dir.parent, "reused", backend, "become_call(serve())", SABOTAGE)
+    server = _PatchedServer(warm.state_dir.parent, "reused", backend, "try:\n    become_call(serve())",
+                            SABOTAGE + "try:\n    pass")
     try:
         results, stats = asyncio.run(_session(server.socket_path, [LEAVE_STATE, READ_STATE]))
     finally:
