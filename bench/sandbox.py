@@ -10,7 +10,8 @@ client connection, as `run_batch` does), after a warm-up; executions per second 
 level. Then the hostile suite (sandbox_client/hostile.py) runs against the same backend.
 Multi-turn samples (`turns`): 3 calls each with the tool turns' snapshot before every call after the first, 32 at
 a time, with calls that only print (an empty work directory: its snapshot runs no exec) and calls that write a file
-(tar at every snapshot). Then samples of 8 printing calls (`long`: a warm interpreter's start spread over more calls). Every arm runs on
+(tar at every snapshot). Then samples of 8 printing calls (`long`: a warm interpreter's start spread over more calls; a quarter as many
+samples). `--quick` runs the warm server's one-call levels at concurrency 8 and 32 only. Every arm runs on
 two servers of the same backend side by side, cold (every call a spawn)
 and warm (Python calls forked from a warm interpreter per sandbox, sandbox_client/warm.py), alternating arm by arm.
 Last line: RESULT backend=<name> p50_ms=<create+exec+close p50 at concurrency 1, cold> p99_ms=<its p99>
@@ -124,13 +125,14 @@ def main() -> None:
                 levels = {k: [] for k in paths}
                 for c in (1, 8, 32):
                     for k, path in paths.items():
-                        levels[k].append(asyncio.run(level(path, c, max(items, 2 * c))))
+                        if k == "cold" or c > 1 or not a.quick:  # quick: a one-call sandbox's warm latency is noise
+                            levels[k].append(asyncio.run(level(path, c, max(items, 2 * c))))
                 multi = {k: [] for k in paths}
                 for w in (False, True):
                     for k, path in paths.items():
                         multi[k].append(asyncio.run(turns(path, 32, samples, 3, w)))
                 for k, path in paths.items():
-                    multi[k].append(asyncio.run(turns(path, 32, samples // 2, 8, False)))
+                    multi[k].append(asyncio.run(turns(path, 32, samples // 4, 8, False)))
             finally:
                 cold_server.stop()
             for k in paths:
