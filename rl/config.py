@@ -378,8 +378,8 @@ class SandboxConfig(StrictConfig):
     warm interpreter per sandbox, started at its first call through the same backend, cgroups, uid and limits, and
     killed with its whole tree at any limit (sandbox_client/warm.py): each call still starts from a fresh
     interpreter's state, and costs a fork instead of a process chain and an interpreter start-up (on a 2-core CPU,
-    bwrap: 1.4x the calls/s of 3-call samples, 2.3x of 8-call ones; BENCHMARKS.md). false: every call spawns, as
-    before. A server started apart: `rl sandbox serve --no-warm-interpreter`."""
+    bwrap: 1.8x the calls/s of 3-call samples, 3.1x of 8-call ones; process backend 1.3x and 2.4x; BENCHMARKS.md).
+    false: every call spawns, as before. A server started apart: `rl sandbox serve --no-warm-interpreter`."""
     max_sandboxes: int | None = Field(None, ge=1, le=65536)
     """Admission limit of each server the job starts (`auto`): sandboxes open at once on a node; a sample past
     it waits with backoff (its KV kept). None: one for every sample the engines may hold at once
