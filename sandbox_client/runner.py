@@ -2,6 +2,9 @@
 whole process tree) at its wall-clock timeout, its CPU seconds (polled from the sandbox's cgroup; RLIMIT_CPU
 behind it) or its output cap; then name how it ended (`exec_reason`).
 
+A `python3 -c` call may instead run in the sandbox's warm interpreter (warm.py): a child it forks, supervised the
+same way, whose kill takes the interpreter's whole tree.
+
 The exit status of the bwrap backend is bwrap's: a command killed by signal N exits 128 + N, so an exit code
 in 129..192 is reported as that signal (as a shell would).
 """

@@ -66,6 +66,8 @@ import contextlib
 import os
 import signal
 import socket
+from collections.abc import Callable
+from pathlib import Path
 
 from sandbox_client.backends import Backend
 from sandbox_client.processes import Children, kill_group
@@ -303,7 +305,8 @@ class WarmInterpreter:
         """Its own CPU time (the forks and waits), as it last said."""
 
     @classmethod
-    async def start(cls, argv_of: callable, backend: Backend, children: Children, procs_file) -> "WarmInterpreter":
+    async def start(cls, argv_of: Callable[[list[str]], tuple[list[str], str, dict[str, str]]], backend: Backend,
+                    children: Children, procs_file: Path | None) -> "WarmInterpreter":
         """`argv_of(argv)`: the backend's (host argv, cwd, env) for the interpreter's argv; `procs_file`: the
         sandbox cgroup's procs file (None: no cgroup)."""
         ctl, inner = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -452,7 +455,7 @@ async def _write_fd(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
-def pids_of(procs_file) -> set[int]:
+def pids_of(procs_file: Path) -> set[int]:
     """The pids a cgroup's procs file lists (empty when it cannot be read)."""
     with contextlib.suppress(OSError):
         return {int(p) for p in procs_file.read_text().split()}
