@@ -52,7 +52,8 @@ command, `python3 FILE`, `python3 -u ...`, the server's own cat/tar) takes the c
   instead of being 2 every time; the interpreter's ~10 MB stay resident in the sandbox's memory cgroup between
   calls; module teardown at exit (above); `gc.get_freeze_count()` is not 0; with the process backend a call
   that kills the interpreter (its parent there) ends as `crashed`. A sandbox runs one warm call at a time; a Python
-  call that comes while one runs takes the cold path.
+  call that comes while one runs takes the cold path (and its processes, seen in the cgroup when the warm call
+  ends, retire the interpreter: a spawn more, nothing wrong).
 - Off: `SandboxServer(warm_interpreter=False)`, `serve --no-warm-interpreter`, recipe `sandbox.warm_interpreter:
   false`; per sandbox, `client.create(warm=False)`, which `run_batch` (the verifiers' one command per sandbox) says:
   a sandbox of one call pays a spawn either way, and the interpreter's fork and ctypes on top (~5 ms of CPU). An interpreter that does not start (no ctypes in the sandbox's Python, say) turns the warm path off for
