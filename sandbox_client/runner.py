@@ -44,6 +44,9 @@ class SandboxState:
     procs: set[asyncio.subprocess.Process] = field(default_factory=set)
     """Its execs' launcher processes while they run (close kills their groups)."""
     closed: bool = False
+    closing: asyncio.Event | None = None
+    """Set when its close has finished (a close awaits it while killing its warm interpreter: a second close, the
+    server's stop say, waits for the first instead of going on past a sandbox half removed)."""
     snapshot_cache: tuple | None = None
     """(the work directory's fingerprint, its archive) of the last snapshot (server.py `_op_snapshot`), small ones."""
     warm_wanted: bool = True

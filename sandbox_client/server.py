@@ -562,8 +562,16 @@ class SandboxServer:
 
     async def _close(self, sb: SandboxState) -> None:
         if sb.closed:
+            if sb.closing is not None:
+                await sb.closing.wait()
             return
-        sb.closed = True
+        sb.closed, sb.closing = True, asyncio.Event()
+        try:
+            await self._teardown(sb)
+        finally:
+            sb.closing.set()
+
+    async def _teardown(self, sb: SandboxState) -> None:
         for proc in list(sb.procs):
             kill_group(proc.pid)
         if sb.warm is not None:

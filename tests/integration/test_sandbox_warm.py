@@ -332,6 +332,31 @@ while True:  # every call in this one process, in one namespace: what forking ea
 '''
 
 
+def test_a_server_stopped_as_its_client_leaves_removes_everything(servers):
+    """A client leaves (the server closes its sandboxes, killing their warm interpreters: that close waits) and the
+    server gets SIGTERM at once: its stop must wait for those closes, not remove the cgroups under them (it
+    failed so, exit 1, a work directory left mounted), and leave nothing behind."""
+    backend, cold, warm = servers
+    scratch = warm.state_dir.parent
+    for i in range(3):
+        server = LocalServer(scratch / f"stop{i}.sock", scratch / f"stop{i}.state", backend=backend)
+
+        async def use():
+            async with await SandboxClient.connect(server.socket_path) as client:
+                for _ in range(2):
+                    sb = await client.create(LIMITS)
+                    await sb.exec(code="print(1)")
+                    await sb.exec(code="print(2)")
+
+        try:
+            asyncio.run(use())
+        finally:
+            rc = server.stop()
+        assert rc == 0, server.log_path.read_text()[-2000:]
+        assert str(server.state_dir) not in Path("/proc/self/mounts").read_text()
+        assert list((server.state_dir / "work").iterdir()) == []
+
+
 class _PatchedServer:
     """A server whose warm interpreter's code has `old` replaced by `new` (a sabotage no option offers)."""
 
