@@ -160,6 +160,7 @@ class StoreRunSource(RunSource):
     url: object = None
     run_id: str = ""
     _last_step: int = -1
+    _run: tuple | None = None
 
     @property
     def name(self) -> str:
@@ -175,13 +176,18 @@ class StoreRunSource(RunSource):
         return None
 
     def _run_row(self) -> tuple[str | None, str | None]:
-        from sqlalchemy import select
+        """(name, recipe JSON) of the run's `runs` row, read once (a job writes it as it starts)."""
+        if self._run is None:
+            from sqlalchemy import select
 
-        from rl.store.schema import RunTable
+            from rl.store.schema import RunTable
 
-        row = self.store().read(lambda s: s.execute(select(RunTable.name, RunTable.recipe_json)
-                                                    .where(RunTable.run_id == self.run_id)).first())
-        return (row[0], row[1]) if row else (None, None)
+            row = self.store().read(lambda s: s.execute(select(RunTable.name, RunTable.recipe_json)
+                                                        .where(RunTable.run_id == self.run_id)).first())
+            if row is None:
+                return (None, None)  # not written yet: asked again next time
+            self._run = (row[0], row[1])
+        return self._run
 
     def recipe_text(self) -> str:
         import yaml
