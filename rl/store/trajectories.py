@@ -621,7 +621,7 @@ class TrajectoryStore:
         )
 
     def read(self, fn: Callable[[Session], T]) -> T:
-        """`fn(session)` in one short read transaction (rl/ui/data.py's pages of the samples table)."""
+        """`fn(session)` in one short read transaction (the dashboard's reads, rl/ui/data.py)."""
         with self._session() as s:
             return fn(s)
 
