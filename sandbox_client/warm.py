@@ -121,6 +121,10 @@ def sweep(pid):
         pass
 
 
+SIGINT_AT_START = _signal.getsignal(_signal.SIGINT)  # Python's handler, or SIG_IGN where the launcher ignored SIGINT
+                                                     # (a background job's): a fresh interpreter's, given back to calls
+
+
 def serve():
     gc.freeze()  # what is here now stays out of every child's collections: no copy-on-write of it by the collector
     CTL.send(b"ready")
@@ -170,7 +174,7 @@ def become_call(fds):
         chunks.append(chunk)
     os.close(request)
     argv = [os.fsdecode(a) for a in b"".join(chunks).split(b"\0")]
-    _signal.signal(_signal.SIGINT, _signal.default_int_handler)
+    _signal.signal(_signal.SIGINT, SIGINT_AT_START)
     LIBC.prctl(4, 1, 0, 0, 0)
     sys.stdin = sys.__stdin__ = std_stream(0, sys.__stdin__)
     sys.stdout = sys.__stdout__ = std_stream(1, sys.__stdout__)
