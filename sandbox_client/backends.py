@@ -73,9 +73,12 @@ class Backend:
     def _launcher(*, uid: int | None, limits: Limits, procs_files: list[Path]) -> list[str]:
         # With cgroups bounding memory and processes, the rlimits are a backstop behind them, set loose enough
         # that the cgroup acts first (and reports its reason): runtimes reserve far more address space than
-        # they touch, and RLIMIT_NPROC counts bwrap's own processes too.
+        # they touch, and RLIMIT_NPROC counts bwrap's own processes too. CPU likewise: the server reads the
+        # cgroup's CPU time every runner.POLL_S and ends the exec past `cpu_s`; RLIMIT_CPU comes a second after
+        # (at the same second, the kernel's SIGXCPU and the server's SIGKILL raced: a warm interpreter's child,
+        # whose CPU time the cgroup sees without a launcher's before it, lost that race about half the time).
         slack = 4 if procs_files else 1
-        cpu = math.ceil(limits.cpu_s)
+        cpu = math.ceil(limits.cpu_s) + (1 if procs_files else 0)
         out = ["/bin/sh", "-c", _JOIN_CGROUPS, "sh", *map(str, procs_files), "--"] if procs_files else []
         out += ["prlimit", f"--cpu={cpu}:{cpu + 1}", f"--as={limits.memory_mib * MIB * slack}",
                 f"--nproc={limits.max_processes * slack}",
