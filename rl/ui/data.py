@@ -252,9 +252,10 @@ class Dashboard:
         self.runs: dict[str, RunSource] = {}
         for d in sources:
             if _is_url(d):
-                for run_id in _store_runs(str(d)):
+                url = _parse_store_url(str(d))
+                for run_id in _store_runs(url):
                     key = str(len(self.runs))
-                    self.runs[key] = StoreRunSource(Path(), key, url=_parse_store_url(str(d)), run_id=run_id)
+                    self.runs[key] = StoreRunSource(Path(), key, url=url, run_id=run_id)
                 continue
             path = Path(d)
             if not path.is_dir():
@@ -517,12 +518,12 @@ def _parse_store_url(url: str):
         raise UIError(str(e)) from None
 
 
-def _store_runs(url: str) -> list[str]:
-    """The run ids of the store at `url`, read-only; UIError (one line) when it cannot be read or holds no run."""
+def _store_runs(parsed) -> list[str]:
+    """The run ids of the store at URL `parsed`, read-only; UIError (one line) when it cannot be read or holds no
+    run."""
     from rl.store.db import StoreError, redacted
     from rl.store.trajectories import TrajectoryStore
 
-    parsed = _parse_store_url(url)
     try:
         store = TrajectoryStore(parsed, "", readonly=True)
     except StoreError as e:
