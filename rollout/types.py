@@ -148,6 +148,13 @@ class RolloutState:
     # types only: no extension types, so decoding cannot build objects or run code), then the raw bytes
     # of each tensor in header order and of the routing trace (int16 little-endian).
     def to_bytes(self) -> bytes:
+        return b"".join(self.byte_parts())
+
+    def byte_parts(self) -> list[bytes | memoryview]:
+        """`to_bytes` as the pieces it joins: the header, then each tensor's bytes as views of its memory where it is
+        contiguous, or of each of its contiguous sub-tensors (a layer of a KV view into a gather exported for many
+        sequences is one: [L, rows of this sequence, ...] of [L, all rows, ...]), copied only otherwise. Writing them
+        one by one (`write_states`) copies no tensor byte in Python (issue #41: a checkpoint's pause)."""
         tensors = self._tensors()
         header = {
             "format": ROLLOUT_STATE_FORMAT,
@@ -166,11 +173,13 @@ class RolloutState:
             "tensors": {n: [str(t.dtype).removeprefix("torch."), list(t.shape)] for n, t in tensors.items()},
             "routing": None if self.routing is None else list(self.routing.shape),
         }
-        parts = [t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for t in tensors.values()]
+        head = msgpack.packb(header)
+        parts: list[bytes | memoryview] = [len(head).to_bytes(8, "little") + head]
+        for t in tensors.values():
+            parts += _tensor_bytes(t.detach().cpu())
         if self.routing is not None:
             parts.append(self.routing.astype("<i2").tobytes())
-        head = msgpack.packb(header)
-        return len(head).to_bytes(8, "little") + head + b"".join(parts)
+        return parts
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "RolloutState":
@@ -237,6 +246,38 @@ ROLLOUT_STATE_FORMAT = 1
 _DTYPES = {name: getattr(torch, name) for name in
            ("float32", "float16", "bfloat16", "float64", "uint8", "int8", "int16", "int32", "int64", "bool")}
 """Tensor dtypes a serialised state may name (an allow-list: a name is never looked up on torch)."""
+
+
+def _tensor_bytes(t: torch.Tensor) -> list[memoryview]:
+    """The bytes of `t` in row-major order as views of its memory: one when it is contiguous, else one per
+    sub-tensor along its first dimension when each is contiguous; else of one contiguous copy."""
+    if not t.numel():
+        return []
+    subs = t.unbind(0) if not t.is_contiguous() and t.dim() > 1 else (t if t.is_contiguous() else t.contiguous(),)
+    if not all(x.is_contiguous() for x in subs):
+        subs = (t.contiguous(),)
+    return [memoryview(x.reshape(-1).view(torch.uint8).numpy()) for x in subs]
+
+
+def _bin_header(n: int) -> bytes:
+    """msgpack's header of a byte string of `n` bytes (the smallest of bin 8/16/32, as `msgpack.packb` writes it)."""
+    if n < 1 << 8:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 1 << 16:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+def states_file_parts(states: list[RolloutState]) -> list[bytes | memoryview]:
+    """The bytes of `msgpack.packb([s.to_bytes() for s in states])` (an in-flight checkpoint file,
+    rl/checkpoint/format.py) as pieces to write in order, the tensors' bytes not copied (`byte_parts`): building
+    them is cheap where the join and the packing copied every KV byte twice, in the checkpoint's pause."""
+    out: list[bytes | memoryview] = [msgpack.Packer().pack_array_header(len(states))]
+    for s in states:
+        parts = s.byte_parts()
+        out.append(_bin_header(sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)))
+        out += parts
+    return out
 
 
 def states_on_host(states: list[RolloutState]) -> list[RolloutState]:

@@ -22,12 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import msgpack
-
 from model.checkpoint import BASE_FILE, synced_entry, write_weights
 from model.decoder import Decoder, is_dtensor
 from model.lora import base_to, has_lora, lora_layers, merged_copy, merged_weight, is_adapter
 from model.pretrained import build_decoder, load_pretrained_into
+from rl.checkpoint.host_copies import HostCopies
 from rl.config import GRPOStage, OPDStage, Recipe, SFTStage
 from rl.faults import fault_point
 from rl.train.objectives import build_objective
@@ -38,7 +37,8 @@ from rl.train.trainer import StepMetrics, TrainBatch, Trainer
 from rollout.engine import Engine
 from teachers.config import TeacherSpec
 from teachers.pool import TeacherPool
-from rollout.types import Generation, GenerationRequest, RolloutState, states_on_host, unpack_plain
+from rollout.types import (Generation, GenerationRequest, RolloutState, states_file_parts, states_on_host,
+                           unpack_plain)
 
 
 @dataclass
@@ -134,17 +134,6 @@ def refresh_rollout_copy(twin: Decoder, model: Decoder, frozen: bool = True) -> 
         d.copy_(b)
 
 
-def _host_copy(tree):
-    """A state_dict tree with every tensor copied into host memory of its own (the rest deep-copied)."""
-    if torch.is_tensor(tree):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, dict):
-        return {k: _host_copy(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return type(tree)(_host_copy(v) for v in tree)
-    return copy.deepcopy(tree)
-
-
 class _Writer(threading.Thread):
     """Runs one checkpoint write; `join` raises what it raised."""
 
@@ -201,6 +190,7 @@ class PolicyWorker:
         self._held: list[RolloutState] = []  # in-flight states parked during TRAIN (KV: `engine.park_kv`)
         self._in_place = False  # interrupted with `park_kv: pool`: the engine holds its samples where they are
         self._writer: _Writer | None = None  # a background checkpoint write (`save`)
+        self._host_copies = HostCopies()  # its copies of the weights and optimizer state (rl/checkpoint/host_copies.py)
 
     # -- data parallel -------------------------------------------------------------------------------
     def rendezvous_address(self) -> str:
@@ -415,19 +405,25 @@ class PolicyWorker:
 
         self.wait_saved()
         base = self._lora_base
-        weights = self.parallel.full_state_dict(adapters_only=base is not None) if background else None  # host copies
+        host = self._host_copies if background else None  # reused buffers: the pause is the copy alone
+        weights = self.parallel.full_state_dict(adapters_only=base is not None, host=host) if background else None
         optimizer = self.parallel.full_optimizer_state(self.trainer.opt) if self.trainer else None
         trainer = None
         if self.rank == 0:
-            trainer = {"optimizer": _host_copy(optimizer) if background else optimizer,
+            trainer = {"optimizer": host.tree(optimizer, ("optimizer",)) if background else optimizer,
                        "scheduler": copy.deepcopy(self.trainer.sched.state_dict()) if self.trainer else None,
                        "torch_rng": torch.get_rng_state(),
                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        if host is not None:
+            host.end()  # every queued device-to-host copy done
         held = self._held + (self.engine.snapshot() if self._in_place else [])  # `park_kv: pool`: copies of them
         if self.tools is not None:  # each sample's sandbox files as its pending call found them (rl/runtime/tool_turns.py)
             kept = self.tools.workdirs([s.request.sample_id for s in held])
             held = [replace(s, workdir=kept[s.request.sample_id]) for s in held]
-        blob = msgpack.packb([s.to_bytes() for s in states_on_host(held)])
+        # the file's bytes as views of the states' host tensors (no KV byte copied here; the states are this save's:
+        # a snapshot's, or parked ones that the engine only reads when they resume)
+        parts = states_file_parts(states_on_host(held))
+        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
 
         def write() -> dict[str, dict]:
             if background:
@@ -439,7 +435,9 @@ class PolicyWorker:
             if trainer is not None:
                 save_tree(trainer, directory)
             mine = inflight_file(directory, self.rank)
-            mine.write_bytes(blob)
+            with mine.open("wb") as f:
+                for part in parts:
+                    f.write(part)
             if not background:
                 return {}
             # the manifest's entries of this worker's files, made here (fsync, digest) instead of at the commit
@@ -449,9 +447,9 @@ class PolicyWorker:
 
         if not background:
             write()
-            return len(blob)
+            return size
         self._writer = _Writer(write)
-        return len(blob)
+        return size
 
     def wait_saved(self) -> dict[str, dict]:
         """Wait for a background checkpoint write (`save(..., background=True)`); raises what it raised, else returns

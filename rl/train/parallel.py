@@ -50,6 +50,7 @@ from model.decoder import Decoder, is_dtensor
 from model.lora import is_adapter
 from model.pretrained import load_pretrained_into, shard_rows
 from rl.checkpoint.format import FileTensor, read_tree
+from rl.checkpoint.host_copies import HostCopies
 
 LossFn = Callable[[Decoder], tuple[torch.Tensor, Any]]
 """A micro-batch: the decoder -> (scalar loss to backpropagate, anything the caller wants back)."""
@@ -154,14 +155,15 @@ class Single:
         if self.rank == 0:
             write_weights(self.model, directory, base=base)
 
-    def full_state_dict(self, adapters_only: bool = False) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, adapters_only: bool = False, host: HostCopies | None = None) -> dict[str, torch.Tensor] | None:
         """The model's state_dict as full CPU tensors of their own on rank 0 (None elsewhere): a snapshot that training
         may go on from (a background checkpoint write); every rank must call it. `adapters_only`: the LoRA adapters
-        alone (a frozen 8B base is 16 GB of host copies a checkpoint for nothing)."""
+        alone (a frozen 8B base is 16 GB of host copies a checkpoint for nothing). `host`: copied into its reused
+        buffers, complete after its `end` (rl/checkpoint/host_copies.py)."""
         if self.rank != 0:
             return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()
-                if not adapters_only or is_adapter(k)}
+        return {k: host.tensor(("weights", k), v) if host is not None else v.detach().to("cpu", copy=True)
+                for k, v in self.model.state_dict().items() if not adapters_only or is_adapter(k)}
 
     def load_weights(self, directory: str | Path, base: Path | None = None) -> int | None:
         """The checkpoint's weights into the trainer's module, in place (a LoRA checkpoint on `base`, the file the
@@ -255,13 +257,13 @@ class FSDP2(Single):
         if self.rank == 0:  # no LoRA under FSDP2 (rl validate refuses it): every weight
             write_weights(self.model, directory, state=state)
 
-    def full_state_dict(self, adapters_only: bool = False) -> dict[str, torch.Tensor] | None:
+    def full_state_dict(self, adapters_only: bool = False, host: HostCopies | None = None) -> dict[str, torch.Tensor] | None:
         """The model's state_dict as full CPU tensors on rank 0 (None elsewhere), gathered one tensor at a time."""
         out = {}
         for k, v in self.model.state_dict().items():
             full = _full(v.detach())
             if self.rank == 0:
-                out[k] = full.cpu()
+                out[k] = host.tensor(("weights", k), full) if host is not None else full.cpu()  # gathered: its own
         return out if self.rank == 0 else None
 
     def load_weights(self, directory: str | Path, base: Path | None = None) -> int:
