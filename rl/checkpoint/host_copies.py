@@ -20,8 +20,8 @@ from collections.abc import Hashable
 import torch
 
 PIN_LIMIT_BYTES = 8 << 30
-"""Pinned host memory at most (pinned pages cannot be swapped; torch's pinned allocator rounds each block up to a
-power of two): a trainer with more state gets pageable buffers beyond it, still reused."""
+"""Pinned host memory at most, counted as torch's pinned allocator takes it (each block rounded up to a power of two);
+pinned pages cannot be swapped: a trainer with more state gets pageable buffers beyond it, still reused."""
 
 
 class HostCopies:
@@ -39,7 +39,8 @@ class HostCopies:
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(self._buffers[k].nbytes for k in self._pinned)
+        """Pinned host memory the buffers take (each block rounded up as torch's pinned allocator rounds it)."""
+        return self._pinned_total
 
     def tensor(self, key: Hashable, t: torch.Tensor) -> torch.Tensor:
         """`t`'s values in the host buffer of `key` (made or remade to `t`'s shape and dtype); valid after `end`."""
@@ -47,11 +48,11 @@ class HostCopies:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             self._drop(key)
-            pin = t.is_cuda and self._pinned_total + t.nbytes <= self.pin_limit_bytes
+            pin = t.is_cuda and self._pinned_total + _pinned_size(t.nbytes) <= self.pin_limit_bytes
             buf = self._buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
             if pin:
                 self._pinned.add(key)
-                self._pinned_total += buf.nbytes
+                self._pinned_total += _pinned_size(buf.nbytes)
         buf.copy_(t, non_blocking=t.is_cuda)  # into pinned memory: queued; pageable: copied now
         self._queued |= t.is_cuda
         self._used.add(key)
@@ -80,4 +81,9 @@ class HostCopies:
         buf = self._buffers.pop(key, None)
         if key in self._pinned:
             self._pinned.discard(key)
-            self._pinned_total -= buf.nbytes
+            self._pinned_total -= _pinned_size(buf.nbytes)
+
+
+def _pinned_size(nbytes: int) -> int:
+    """What torch's pinned allocator takes for `nbytes`: a block of the next power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
