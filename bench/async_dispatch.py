@@ -86,6 +86,7 @@ def run(policy: str, a, out: Path, ray: bool | None = None, pipelined: bool = Tr
         "weight_update_s": clock.weight_update_s,  # of train_s
         "wall_s": wall,
         "engine_share": clock.engine_s / max(clock.rollout_s, 1e-9),  # the rest: controller and round trips
+        "worker_gap_share": clock.worker_gap_s / max(clock.rollout_s, 1e-9),  # of the rest: workers waiting for a call
         "controller_share": (clock.verify_s + clock.store_s + clock.dispatch_s) / max(clock.rollout_s, 1e-9),
         "prefill_step_frac": clock.prefill_calls / max(clock.engine_steps, 1),
         "steady_tokens_per_s": steady[0],

@@ -18,7 +18,7 @@ runs already under --out, so the last line covers every run there:
 RESULT init_acc=.. grpo_acc=.. sft_acc=.. opd_acc=.. opd_gap_closed=.. answered_init=.. answered_grpo=..
 truncated_init=.. truncated_grpo=.. grpo_rollout_tok_s=.. grpo_train_tok_s=.. grpo_train_split_acc=..
 sft_train_split_acc=.. (greedy on 256 training problems, `rl eval --set`) grpo_last_rollout_acc=..
-grpo_dropped_stale_groups=.. grpo_rollout_s=.. grpo_train_s=.. grpo_engine_s=.. (of the rollout: the workers' calls) grpo_verify_s=.. grpo_reward_wait_s=.. grpo_reward_waits=.. grpo_store_s=.. grpo_store_writer_s=.. grpo_dispatch_s=.. grpo_checkpoint_s=..
+grpo_dropped_stale_groups=.. grpo_rollout_s=.. grpo_train_s=.. grpo_engine_s=.. (of the rollout: the workers' calls) grpo_worker_gap_s=.. (the workers' waits between calls) grpo_verify_s=.. grpo_reward_wait_s=.. grpo_reward_waits=.. grpo_store_s=.. grpo_store_writer_s=.. grpo_dispatch_s=.. grpo_checkpoint_s=..
 grpo_engine_steps=.. grpo_prefill_calls=.. grpo_uniform_groups_skipped=.. ...
 """
 
@@ -186,7 +186,8 @@ def summarize(run_dir: Path) -> dict[str, float] | None:
             "last_rollout_acc": _tail_mean(rows, "rollout/accuracy"),
             "dropped_stale_groups": last_value(rows, "dispatch/dropped_stale_groups"),
             "rollout_s": last_value(rows, "time/rollout_s"), "train_s": last_value(rows, "time/train_s"),
-            "engine_s": last_value(rows, "time/engine_s"), "engine_steps": last_value(rows, "rollout/engine_steps_total"),
+            "engine_s": last_value(rows, "time/engine_s"), "worker_gap_s": last_value(rows, "time/worker_gap_s"),
+            "engine_steps": last_value(rows, "rollout/engine_steps_total"),
             "verify_s": last_value(rows, "time/verify_s"), "reward_wait_s": last_value(rows, "time/reward_wait_s"),
             "reward_waits": last_value(rows, "rollout/reward_waits_total"), "store_s": last_value(rows, "time/store_s"),
             "store_writer_s": last_value(rows, "time/store_writer_s"),
@@ -222,7 +223,7 @@ def report(out: Path, arms: dict[str, str]) -> str:
         print(f"{arm}: greedy accuracy on 256 training problems {s['train_split_acc']:.3f} (held-out {s['acc']:.3f}, "
               f"{s['rl_eval_acc']:.3f} by `rl eval` of the final checkpoint); "
               f"rollout accuracy over the last 10 steps {s['last_rollout_acc']:.3f}; groups dropped as stale "
-              f"{s['dropped_stale_groups']}; rollout {s['rollout_s']:.0f} s (of which engine calls {s['engine_s']:.0f} s, "
+              f"{s['dropped_stale_groups']}; rollout {s['rollout_s']:.0f} s (of which engine calls {s['engine_s']:.0f} s, the workers waiting between calls {s['worker_gap_s']:.1f} s, "
               f"verdicts {s['verify_s']:.0f} s ({s['reward_wait_s']:.0f} s in {s['reward_waits']:.0f} waits for a batch), store {s['store_s']:.0f} s (its writer thread {s['store_writer_s']:.0f} s beside), new prompts {s['dispatch_s']:.0f} s, "
               f"{s['engine_steps']:.0f} engine steps, {s['prefill_calls']:.0f} prefills), periodic checkpoints {s['checkpoint_s']:.0f} s, train {s['train_s']:.0f} s "
               f"(groups with equal rewards left out: {s['uniform_groups_skipped']:.0f})")
@@ -233,7 +234,7 @@ def report(out: Path, arms: dict[str, str]) -> str:
         if arms[arm] != "sft":
             result.update({f"{arm}_last_rollout_acc": s["last_rollout_acc"], f"{arm}_dropped_stale_groups": s["dropped_stale_groups"],
                            f"{arm}_rollout_s": s["rollout_s"], f"{arm}_train_s": s["train_s"],
-                           f"{arm}_engine_s": s["engine_s"], f"{arm}_engine_steps": s["engine_steps"],
+                           f"{arm}_engine_s": s["engine_s"], f"{arm}_worker_gap_s": s["worker_gap_s"], f"{arm}_engine_steps": s["engine_steps"],
                            f"{arm}_verify_s": s["verify_s"], f"{arm}_reward_wait_s": s["reward_wait_s"],
                            f"{arm}_reward_waits": s["reward_waits"], f"{arm}_store_s": s["store_s"], f"{arm}_store_writer_s": s["store_writer_s"],
                            f"{arm}_dispatch_s": s["dispatch_s"], f"{arm}_checkpoint_s": s["checkpoint_s"],

@@ -106,6 +106,10 @@ class RolloutClock:
     engine_s: float = 0.0
     """Seconds of rollout calls on the workers (the slowest worker's, per call): rollout_s less this is the
     controller's share (dispatch, rewards, the store) and the round trips (with pipelined calls they overlap)."""
+    worker_gap_s: float = 0.0
+    """Of rollout_s: seconds the workers waited between consecutive rollout calls (`StepResult.gap_s`, the mean
+    over workers, per call): with pipelined calls, where the controller's handling of a call outlasted the call
+    queued behind it, and Ray's per-call overhead on the worker (absent from older checkpoints: 0)."""
     engine_steps: int = 0
     """Engine steps (the most any worker ran, per call)."""
     prefill_calls: int = 0

@@ -505,6 +505,7 @@ class AsyncGRPO:
         if results:
             clock.add_concurrency(sum(r.generated / max(r.steps, 1) for r in results))
             clock.engine_s += max(r.seconds for r in results)
+            clock.worker_gap_s += sum(r.gap_s for r in results) / len(results)
             clock.engine_steps += max(r.steps for r in results)
             clock.prefill_calls += sum(r.prefill_calls for r in results)
             clock.parks += sum(r.parks for r in results)
@@ -608,6 +609,7 @@ class AsyncGRPO:
             "config/version": self.live.version,
             "time/rollout_s": clock.rollout_s,
             "time/engine_s": clock.engine_s,  # of time/rollout_s: the workers' rollout calls; the rest the controller's
+            "time/worker_gap_s": clock.worker_gap_s,  # of the rest: the workers waiting between consecutive calls
             "time/verify_s": clock.verify_s,  # of the controller's: submitting to and reading the reward workers
             "time/reward_wait_s": clock.reward_wait_s,  # of verify_s: blocked for verdicts before taking a batch
             "rollout/reward_waits_total": clock.reward_waits,

@@ -71,6 +71,11 @@ class StepResult:
     """Tokens held in the KV pool over its capacity, after this call."""
     reprefill_tokens: int = 0
     """Generated tokens prefilled again in this call's parks (past `engine.park_host_gib`)."""
+    gap_s: float = 0.0
+    """Seconds the worker waited for this call since its previous rollout call ended, when no other call came between
+    (an interrupt, a train step or an evaluation starts the count again): on a pipelined actor, time the next call
+    was not queued yet (the controller still handled the one before) and Ray's own handling of the call; in-process,
+    the controller's handling of the previous call's results."""
 
 
 def build_policy(recipe: Recipe, read_weights: bool = True) -> Decoder:
@@ -191,6 +196,7 @@ class PolicyWorker:
         self._in_place = False  # interrupted with `park_kv: pool`: the engine holds its samples where they are
         self._writer: _Writer | None = None  # a background checkpoint write (`save`)
         self._host_copies = HostCopies()  # its copies of the weights and optimizer state (rl/checkpoint/host_copies.py)
+        self._rollout_end: float | None = None  # perf_counter() at the end of the last rollout call (`StepResult.gap_s`)
 
     # -- data parallel -------------------------------------------------------------------------------
     def rendezvous_address(self) -> str:
@@ -245,10 +251,12 @@ class PolicyWorker:
         """Advance every active sequence by up to `num_steps` tokens (a token boundary after each); `requests`
         are queued first (`add_requests`: one actor call for both)."""
         fault_point("worker_rollout", self.rank)
+        t0 = time.perf_counter()
+        gap = 0.0 if self._rollout_end is None else t0 - self._rollout_end
         if requests:
             self.add_requests(requests)
         self.rollout_model.eval()
-        t0, prefills = time.perf_counter(), self.engine.stats.prefill_calls
+        prefills = self.engine.stats.prefill_calls
         parks, parked_bytes, reprefill = (self.engine.stats.parks, self.engine.stats.parked_bytes,
                                           self.engine.stats.reprefill_tokens)
         finished, finish_step, steps, before = [], [], 0, self.engine.stats.generated_tokens
@@ -269,16 +277,19 @@ class PolicyWorker:
             finish_step += [i] * len(done)
             steps += 1
         # samples paused at a tool call are in flight too (the controller must not see a stall)
-        return StepResult(finished, self.engine.num_active + self.engine.num_paused, self.engine.num_waiting, steps,
-                          self.engine.stats.generated_tokens - before, finish_step, self.engine.oldest_versions(),
-                          time.perf_counter() - t0, self.engine.stats.prefill_calls - prefills, self.engine.num_parked,
-                          self.engine.stats.parks - parks, self.engine.stats.parked_bytes - parked_bytes,
-                          self.engine.kv_used_frac, self.engine.stats.reprefill_tokens - reprefill)
+        result = StepResult(finished, self.engine.num_active + self.engine.num_paused, self.engine.num_waiting, steps,
+                            self.engine.stats.generated_tokens - before, finish_step, self.engine.oldest_versions(),
+                            time.perf_counter() - t0, self.engine.stats.prefill_calls - prefills, self.engine.num_parked,
+                            self.engine.stats.parks - parks, self.engine.stats.parked_bytes - parked_bytes,
+                            self.engine.kv_used_frac, self.engine.stats.reprefill_tokens - reprefill, gap)
+        self._rollout_end = time.perf_counter()
+        return result
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[Generation]:
         """Run requests to completion (evaluation); in-flight samples are parked meanwhile and
         continue afterwards from their exact token."""
         self.rollout_model.eval()
+        self._rollout_end = None
         parked = self.engine.interrupt()
         if self.tools is not None:  # the parked samples' sandboxes go back to the node; their files are kept
             self.tools.suspend()
@@ -291,7 +302,7 @@ class PolicyWorker:
     def interrupt(self) -> dict[str, float]:
         """Stop at the token boundary; every in-flight sample waits, its KV where `engine.park_kv` says (`pool`: in
         place, nothing moved; else copied out and parked here)."""
-        t0 = time.perf_counter()
+        t0, self._rollout_end = time.perf_counter(), None
         if self.engine.cfg.park_kv == "pool":
             self._in_place = True
             return {"states": self.engine.pause(), "bytes": 0, "seconds": time.perf_counter() - t0}
@@ -328,6 +339,7 @@ class PolicyWorker:
 
     # -- TRAIN ---------------------------------------------------------------------------------------
     def begin_stage(self, stage: SFTStage | GRPOStage) -> None:
+        self._rollout_end = None
         self.trainer = Trainer(self.model, stage.optim, device=self.recipe.run.device,
                                total_steps=stage.max_steps * getattr(stage, "mini_batches", 1),
                                autocast=torch.bfloat16 if self.recipe.run.dtype == "bfloat16" else None,

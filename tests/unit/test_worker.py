@@ -158,3 +158,21 @@ def test_bfloat16_trains_float32_master_weights_and_refreshes_the_engines_copy_i
     w32.train_step(batch, recipe.stages[0])
     assert all(torch.equal(a, b) for a, b in zip(before, PolicyWorker(Recipe.model_validate(RECIPE)).model.parameters()))
     assert any(not torch.allclose(a, b, atol=0, rtol=0) for a, b in zip(w32.model.parameters(), w.model.parameters()))
+
+
+def test_a_rollout_call_reports_how_long_the_worker_waited_for_it_since_the_last_one():
+    """`StepResult.gap_s` (the job's `time/worker_gap_s`): the wait between two consecutive rollout calls; none for
+    the first call, nor after an interrupt (a train step or a checkpoint came between: that time is theirs)."""
+    import time
+
+    w = _worker()
+    w.add_requests(_reqs())
+    assert w.rollout().gap_s == 0.0
+    time.sleep(0.3)
+    second = w.rollout()
+    assert second.gap_s >= 0.3
+    assert w.rollout().gap_s < 0.3  # called at once
+    w.interrupt()
+    time.sleep(0.3)
+    w.resume()
+    assert w.rollout().gap_s == 0.0
