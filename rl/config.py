@@ -211,6 +211,11 @@ class GRPOStage(StrictConfig):
     call's results, so an engine never waits for the controller's round trip (rl/algo/async_grpo.py); new prompts and
     the end of a rollout phase take effect one call later (interrupts land within 2 x steps_per_call steps).
     In-process workers ignore it: their calls have no round trip."""
+    calls_ahead: int = Field(1, ge=1, le=8)
+    """With pipelined calls: how many rollout calls stay queued on the workers while the controller reads a call's
+    results. One hides the controller's handling of a call when it is shorter than a call; more absorb handling that
+    is longer at times (a store commit, a burst of verdicts), and new prompts join that many calls later
+    (`time/worker_gap_s`: the workers' waits between calls)."""
     max_staleness: int | None = Field(None, ge=0)
     """Tokens generated more than this many versions before the trained weights leave the loss;
     the normaliser keeps them (seed §5.2.2). None: no masking."""

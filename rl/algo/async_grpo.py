@@ -31,7 +31,7 @@ same loop with no overlap between rollout and training (the baseline).
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 
 from pydantic import ValidationError
@@ -131,7 +131,7 @@ class AsyncGRPO:
         self.clock = RolloutClock()
         self._writer_seen = job.store.writer_s  # the store's writer seconds already in the clock
         self.pipelined = self.policy.remote and stage.pipelined_calls
-        self._ahead: list | None = None  # a rollout call queued on the workers, its results not read yet
+        self._ahead: deque = deque()  # rollout calls queued on the workers, their results not read yet (oldest first)
         self._requests: dict[int, list[GenerationRequest]] = {}  # released, to ride on the next rollout call
         self.step = 0  # train steps of this stage so far
         opd = stage.teachers if isinstance(stage, OPDStage) else None
@@ -413,7 +413,8 @@ class AsyncGRPO:
         the stage's time budget (`deadline`, time.monotonic()) ends first: at the token boundary of a rollout call,
         not after one more step (with dynamic sampling a batch can take long to fill, or never)."""
         disp, clock = self.disp, self.clock
-        before: list[Ticket] = []  # released in the previous round: pipelined, not yet seen in the results read
+        # released in the previous `calls_ahead` rounds: pipelined, maybe not yet seen in the results read
+        before: deque[list[Ticket]] = deque(maxlen=self.stage.calls_ahead)
         idle = False  # the last call left nothing generating and nothing was released to generate next
         while True:
             self.poll_control()
@@ -465,36 +466,40 @@ class AsyncGRPO:
             clock.store_s += self.job.store.last_commit_s
             if batch is not None or stop:
                 return batch
-            unseen = before if self.pipelined else []
-            before = tickets
+            unseen = [t for r in before for t in r] if self.pipelined else []
+            before.append(tickets)
             idle = not tickets and not unseen and not any(r.active or r.waiting for r in results)
 
     def rollout_call(self):
-        """One rollout call's results. Pipelined (Ray workers, `pipelined_calls`): the next call is queued on the
-        workers first, carrying the new requests (queued at its start), so they run it while this controller reads
-        and handles these results; the prompts released now join at that next call (one call later than without
-        pipelining)."""
+        """One rollout call's results. Pipelined (Ray workers, `pipelined_calls`): `calls_ahead` more calls are queued
+        on the workers first, the newest carrying the new requests (queued at its start), so they run them while this
+        controller reads and handles these results; the prompts released now join `calls_ahead` calls later than
+        without pipelining."""
+        steps = self.stage.steps_per_call
         if not self.pipelined:
-            return self.policy.rollout(self.stage.steps_per_call)
+            return self.policy.rollout(steps)
         requests, self._requests = self._requests, {}
-        if self._ahead is None:
-            self._ahead, requests = self.policy.submit_rollout(self.stage.steps_per_call, requests), {}
-        ahead, self._ahead = self._ahead, self.policy.submit_rollout(self.stage.steps_per_call, requests)
+        if not self._ahead:  # after a drain: the first call takes the requests, the queue fills behind it
+            self._ahead.append(self.policy.submit_rollout(steps, requests))
+            requests = {}
+        while len(self._ahead) < self.stage.calls_ahead:
+            self._ahead.append(self.policy.submit_rollout(steps, {}))
+        self._ahead.append(self.policy.submit_rollout(steps, requests))
         self.clock.pipelined_calls += 1
-        return self.policy.results(ahead)
+        return self.policy.results(self._ahead.popleft())
 
     def drain(self) -> int:
-        """Read and handle the rollout call still queued on the workers (before an interrupt, a checkpoint or a
-        train step: its finished samples must reach the dispatcher and the store); returns its engine steps."""
+        """Read and handle the rollout calls still queued on the workers (before an interrupt, a checkpoint or a
+        train step: their finished samples must reach the dispatcher and the store); returns their engine steps."""
         if self._requests:  # released without a rollout call after them (none in the loop): queued now
             requests, self._requests = self._requests, {}
             self.policy.add_requests(requests)
-        if not self._ahead:
-            return 0
-        ahead, self._ahead = self._ahead, None
-        results = self.policy.results(ahead)
-        self.absorb(results)
-        return max((r.steps for r in results), default=0)
+        steps = 0
+        while self._ahead:
+            results = self.policy.results(self._ahead.popleft())
+            self.absorb(results)
+            steps += max((r.steps for r in results), default=0)
+        return steps
 
     def absorb(self, results) -> None:
         """A rollout call's results: finished samples to the dispatcher and to the reward workers."""

@@ -27,15 +27,16 @@ RECIPE = {
 }
 
 
-@pytest.fixture(scope="module")
-def async_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_call_ahead", "two_calls_ahead"])
+def async_run(tmp_path_factory, request):
+    """The job with one rollout call queued ahead of the one read (the default), and with two (`calls_ahead`)."""
     run_dir = tmp_path_factory.mktemp("async")
-    recipe = Recipe.model_validate(RECIPE)
+    recipe = Recipe.model_validate({**RECIPE, "stages": [{**RECIPE["stages"][0], "calls_ahead": request.param}]})
     with open_job(recipe, run_dir, checkpoints=False) as job:
         clock = run_async_grpo(job, recipe.stages[0], 0).clock
         info = job.policy.info()
     store = TrajectoryStore.read_run(run_dir)
-    yield store, clock, info, [i["weights_checksum"] for i in info]
+    yield store, clock, info, [i["weights_checksum"] for i in info], request.param
     store.close()
 
 
@@ -69,7 +70,7 @@ def test_segments_cover_response_once_and_versions_never_decrease(async_run):
 
 
 def test_no_reprefill_states_freed_and_ranks_agree(async_run):
-    _, clock, info, checksums = async_run
+    _, clock, info, checksums, _ = async_run
     assert all(i["free_blocks"] == i["kv_blocks"] for i in info)  # every state freed at the end
     assert sum(i["resumed_tokens"] for i in info) > 0  # KV came back from persisted states
     assert sum(i["reprefill_tokens"] for i in info) == 0  # ... and nothing was prefilled again
@@ -79,12 +80,13 @@ def test_no_reprefill_states_freed_and_ranks_agree(async_run):
 
 
 def test_rollout_calls_are_pipelined_on_ray_workers_and_nothing_they_finish_is_lost(async_run):
-    """Ray workers run the next rollout call while the controller reads the one before (pipelined_calls): the
-    engines never wait for a round trip; a batch's interrupt lands at most one queued call later; every sample a
-    queued call finished is stored (the trained count above is exact, and none is left unrecorded)."""
-    store, clock, *_ = async_run
+    """Ray workers run the next rollout calls while the controller reads the one before (pipelined_calls): the
+    engines never wait for a round trip; a batch's interrupt lands at most `calls_ahead` queued calls later; every
+    sample a queued call finished is stored (the trained count above is exact, and none is left unrecorded)."""
+    store, clock, _, _, ahead = async_run
     assert clock.pipelined_calls > 0
-    assert len(clock.interrupt_late_steps) == STEPS and max(clock.interrupt_late_steps) <= 1
+    assert len(clock.interrupt_late_steps) == STEPS and max(clock.interrupt_late_steps) <= ahead
+    assert max(clock.interrupt_late_steps) == ahead  # (steps_per_call 1) every queued call ran a step
     finished = [r for r in store.query(limit=10_000) if r.status == "finished"]
     assert len(finished) >= STEPS * PROMPTS * G
     assert sum(clock.interrupt_late_steps) > 0  # the queued call ran: it is counted, not hidden
