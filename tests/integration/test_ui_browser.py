@@ -67,6 +67,18 @@ def _open(driver, server, hash_: str, ready: str):
     assert driver.execute_script("return window.__xss") is None  # no payload ran
 
 
+def _charts(driver) -> dict[str, dict]:
+    """Each curve chart's title -> its series, point count and canvases, read in one script: the page redraws its
+    charts every 5 s and replaces their elements, so an element found by one call may be stale at the next (a loaded
+    machine widens that window)."""
+    return driver.execute_script("""
+        const out = {};
+        for (const c of document.querySelectorAll('#charts .chart'))
+            out[c.dataset.chart] = {series: c.dataset.series, points: Number(c.dataset.points),
+                                    canvases: c.querySelectorAll('canvas').length};
+        return out;""")
+
+
 def _shot(driver, name: str, tmp_path):
     out = os.environ.get("UI_SCREENSHOTS") or tmp_path
     os.makedirs(out, exist_ok=True)
@@ -89,24 +101,23 @@ def test_the_runs_table_shows_each_run_and_its_payloads_as_text(browser, served,
 def test_curves_overlay_both_runs_mark_reconfigurations_and_follow_the_live_run(browser, served, tmp_path):
     server, _, live = served
     _open(browser, server, "/curves?runs=0,1", "/curves")
-    charts = {c.get_attribute("data-chart"): c for c in browser.find_elements("css selector", "#charts .chart")}
+    charts = _charts(browser)
     assert {"reward", "entropy", "held-out", "time split (cumulative s)"} <= set(charts)
-    assert charts["reward"].find_elements("tag name", "canvas")
+    assert charts["reward"]["canvases"]
     # the batch-wide reward and its breakdowns (per dataset, per effort level), 300 steps of each run
-    assert charts["reward"].get_attribute("data-series") == "rollout/reward rollout/reward/arith rollout/reward/effort50"
-    assert int(charts["reward"].get_attribute("data-points")) == 1800
-    assert charts["held-out"].get_attribute("data-series") == "eval/accuracy eval/arith/accuracy"
+    assert charts["reward"]["series"] == "rollout/reward rollout/reward/arith rollout/reward/effort50"
+    assert charts["reward"]["points"] == 1800
+    assert charts["held-out"]["series"] == "eval/accuracy eval/arith/accuracy"
     _shot(browser, "curves", tmp_path)
     with (live / "metrics.jsonl").open("a") as f:  # the live job writes 50 more steps
         for step in range(301, 351):
             f.write(json.dumps({"step": step, "time": 2000.0 + step, "rollout/reward": 0.9}) + "\n")
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # the page redraws every 5 s
-        box = browser.find_element("css selector", '#charts .chart[data-chart="reward"]')
-        if int(box.get_attribute("data-points")) == 1850:
+        if _charts(browser)["reward"]["points"] == 1850:
             break
         time.sleep(0.5)
-    assert int(browser.find_element("css selector", '#charts .chart[data-chart="reward"]').get_attribute("data-points")) == 1850
+    assert _charts(browser)["reward"]["points"] == 1850
 
 
 def test_the_samples_table_filters_through_its_form_and_pages(browser, served, tmp_path):
