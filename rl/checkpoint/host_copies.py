@@ -9,12 +9,16 @@ buffer, allocated once and reused while its shape and dtype stay; from a CUDA de
 `pin_limit_bytes` in all; the rest pageable), every copy is queued (`non_blocking`) and the device is synchronised
 once, in `end`.
 
-One checkpoint at a time uses the buffers: the worker waits for the previous write before the next copy.
+One checkpoint at a time uses the buffers: the worker waits for the previous write before the next copy. Buffers
+larger in all than `keep_limit_bytes` (a quarter of the host's memory by default) are not kept between checkpoints
+(`end`): a large trainer's state (a 4B model's weights and AdamW moments are 48 GB) is copied into fresh memory each
+time, as before, rather than held for the whole job.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Hashable
 
 import torch
@@ -24,9 +28,14 @@ PIN_LIMIT_BYTES = 8 << 30
 pinned pages cannot be swapped: a trainer with more state gets pageable buffers beyond it, still reused."""
 
 
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 class HostCopies:
-    def __init__(self, pin_limit_bytes: int = PIN_LIMIT_BYTES):
+    def __init__(self, pin_limit_bytes: int = PIN_LIMIT_BYTES, keep_limit_bytes: int | None = None):
         self.pin_limit_bytes = pin_limit_bytes
+        self.keep_limit_bytes = _host_memory_bytes() // 4 if keep_limit_bytes is None else keep_limit_bytes
         self._buffers: dict[Hashable, torch.Tensor] = {}
         self._pinned: set[Hashable] = set()
         self._used: set[Hashable] = set()
@@ -69,13 +78,17 @@ class HostCopies:
         return copy.deepcopy(tree)
 
     def end(self) -> None:
-        """Every copy since the last `end` is complete; buffers that none of them used are released."""
+        """Every copy since the last `end` is complete. Buffers that none of them used are released, and all of them
+        when they hold more than `keep_limit_bytes` (the copies returned stay valid: their holders keep them)."""
         if self._queued:
             torch.cuda.synchronize()
             self._queued = False
         for key in set(self._buffers) - self._used:
             self._drop(key)
         self._used = set()
+        if self.nbytes > self.keep_limit_bytes:
+            for key in list(self._buffers):
+                self._drop(key)
 
     def _drop(self, key: Hashable) -> None:
         buf = self._buffers.pop(key, None)

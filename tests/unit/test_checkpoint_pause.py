@@ -82,6 +82,17 @@ def test_host_copies_reuse_their_buffers_and_hold_the_values_of_the_copy():
     assert host.nbytes == third["a"].nbytes
 
 
+def test_host_copies_larger_than_the_keep_limit_are_not_held_between_checkpoints():
+    host = HostCopies(keep_limit_bytes=1000)
+    small = host.tree({"a": torch.ones(10)})  # 40 bytes: kept for the next copy
+    host.end()
+    assert host.nbytes == 40
+    big = host.tree({"a": torch.ones(10), "b": torch.full((300,), 2.0)})  # 1,240 bytes: past the limit
+    host.end()
+    assert host.nbytes == 0 and torch.equal(big["b"], torch.full((300,), 2.0))  # the copy itself is intact
+    assert big["a"].data_ptr() == small["a"].data_ptr()  # (the kept buffer was reused before the limit let it go)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned buffers and queued copies need a CUDA device")
 def test_host_copies_from_a_gpu_are_pinned_up_to_the_limit_and_complete_after_end():
     host = HostCopies(pin_limit_bytes=3 << 20)
