@@ -13,7 +13,8 @@ job). Two arms, in turn, `--repeats` times each, in one process:
   of their tensors (rollout/types.py `states_file_parts`; a thread writes it).
 The first `after` also allocates its buffers: its time is reported apart (`after_first_s`) and left out of the
 median. Each arm's files are written by the worker's thread and checked to read back the same states.
-Last line: RESULT pause_before_s=.. pause_after_s=.. speedup=.. after_first_s=.. state_mb=.. trainer_mb=..
+Last line: RESULT pause_before_s=.. pause_after_s=.. speedup=.. after_first_s=.. after_trainer_copy_s=..
+after_inflight_s=.. (the parts of `after`, as the worker reports them) state_mb=.. trainer_mb=..
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def main() -> None:
     trainer_mb = sum(p.nbytes for p in w.model.parameters()) / 1e6 * 3  # weights and two AdamW moments
 
     times: dict[str, list[float]] = {"before": [], "after": []}
+    parts: dict[str, list[float]] = {"trainer_copy": [], "inflight": []}  # of `after`: PolicyWorker.save's report
     after_first = None
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.repeats + 1):
@@ -117,9 +119,12 @@ def main() -> None:
                     inflight_file(d, 0).write_bytes(blob)
                     del weights, optimizer
                 else:
-                    w.save(str(d), background=True)
+                    report = w.save(str(d), background=True)
                     dt = time.perf_counter() - t0
                     w.wait_saved()
+                    if i:
+                        parts["trainer_copy"].append(report["trainer_copy_s"])
+                        parts["inflight"].append(report["inflight_s"])
                 got = msgpack.unpackb(inflight_file(d, 0).read_bytes())
                 assert got == expect, f"{arm}: the in-flight file differs"
                 if i == 0:
@@ -131,8 +136,11 @@ def main() -> None:
     before, after = statistics.median(times["before"]), statistics.median(times["after"])
     print(f"state {state_mb:.0f} MB in flight, trainer {trainer_mb:.0f} MB; pause before {before:.3f} s, after "
           f"{after:.3f} s (first {after_first:.3f} s)")
+    copy_s, inflight_s = statistics.median(parts["trainer_copy"]), statistics.median(parts["inflight"])
+    print(f"of the pause after: the trainer's state copied {copy_s:.3f} s, the in-flight states exported {inflight_s:.3f} s")
     print(f"RESULT pause_before_s={before:.4f} pause_after_s={after:.4f} speedup={before / after:.2f} "
-          f"after_first_s={after_first:.4f} state_mb={state_mb:.0f} trainer_mb={trainer_mb:.0f}")
+          f"after_first_s={after_first:.4f} after_trainer_copy_s={copy_s:.4f} after_inflight_s={inflight_s:.4f} "
+          f"state_mb={state_mb:.0f} trainer_mb={trainer_mb:.0f}")
 
 
 if __name__ == "__main__":

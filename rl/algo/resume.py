@@ -247,8 +247,11 @@ class Checkpointer:
         record = controller_to_record(driver, stage_record)
         t0 = time.monotonic()
         with self._write_errors(tmp, state.global_step):
-            job.policy.save(str(tmp), background)
+            reports = job.policy.save(str(tmp), background)
         self.last_step = state.global_step
+        # what the workers' part of the pause went to (the slowest worker's), and the in-flight bytes written
+        job.logger.log({**{f"checkpoint/{k}": max(r[k] for r in reports) for k in reports[0] if k.endswith("_s")},
+                        "checkpoint/inflight_bytes": sum(r["inflight_bytes"] for r in reports)}, step=state.global_step)
         if background:
             self.pending = (tmp, state.global_step, record, t0)
             return None

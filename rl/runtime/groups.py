@@ -230,8 +230,9 @@ class PolicyGroup:
     def remove_teachers(self, names: list[str]) -> None:
         self._all(PolicyWorker.remove_teachers, names)
 
-    def save(self, directory: str, background: bool = False) -> None:
-        self._all(PolicyWorker.save, directory, background)
+    def save(self, directory: str, background: bool = False) -> list[dict[str, float]]:
+        """Every worker's `PolicyWorker.save`; their reports (bytes, seconds of each part), one a worker."""
+        return self._all(PolicyWorker.save, directory, background)
 
     def wait_saved(self) -> dict[str, dict]:
         """Every worker's background checkpoint write is done (its error raised); their files' manifest entries."""

@@ -407,15 +407,20 @@ class PolicyWorker:
         return self.trainer.train_step(batch, objective)
 
     # -- checkpoint (rl/checkpoint/format.py) ------------------------------------------------------------------
-    def save(self, directory: str, background: bool = False) -> int:
+    def save(self, directory: str, background: bool = False) -> dict[str, float]:
         """Rank 0 writes weights and the trainer state (optimizer, LR schedule, RNG: safetensors + JSON,
         rl/checkpoint/format.py); every rank writes its parked states (with tools, each with its sandbox work directory as
-        its pending call found it: rl/runtime/tool_turns.py). Call while interrupted. Returns the bytes
-        of in-flight state written by this rank. `background`: the state is copied into host memory here and the
-        files are written by a thread while the worker goes on (`wait_saved` joins it and raises its error)."""
+        its pending call found it: rl/runtime/tool_turns.py). Call while interrupted. `background`: the state is
+        copied into host memory here and the files are written by a thread while the worker goes on (`wait_saved`
+        joins it and raises its error). Returns the bytes of in-flight state written by this rank (`inflight_bytes`)
+        and the seconds of this call's parts: waiting for the previous background write (`wait_s`), copying the
+        trainer's state (`trainer_copy_s`: with `background`), exporting the in-flight states (`inflight_s`: their KV
+        out of the pool, their sandbox files), and writing (`write_s`: 0 with `background`)."""
         from rl.checkpoint.format import TRAINER_JSON, TRAINER_TENSORS, inflight_file, save_tree
 
+        t0 = time.perf_counter()
         self.wait_saved()
+        t1 = time.perf_counter()
         base = self._lora_base
         host = self._host_copies if background else None  # reused buffers: the pause is the copy alone
         weights = self.parallel.full_state_dict(adapters_only=base is not None, host=host) if background else None
@@ -428,6 +433,7 @@ class PolicyWorker:
                        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
         if host is not None:
             host.end()  # every queued device-to-host copy done
+        t2 = time.perf_counter()
         held = self._held + (self.engine.snapshot() if self._in_place else [])  # `park_kv: pool`: copies of them
         if self.tools is not None:  # each sample's sandbox files as its pending call found them (rl/runtime/tool_turns.py)
             kept = self.tools.workdirs([s.request.sample_id for s in held])
@@ -435,7 +441,9 @@ class PolicyWorker:
         # the file's bytes as views of the states' host tensors (no KV byte copied here; the states are this save's:
         # a snapshot's, or parked ones that the engine only reads when they resume)
         parts = states_file_parts(states_on_host(held))
-        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        t3 = time.perf_counter()
+        timing = {"inflight_bytes": sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts), "wait_s": t1 - t0,
+                  "trainer_copy_s": t2 - t1, "inflight_s": t3 - t2, "write_s": 0.0}
 
         def write() -> dict[str, dict]:
             if background:
@@ -459,9 +467,10 @@ class PolicyWorker:
 
         if not background:
             write()
-            return size
+            timing["write_s"] = time.perf_counter() - t3
+            return timing
         self._writer = _Writer(write)
-        return size
+        return timing
 
     def wait_saved(self) -> dict[str, dict]:
         """Wait for a background checkpoint write (`save(..., background=True)`); raises what it raised, else returns

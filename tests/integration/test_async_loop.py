@@ -111,6 +111,11 @@ def test_every_group_is_trained_whole_once_at_its_step_and_every_prompt_has_an_o
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     ckpt_s = [r["time/checkpoint_s"] for r in lines if "time/checkpoint_s" in r]  # the periodic ones' seconds, taken
     assert ckpt_s[:2] == [0.0, 0.0] and 0 < ckpt_s[2] <= ckpt_s[-1]  # in step 3's rollout phase, not in rollout_s
+    # each checkpoint's pause, by part: the periodic ones (background) wrote nothing in it, the stage end's did
+    pauses = {r["step"]: r for r in lines if "checkpoint/trainer_copy_s" in r}
+    assert sorted(pauses) == [2, 4, 6]
+    assert [pauses[s]["checkpoint/write_s"] > 0 for s in (2, 4, 6)] == [False, False, True]
+    assert all(pauses[s]["checkpoint/inflight_bytes"] > 0 and pauses[s]["checkpoint/inflight_s"] > 0 for s in (2, 4))
 
 
 class StopAtStep:
