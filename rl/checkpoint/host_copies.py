@@ -51,8 +51,10 @@ class HostCopies:
         """Pinned host memory the buffers take (each block rounded up as torch's pinned allocator rounds it)."""
         return self._pinned_total
 
-    def tensor(self, key: Hashable, t: torch.Tensor) -> torch.Tensor:
-        """`t`'s values in the host buffer of `key` (made or remade to `t`'s shape and dtype); valid after `end`."""
+    def tensor(self, key: Hashable, t: torch.Tensor, queued: bool = True) -> torch.Tensor:
+        """`t`'s values in the host buffer of `key` (made or remade to `t`'s shape and dtype); valid after `end`.
+        `queued=False`: copied before this returns (a temporary `t`, e.g. one gathered by a collective on another
+        stream, whose memory may be reused as soon as it is dropped)."""
         t = t.detach()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
@@ -62,8 +64,8 @@ class HostCopies:
             if pin:
                 self._pinned.add(key)
                 self._pinned_total += _pinned_size(buf.nbytes)
-        buf.copy_(t, non_blocking=t.is_cuda)  # into pinned memory: queued; pageable: copied now
-        self._queued |= t.is_cuda
+        buf.copy_(t, non_blocking=queued and t.is_cuda)  # into pinned memory: queued; pageable: copied now
+        self._queued |= queued and t.is_cuda
         self._used.add(key)
         return buf
 

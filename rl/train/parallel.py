@@ -263,7 +263,8 @@ class FSDP2(Single):
         for k, v in self.model.state_dict().items():
             full = _full(v.detach())
             if self.rank == 0:
-                out[k] = host.tensor(("weights", k), full) if host is not None else full.cpu()  # gathered: its own
+                # gathered: its own, freed at once (not queued: the gather ran on the collective's stream)
+                out[k] = host.tensor(("weights", k), full, queued=False) if host is not None else full.cpu()
         return out if self.rank == 0 else None
 
     def load_weights(self, directory: str | Path, base: Path | None = None) -> int:
