@@ -55,7 +55,7 @@ def test_the_server_reaps_the_orphans_it_inherits(world):
             await client.run_batch([ExecSpec(command="sleep 0.01 &") for _ in range(8)], LIMITS)
 
     asyncio.run(many_execs())
-    deadline = time.monotonic() + 3  # the sweep runs every second
+    deadline = time.monotonic() + 30  # the sweep runs every second (a loaded machine slows the server)
     while (zombies := zombie_children(world.server.pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert zombies == []
@@ -243,7 +243,7 @@ def test_a_client_that_goes_away_leaves_nothing_behind(world):
         return sb
 
     sb = asyncio.run(vanish())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while Path(sb.host_work_dir).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(sb.host_work_dir).exists()
@@ -263,7 +263,7 @@ def test_a_create_cancelled_while_the_server_answers_leaves_no_sandbox_open(worl
             pending.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await pending
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 30
             while (await client.info())["active"] and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
             async with await client.create(LIMITS) as sb:

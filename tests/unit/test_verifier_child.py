@@ -110,7 +110,7 @@ def test_a_hanging_function_and_what_it_forked_are_killed_at_its_timeout(tmp_pat
     assert v(_traj(), "42", {"pid_file": str(pid_file)}) == Verdict(
         0.0, False, "the reward function did not return within 1 s")
     pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a loaded machine delays the kill's delivery, never prevents it
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(pid)  # its whole process group went with it
@@ -134,7 +134,7 @@ def test_a_job_that_dies_takes_the_reward_functions_processes_with_it(tmp_path):
     finally:
         job.kill()
         job.wait()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while _alive(forked) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(forked)
