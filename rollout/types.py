@@ -154,7 +154,7 @@ class RolloutState:
         """`to_bytes` as the pieces it joins: the header, then each tensor's bytes as views of its memory where it is
         contiguous, or of each of its contiguous sub-tensors (a layer of a KV view into a gather exported for many
         sequences is one: [L, rows of this sequence, ...] of [L, all rows, ...]), copied only otherwise. Writing them
-        one by one (`write_states`) copies no tensor byte in Python (issue #41: a checkpoint's pause)."""
+        one by one (`states_file_parts`) copies no tensor byte in Python (issue #41: a checkpoint's pause)."""
         tensors = self._tensors()
         header = {
             "format": ROLLOUT_STATE_FORMAT,
@@ -268,6 +268,11 @@ def _bin_header(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
+def parts_nbytes(parts: list[bytes | memoryview]) -> int:
+    """The bytes that `byte_parts` or `states_file_parts` pieces hold in all."""
+    return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+
+
 def states_file_parts(states: list[RolloutState]) -> list[bytes | memoryview]:
     """The bytes of `msgpack.packb([s.to_bytes() for s in states])` (an in-flight checkpoint file,
     rl/checkpoint/format.py) as pieces to write in order, the tensors' bytes not copied (`byte_parts`): building
@@ -275,7 +280,7 @@ def states_file_parts(states: list[RolloutState]) -> list[bytes | memoryview]:
     out: list[bytes | memoryview] = [msgpack.Packer().pack_array_header(len(states))]
     for s in states:
         parts = s.byte_parts()
-        out.append(_bin_header(sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)))
+        out.append(_bin_header(parts_nbytes(parts)))
         out += parts
     return out
 

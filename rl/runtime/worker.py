@@ -37,8 +37,8 @@ from rl.train.trainer import StepMetrics, TrainBatch, Trainer
 from rollout.engine import Engine
 from teachers.config import TeacherSpec
 from teachers.pool import TeacherPool
-from rollout.types import (Generation, GenerationRequest, RolloutState, states_file_parts, states_on_host,
-                           unpack_plain)
+from rollout.types import (Generation, GenerationRequest, RolloutState, parts_nbytes, states_file_parts,
+                           states_on_host, unpack_plain)
 
 
 @dataclass
@@ -442,7 +442,7 @@ class PolicyWorker:
         # a snapshot's, or parked ones that the engine only reads when they resume)
         parts = states_file_parts(states_on_host(held))
         t3 = time.perf_counter()
-        timing = {"inflight_bytes": sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts), "wait_s": t1 - t0,
+        timing = {"inflight_bytes": parts_nbytes(parts), "wait_s": t1 - t0,
                   "trainer_copy_s": t2 - t1, "inflight_s": t3 - t2, "write_s": 0.0}
 
         def write() -> dict[str, dict]:
